@@ -1,0 +1,16 @@
+"""keras_gradboost: faster, lighter, debuggable backward passes for Keras 3.
+
+Public API:
+    GradBoostModel: a `keras.Model` whose `compile()` adds `accumulate_steps`,
+        `precision` and `loss_scale`.
+    boost: turns any built Keras model into a GradBoostModel.
+    GradBoostConfig: the validated gradboost compile arguments.
+"""
+
+__version__ = "0.1.0.dev0"
+
+from keras_gradboost.config import GradBoostConfig
+from keras_gradboost.model import GradBoostModel
+from keras_gradboost.model import boost
+
+__all__ = ["GradBoostConfig", "GradBoostModel", "boost", "__version__"]

@@ -1,0 +1,92 @@
+"""Exact gradient accumulation, weighted by sample count, distribution-aware.
+
+With Keras' default loss reduction ("sum_over_batch_size") the loss of a batch
+of N samples is the sum of per-sample losses over N, so the gradient of k
+micro-batches concatenated is
+
+    g = sum_j n_j * g_j / sum_j n_j
+
+where micro-batch j has n_j samples and mean gradient g_j. Averaging the g_j
+equally (as Keras' own `gradient_accumulation_steps` does) is wrong whenever
+the n_j differ, e.g. for the last, smaller batch of an epoch. Here each replica
+keeps `sum_j n_j * g_j` and its own `sum_j n_j` in replica-local variables; at
+update time the counts are summed over replicas and the optimizer's usual
+all-reduce sums the accumulated gradients, once per update.
+"""
+
+import tensorflow as tf
+
+from keras_gradboost.state import replica_local_variable
+
+
+def accumulate(acc, grads, n):
+    """`acc + n * grads` per variable; `None` gradients leave `acc` alone.
+
+    Pure: the reference formula the accumulator implements, used in tests.
+    """
+    return [a if g is None else a + n * g for a, g in zip(acc, grads)]
+
+
+def sample_count(x):
+    """The number of samples in a batch: the leading dim of its first input."""
+    first = next(t for t in tf.nest.flatten(x) if t is not None)
+    return tf.cast(tf.shape(first)[0], tf.float32)
+
+
+class GradientAccumulator:
+    """Replica-local accumulators for a fixed list of trainable variables.
+
+    Args:
+        variables: the trainable variables whose gradients are accumulated.
+        steps: micro-batches per optimizer update.
+    """
+
+    def __init__(self, variables, steps):
+        self.steps = steps
+        self.variable_ids = tuple(id(v) for v in variables)
+        self.dtypes = [v.dtype for v in variables]
+        # Which variables get a gradient; set when the train step is traced.
+        self.grad_mask = [True] * len(variables)
+        self.sums = [
+            replica_local_variable(
+                tf.zeros(v.shape, dtype=tf.float32), f"accumulated_{i}"
+            )
+            for i, v in enumerate(variables)
+        ]
+        # Samples accumulated on this replica, and micro-batches seen (finite
+        # or not) since the last update.
+        self.count = replica_local_variable(0.0, "accumulated_samples")
+        self.micro_step = replica_local_variable(0, "accumulated_micro_batches", tf.int64)
+
+    def matches(self, variables):
+        return self.variable_ids == tuple(id(v) for v in variables)
+
+    def add(self, grads, n, replicas=1):
+        """Adds one micro-batch of `n` samples on this replica.
+
+        `grads` are the gradients of the loss as Keras computes it under a
+        distribution strategy: the replica's batch mean divided by `replicas`.
+        """
+        weight = n * replicas
+        for acc, g in zip(self.sums, grads):
+            if g is not None:
+                acc.assign_add(weight * tf.cast(g, tf.float32))
+        self.count.assign_add(n)
+
+    def tick(self):
+        """Counts a micro-batch; returns whether an update is due."""
+        return self.micro_step.assign_add(1) >= self.steps
+
+    def mean_gradients(self, total_count):
+        """The accumulated gradients divided by the global sample count, with
+        `None` for variables that get no gradient."""
+        return [
+            tf.cast(acc / total_count, dtype) if has_grad else None
+            for acc, dtype, has_grad in zip(self.sums, self.dtypes, self.grad_mask)
+        ]
+
+    def reset(self):
+        for acc in self.sums:
+            acc.assign(tf.zeros_like(acc))
+        self.count.assign(0.0)
+        self.micro_step.assign(0)

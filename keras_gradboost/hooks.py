@@ -1,0 +1,74 @@
+"""The one place where keras_gradboost touches Keras internals.
+
+Everything else in the package uses public Keras and TensorFlow APIs only. Each
+function here wraps one private attribute, and `tests/test_hooks.py` checks each
+of them against the installed Keras, so an upgrade that moves one fails loudly
+in one named test instead of somewhere deep inside a training step.
+"""
+
+import keras
+
+
+def flatten_layers(model, include_self=True):
+    """All layers of `model`, nested ones included, each once, in order.
+
+    `Layer._flatten_layers` is private. The public `model.layers` lists only the
+    direct children, and misses layers held by subclassed layers.
+    """
+    return list(model._flatten_layers(include_self=include_self, recursive=True))
+
+
+def loss_tracker(model):
+    """The `Mean` metric behind `logs["loss"]`, created by `compile()`."""
+    return model._loss_tracker
+
+
+def compute_loss(model, x, y, y_pred, sample_weight, training=True):
+    """`model.compute_loss`, also for overrides that lack `training=`.
+
+    Keras' own `train_step` calls the private `_compute_loss` for this reason.
+    """
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+    )
+
+
+def call_has_training_arg(model):
+    """Whether `model.call` accepts `training=` (Keras decides this at init)."""
+    return model._call_has_training_arg
+
+
+def functional_model_class():
+    """`keras.src.models.functional.Functional`, the class behind
+    `keras.Model(inputs, outputs)`; it has no public name."""
+    from keras.src.models.functional import Functional
+
+    return Functional
+
+
+def is_functional(model):
+    """Whether `model` is a graph of layers (`Functional` or `Sequential`)."""
+    return isinstance(model, functional_model_class())
+
+
+def functional_init_arguments(args, kwargs):
+    """Whether `Model(*args, **kwargs)` asks for a functional model."""
+    from keras.src.models.model import functional_init_arguments as _f
+
+    return _f(args, kwargs)
+
+
+def check():
+    """Fails with an AttributeError naming what moved, if a hook is broken.
+
+    Used by the test suite; cheap enough to call at import time in a debugger.
+    """
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    assert len(flatten_layers(model)) == 3
+    assert isinstance(loss_tracker(model), keras.metrics.Mean)
+    assert call_has_training_arg(model) in (True, False)
+    assert is_functional(model)
+    assert functional_init_arguments((inputs, inputs), {})
+    return True

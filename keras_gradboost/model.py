@@ -1,0 +1,595 @@
+"""GradBoostModel and boost(): compile kwargs -> plan -> train_step."""
+
+import inspect
+import warnings
+
+import keras
+import tensorflow as tf
+
+from keras_gradboost import hooks
+from keras_gradboost import precision as precision_lib
+from keras_gradboost.accumulate import GradientAccumulator
+from keras_gradboost.accumulate import sample_count
+from keras_gradboost.config import GradBoostConfig
+from keras_gradboost.state import StepFacts
+from keras_gradboost.state import local_value
+
+
+class _Runtime:
+    """Per-model gradboost state. A plain object, so Keras and tf.Module do not
+    track its variables as model weights or save them in checkpoints."""
+
+    def __init__(self):
+        self.config = GradBoostConfig()
+        self.policy = None
+        self.float32_layers = []
+        self.scaler = None
+        self.facts = None
+        self.accumulator = None
+        self.grad_mask = None
+        self.flush_function = None
+        self.in_fit = False
+        # (skipped_steps, checked_steps) at the last epoch end.
+        self.last_health = (0, 0)
+
+
+@keras.saving.register_keras_serializable(package="keras_gradboost")
+class GradBoostModel(keras.Model):
+    """A `keras.Model` whose training step adds gradient accumulation, mixed
+    precision and loss scaling, each switched on through `compile()`.
+
+    Use it like `keras.Model`: as a base class for a subclassed model, or as a
+    functional model `GradBoostModel(inputs, outputs)`. `boost(model)` turns an
+    existing model into one. Compiled without gradboost arguments it trains
+    exactly like a plain `keras.Model`.
+
+    Example:
+
+    ```python
+    inputs = keras.Input((784,))
+    x = keras.layers.Dense(256, activation="relu")(inputs)
+    outputs = keras.layers.Dense(10, activation="softmax")(x)
+    model = keras_gradboost.GradBoostModel(inputs, outputs)
+    model.compile(
+        optimizer="adam",
+        loss="sparse_categorical_crossentropy",
+        accumulate_steps=4,
+        precision="auto",
+    )
+    model.fit(x_train, y_train, batch_size=64)  # updates on 256 samples
+    ```
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is GradBoostModel and hooks.functional_init_arguments(args, kwargs):
+            return keras.Model.__new__(FunctionalGradBoostModel, *args, **kwargs)
+        return super().__new__(cls, *args, **kwargs)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._gradboost = _Runtime()
+
+    # ------------------------------------------------------------------ compile
+
+    def compile(
+        self,
+        *args,
+        accumulate_steps=1,
+        precision=None,
+        loss_scale="auto",
+        **kwargs,
+    ):
+        """Configures the model for training, with the gradboost options.
+
+        Takes every argument of `keras.Model.compile` (`optimizer`, `loss`,
+        `metrics`, `jit_compile`, `steps_per_execution`, ...), plus:
+
+        Args:
+            accumulate_steps: int >= 1. Gradients of this many micro-batches
+                (the batches `fit` draws) make one optimizer update, exactly
+                equal to one step on their concatenation: each micro-batch is
+                weighted by its sample count. Micro-batches left at the end of
+                an epoch are applied as one smaller update. `optimizer.
+                iterations` counts updates. Defaults to `1`.
+            precision: `"float32"`, `"mixed_float16"`, `"mixed_bfloat16"`,
+                `"auto"` or `None`. Sets the dtype policy of every layer of the
+                (possibly already built) model; variables stay float32 and a
+                final softmax/sigmoid layer computes in float32. `"auto"` picks
+                mixed_float16 on a GPU and, on a CPU, mixed_bfloat16 when the
+                CPU has bfloat16 instructions and XLA is off, else float32.
+                `None` leaves the model as built. Defaults to `None`.
+            loss_scale: `"auto"` (dynamic loss scaling iff some layer computes
+                in float16), `"dynamic"`, a float > 0 (a fixed scale) or `None`
+                (off). A step whose gradients are not finite is not applied
+                (with accumulation: that micro-batch is not added), and a
+                dynamic scale is halved. Defaults to `"auto"`.
+
+        Raises:
+            TypeError: if a gradboost argument has the wrong type.
+            ValueError: if a gradboost argument has a bad value, or conflicts
+                with the optimizer (its own `gradient_accumulation_steps`, or a
+                `LossScaleOptimizer` together with gradboost loss scaling or
+                accumulation) or with `auto_scale_loss=True`.
+        """
+        config = GradBoostConfig(
+            accumulate_steps=accumulate_steps,
+            precision=precision,
+            loss_scale=loss_scale,
+        )
+        keras_kwargs = _bind_compile_args(args, kwargs)
+        if config.loss_scale is not None and keras_kwargs.get("auto_scale_loss"):
+            raise ValueError(
+                "Conflicting arguments: auto_scale_loss=True (Keras wraps the "
+                "optimizer in a LossScaleOptimizer) and "
+                f"loss_scale={config.loss_scale!r} (gradboost loss scaling). "
+                "Set only one: pass loss_scale=None to use Keras' loss "
+                "scaling, or drop auto_scale_loss."
+            )
+        keras_kwargs.setdefault("auto_scale_loss", False)
+        super().compile(**keras_kwargs)
+        _check_optimizer(self.optimizer, config)
+
+        rt = self._gradboost
+        rt.config = config
+        rt.accumulator = None
+        rt.flush_function = None
+        rt.policy = precision_lib.resolve_precision(
+            config.precision,
+            jit_compile=bool(self.jit_compile),
+            on_gpu=precision_lib.gpu_available(),
+            cpu_bf16=precision_lib.cpu_has_native_bfloat16(),
+        )
+        if rt.policy is not None:
+            rt.float32_layers = precision_lib.apply_policy(self, rt.policy)
+            message = precision_lib.float16_cpu_warning(
+                rt.policy, bool(self.jit_compile), precision_lib.gpu_available()
+            )
+            if message:
+                warnings.warn(message, stacklevel=2)
+
+        with self.distribute_strategy.scope():
+            rt.facts = StepFacts()
+            rt.last_health = (0, 0)
+            rt.scaler = None
+            if config.loss_scale == "dynamic" or (
+                config.loss_scale == "auto"
+                and precision_lib.computes_in_float16(self)
+            ):
+                rt.scaler = precision_lib.LossScaler(
+                    dynamic=True, initial=precision_lib.INITIAL_SCALE
+                )
+            elif isinstance(config.loss_scale, float):
+                rt.scaler = precision_lib.LossScaler(
+                    dynamic=False, initial=config.loss_scale
+                )
+        if rt.scaler is not None and isinstance(
+            self.optimizer, keras.optimizers.LossScaleOptimizer
+        ):
+            raise ValueError(
+                "Conflicting arguments: the optimizer is a LossScaleOptimizer "
+                f"and loss_scale={config.loss_scale!r} (gradboost loss "
+                "scaling). Set only one: pass the inner optimizer, or "
+                "loss_scale=None."
+            )
+
+        if config.accumulate_steps > 1:
+            bn = [
+                l.name
+                for l in hooks.flatten_layers(self)
+                if isinstance(l, keras.layers.BatchNormalization)
+            ]
+            if bn:
+                warnings.warn(
+                    f"accumulate_steps={config.accumulate_steps}: the "
+                    f"BatchNormalization layers {bn} normalise each "
+                    "micro-batch with its own statistics, not those of the "
+                    "whole accumulated batch, so the result differs from one "
+                    "large-batch step. Use LayerNormalization or "
+                    "GroupNormalization for an exact equivalent.",
+                    stacklevel=2,
+                )
+
+    def get_compile_config(self):
+        config = super().get_compile_config()
+        if config:
+            config["gradboost"] = self._gradboost.config.to_dict()
+        return config
+
+    def compile_from_config(self, config):
+        config = dict(config)
+        gradboost = config.pop("gradboost", {})
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config, **gradboost)
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    @property
+    def gradboost_config(self):
+        """The validated `GradBoostConfig` from the last `compile()`."""
+        return self._gradboost.config
+
+    @property
+    def step_facts(self):
+        """`StepFacts` of the training step: finiteness, skips, None grads."""
+        return self._gradboost.facts
+
+    @property
+    def dtype_policy_applied(self):
+        """The dtype policy `compile(precision=...)` set, or None."""
+        return self._gradboost.policy
+
+    # ------------------------------------------------------------- train step
+
+    def make_train_function(self, force=False):
+        # Called by fit/train_on_batch after the model is built: the moment to
+        # create accumulators for the final list of trainable variables.
+        rt = self._gradboost
+        steps = rt.config.accumulate_steps
+        variables = self.trainable_variables
+        if steps > 1 and (
+            rt.accumulator is None or not rt.accumulator.matches(variables)
+        ):
+            with self.distribute_strategy.scope():
+                rt.accumulator = GradientAccumulator(variables, steps)
+            rt.flush_function = None
+            force = True
+        return super().make_train_function(force=force)
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        rt = self._gradboost
+        if rt.facts is None:  # a model trained before `compile()` finished
+            raise RuntimeError("Call `compile()` before training the model.")
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+
+        with tf.GradientTape() as tape:
+            if hooks.call_has_training_arg(self):
+                y_pred = self(x, training=True)
+            else:
+                y_pred = self(x)
+            loss = hooks.compute_loss(
+                self, x, y, y_pred, sample_weight, training=True
+            )
+            batch_loss = loss * replicas if replicas > 1 else loss
+            hooks.loss_tracker(self).update_state(
+                batch_loss,
+                sample_weight=tf.shape(
+                    next(t for t in tf.nest.flatten(x) if t is not None)
+                )[0],
+            )
+            if self.optimizer is not None:
+                loss = self.optimizer.scale_loss(loss)
+            if rt.scaler is not None:
+                loss = loss * tf.cast(rt.scaler.scale, loss.dtype)
+
+        variables = self.trainable_weights
+        if not variables:
+            warnings.warn("The model does not have any trainable weights.")
+            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+        grads = tape.gradient(loss, variables)
+        rt.facts.none_gradient_variables = tuple(
+            v.path for v, g in zip(variables, grads) if g is None
+        )
+        if rt.scaler is not None:
+            inv = 1.0 / rt.scaler.scale
+            grads = [None if g is None else g * tf.cast(inv, g.dtype) for g in grads]
+
+        check = rt.scaler is not None or rt.facts.checks_gradients
+        rt.facts.checks_gradients = check
+        if rt.config.accumulate_steps > 1:
+            rt.accumulator.grad_mask = [g is not None for g in grads]
+        if check or rt.config.accumulate_steps > 1:
+            bad = _nonfinite_indicator(batch_loss, grads) if check else None
+            n = sample_count(x)
+            present = [g for g in grads if g is not None]
+            tf.distribute.get_replica_context().merge_call(
+                self._decide, args=(present, n, bad)
+            )
+        else:
+            # Exactly Keras' own step.
+            rt.facts.last_step_finite.assign(tf.math.is_finite(batch_loss))
+            self.optimizer.apply_gradients(zip(grads, variables))
+
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if rt.scaler is not None:
+            logs = dict(logs)
+            logs["loss_scale"] = rt.scaler.scale.read_value()
+            logs["skipped_steps"] = rt.facts.skipped_steps.read_value()
+        return logs
+
+    def _decide(self, strategy, present_grads, n, bad):
+        """The cross-replica part of a step: one decision for all replicas.
+
+        Decisions (is the step finite, is an update due) are made here from
+        every replica's values, and each replica then applies the same
+        decision to its own replica-local state. The `tf.cond`s run in
+        cross-replica context, where their branches may call the optimizer
+        (whose all-reduce uses `merge_call`).
+        """
+        rt = self._gradboost
+        each = strategy.extended.call_for_each_replica
+        variables = self.trainable_weights
+        mask = [True] * len(variables)
+        if rt.accumulator is not None:
+            mask = rt.accumulator.grad_mask
+
+        def with_nones(present):
+            it = iter(present)
+            return [next(it) if m else None for m in mask]
+
+        finite = None
+        if bad is not None:
+            total_bad = tf.add_n(list(strategy.experimental_local_results(bad)))
+            finite = tf.equal(total_bad, 0.0)
+            each(self._record_finiteness, args=(finite,))
+
+        def when_finite(fn, *args):
+            def run():
+                fn(*args)  # returns nothing: tf.cond's branches must match
+
+            if finite is None:
+                run()
+            else:
+                tf.cond(finite, run, lambda: None)
+
+        if rt.config.accumulate_steps == 1:
+            when_finite(
+                each,
+                lambda g: self.optimizer.apply_gradients(
+                    zip(with_nones(g), variables)
+                ),
+                (present_grads,),
+            )
+            return
+
+        acc = rt.accumulator
+        replicas = strategy.num_replicas_in_sync
+        when_finite(
+            each, lambda g, n: acc.add(with_nones(g), n, replicas), (present_grads, n)
+        )
+        due = local_value(each(acc.tick), strategy)
+        tf.cond(
+            due, lambda: self._apply_accumulated(strategy, variables), lambda: None
+        )
+
+    def _record_finiteness(self, finite):
+        rt = self._gradboost
+        if rt.scaler is not None:
+            rt.scaler.update(finite)
+        rt.facts.last_step_finite.assign(finite)
+        rt.facts.skipped_steps.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+        rt.facts.checked_steps.assign_add(1)
+
+    def _apply_accumulated(self, strategy, variables):
+        """Cross-replica: one update from the accumulated gradients, if any
+        finite micro-batch was added, then reset the accumulators."""
+        acc = self._gradboost.accumulator
+        each = strategy.extended.call_for_each_replica
+        counts = each(acc.count.read_value)
+        total = tf.add_n(list(strategy.experimental_local_results(counts)))
+
+        def apply_mean(total):
+            grads = acc.mean_gradients(total)
+            self.optimizer.apply_gradients(zip(grads, variables))
+
+        def apply():
+            each(apply_mean, args=(total,))
+
+        tf.cond(total > 0, apply, lambda: None)
+        each(acc.reset)
+
+    def flush_accumulated_gradients(self):
+        """Applies micro-batches accumulated since the last update, if any.
+
+        `fit` calls it at the end of every epoch (before validation), so a
+        remainder is never dropped nor carried into the next epoch. Call it
+        yourself after a loop of `train_on_batch`.
+        """
+        rt = self._gradboost
+        if rt.accumulator is None:
+            return
+        if rt.flush_function is None:
+            variables = self.trainable_variables
+            strategy = self.distribute_strategy
+            acc = rt.accumulator
+
+            def flush():
+                with strategy.scope():
+                    pending = strategy.extended.call_for_each_replica(
+                        lambda: acc.micro_step.read_value() > 0
+                    )
+                    tf.cond(
+                        local_value(pending, strategy),
+                        lambda: self._apply_accumulated(strategy, variables),
+                        lambda: None,
+                    )
+
+            rt.flush_function = tf.function(flush)
+        rt.flush_function()
+
+    # --------------------------------------------------------------- fit hooks
+
+    def fit(self, *args, **kwargs):
+        rt = self._gradboost
+        if rt.config.accumulate_steps == 1 and rt.scaler is None:
+            return super().fit(*args, **kwargs)
+        bound = _bind_fit_args(args, kwargs)
+        callbacks = bound.get("callbacks")
+        epoch_end = _EpochEnd(self)
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks.callbacks.insert(0, epoch_end)
+            epoch_end.set_model(self)
+        else:
+            bound["callbacks"] = [epoch_end] + list(callbacks or [])
+        rt.in_fit = True
+        try:
+            return super().fit(**bound)
+        finally:
+            rt.in_fit = False
+
+    def evaluate(self, *args, **kwargs):
+        # fit() validates after the epoch's last batch and before on_epoch_end:
+        # apply the epoch's remainder first, so validation sees it.
+        if self._gradboost.in_fit:
+            self.flush_accumulated_gradients()
+        return super().evaluate(*args, **kwargs)
+
+    def _epoch_end(self):
+        rt = self._gradboost
+        self.flush_accumulated_gradients()
+        if rt.scaler is None:
+            return
+        skipped = int(rt.facts.skipped_steps.numpy())
+        steps = int(rt.facts.checked_steps.numpy())
+        prev_skipped, prev_steps = rt.last_health
+        rt.last_health = (skipped, steps)
+        message = precision_lib.health_warning(
+            float(rt.scaler.scale.numpy()),
+            skipped - prev_skipped,
+            steps - prev_steps,
+        )
+        if message:
+            warnings.warn(message, stacklevel=2)
+
+
+@keras.saving.register_keras_serializable(package="keras_gradboost")
+class FunctionalGradBoostModel(GradBoostModel, hooks.functional_model_class()):
+    """What `GradBoostModel(inputs, outputs)` returns: a functional model with
+    GradBoostModel's training step. Not meant to be instantiated by name."""
+
+
+class _EpochEnd(keras.callbacks.Callback):
+    """Flushes accumulated gradients and checks loss-scale health at the end of
+    each epoch; `fit` puts it first so ModelCheckpoint & co. see the update."""
+
+    def __init__(self, model):
+        super().__init__()
+        self._target = model
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._target._epoch_end()
+
+
+class _BoostedModel(GradBoostModel):
+    """`boost()` of a model that is not a graph of layers: calls it."""
+
+    def __init__(self, model, **kwargs):
+        super().__init__(**kwargs)
+        self.model = model
+
+    def call(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def get_config(self):
+        return {
+            "model": keras.saving.serialize_keras_object(self.model),
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(config.pop("model"))
+        return cls(model, **config)
+
+
+_BoostedModel = keras.saving.register_keras_serializable(
+    package="keras_gradboost", name="BoostedModel"
+)(_BoostedModel)
+
+
+def boost(model):
+    """Turns a built Keras model into a `GradBoostModel` sharing its weights.
+
+    A functional or Sequential model becomes a `GradBoostModel` over the same
+    layer graph (same layers, same weights, same `model.layers`). Any other
+    model (subclassed, or a Sequential without a known input) is wrapped: the
+    new model calls it, and so shares its layers and weights.
+
+    Args:
+        model: a `keras.Model`. A `GradBoostModel` is returned as it is.
+
+    Returns:
+        A `GradBoostModel`, not yet compiled.
+
+    Raises:
+        TypeError: if `model` is not a `keras.Model`.
+
+    Example:
+
+    ```python
+    base = keras.applications.MobileNetV3Small(weights=None)
+    model = keras_gradboost.boost(base)
+    model.compile(optimizer="adam", loss="categorical_crossentropy",
+                  accumulate_steps=4)
+    ```
+    """
+    if isinstance(model, GradBoostModel):
+        return model
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "Invalid value for argument `model`. Received: "
+            f"model={model!r} of type {type(model).__name__}. Expected a "
+            "keras.Model (functional, Sequential or subclassed)."
+        )
+    if hooks.is_functional(model):
+        try:
+            inputs, outputs = model.inputs, model.outputs
+        except (AttributeError, ValueError):
+            inputs = None
+        if inputs:
+            return GradBoostModel(inputs, outputs, name=model.name)
+    return _BoostedModel(model, name=model.name)
+
+
+# ------------------------------------------------------------------- helpers
+
+_COMPILE_SIGNATURE = inspect.signature(keras.Model.compile)
+_FIT_SIGNATURE = inspect.signature(keras.Model.fit)
+
+
+def _bind_compile_args(args, kwargs):
+    """Keras compile's positional and keyword arguments as one dict."""
+    try:
+        bound = _COMPILE_SIGNATURE.bind(None, *args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"GradBoostModel.compile(): {e}") from None
+    arguments = dict(bound.arguments)
+    arguments.pop("self")
+    return arguments
+
+
+def _bind_fit_args(args, kwargs):
+    bound = _FIT_SIGNATURE.bind(None, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    arguments.pop("self")
+    return arguments
+
+
+def _check_optimizer(optimizer, config):
+    own = getattr(optimizer, "gradient_accumulation_steps", None)
+    if config.accumulate_steps > 1 and own:
+        raise ValueError(
+            "Conflicting arguments: accumulate_steps="
+            f"{config.accumulate_steps} and the optimizer's own "
+            f"gradient_accumulation_steps={own}. Set only one: keep "
+            "accumulate_steps (exact for uneven batches and distribution) and "
+            "create the optimizer without gradient_accumulation_steps."
+        )
+    if config.accumulate_steps > 1 and isinstance(
+        optimizer, keras.optimizers.LossScaleOptimizer
+    ):
+        raise ValueError(
+            "Conflicting arguments: accumulate_steps="
+            f"{config.accumulate_steps} and a LossScaleOptimizer. Set only "
+            'one kind of loss scaling: pass the inner optimizer and loss_scale='
+            '"dynamic" (gradboost scaling works with accumulation).'
+        )
+
+
+def _nonfinite_indicator(loss, grads):
+    """1.0 if the loss or any gradient has a non-finite value, else 0.0."""
+    checks = [tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None]
+    finite = tf.reduce_all(tf.stack([tf.math.is_finite(loss)] + checks))
+    return tf.cast(tf.logical_not(finite), tf.float32)

@@ -1,0 +1,181 @@
+"""Dtype-policy switching on a built model, and loss scaling.
+
+The "auto" rule for CPUs comes from `benchmarks/bench_foundation.py` (MLP
+784-1024-1024-10, batch 256, Adam; step time relative to float32). On this
+project's CPU (AMX and avx512_bf16) mixed_bfloat16 is faster than float32
+without XLA and slower with XLA, and mixed_float16 without XLA is hundreds of
+times slower (TensorFlow's grappler `remapping` pass rewrites float16 MatMuls
+into a slow fused CPU kernel). So, on a CPU, "auto" picks mixed_bfloat16 when
+the CPU has native bfloat16 instructions and XLA is off, and float32 otherwise;
+it never picks mixed_float16. On a GPU it picks mixed_float16.
+"""
+
+import warnings
+
+import keras
+import tensorflow as tf
+
+from keras_gradboost import hooks
+from keras_gradboost.state import replica_local_variable
+
+# Dynamic loss scaling, as in `keras.optimizers.LossScaleOptimizer`.
+INITIAL_SCALE = 2.0**15
+GROWTH_STEPS = 2000
+SCALE_FLOOR = 1.0
+# Loss-scale health: warn when more than this share of an epoch's steps were
+# skipped, and at least MIN_SKIPS_TO_WARN of them (the first few skips while
+# the scale comes down from 2**15 are normal).
+SKIP_SHARE_TO_WARN = 0.5
+MIN_SKIPS_TO_WARN = 8
+
+_SQUASHING_ACTIVATIONS = ("softmax", "sigmoid", "log_softmax")
+
+
+def cpu_has_native_bfloat16():
+    """Whether this CPU has bfloat16 instructions (avx512_bf16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def gpu_available():
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+def resolve_precision(precision, jit_compile, on_gpu, cpu_bf16):
+    """The dtype policy name for a `precision` argument, or None to keep.
+
+    Args:
+        precision: the validated `precision` compile argument.
+        jit_compile: whether the train step is XLA-compiled.
+        on_gpu: whether training runs on a GPU.
+        cpu_bf16: whether the CPU has native bfloat16 instructions.
+
+    Returns:
+        A dtype policy name, or `None` to leave the model as built.
+    """
+    if precision != "auto":
+        return precision
+    if on_gpu:
+        return "mixed_float16"
+    if cpu_bf16 and not jit_compile:
+        return "mixed_bfloat16"
+    return "float32"
+
+
+def float16_cpu_warning(policy, jit_compile, on_gpu):
+    """The warning for mixed_float16 on a CPU without XLA, or None."""
+    if policy != "mixed_float16" or on_gpu or jit_compile:
+        return None
+    return (
+        'precision="mixed_float16" on a CPU without XLA is very slow (about '
+        "290x float32 measured on an MLP): TensorFlow's grappler `remapping` "
+        "pass rewrites float16 MatMuls into a slow fused CPU kernel. Use "
+        'precision="auto" or "mixed_bfloat16", or compile with '
+        "jit_compile=True, or turn the pass off with "
+        "tf.config.optimizer.set_experimental_options({'remapping': False})."
+    )
+
+
+def _is_squashing_output(layer):
+    if isinstance(layer, keras.layers.Softmax):
+        return True
+    activation = getattr(layer, "activation", None)
+    name = getattr(activation, "__name__", None)
+    return name in _SQUASHING_ACTIVATIONS
+
+
+def output_layers(model):
+    """The layers that produce the model's outputs (best effort)."""
+    names = getattr(model, "output_names", None)
+    if hooks.is_functional(model) and names:
+        found = []
+        for name in names:
+            try:
+                found.append(model.get_layer(name))
+            except ValueError:
+                pass
+        return found
+    layers = [l for l in hooks.flatten_layers(model, include_self=False)]
+    return layers[-1:]
+
+
+def apply_policy(model, policy):
+    """Sets `policy` on every layer of `model`, built or not.
+
+    Variables keep their dtype (mixed policies store variables in float32). An
+    output layer ending in softmax or sigmoid stays float32, as the Keras
+    mixed-precision guide advises.
+
+    Returns:
+        The names of the layers kept in float32.
+    """
+    kept = []
+    if policy.startswith("mixed"):
+        kept = [l for l in output_layers(model) if _is_squashing_output(l)]
+    for layer in hooks.flatten_layers(model, include_self=True):
+        layer.dtype_policy = "float32" if layer in kept else policy
+    return [l.name for l in kept]
+
+
+def computes_in_float16(model):
+    """Whether any layer of the model computes in float16."""
+    return any(
+        l.compute_dtype == "float16"
+        for l in hooks.flatten_layers(model, include_self=True)
+    )
+
+
+class LossScaler:
+    """Loss scale state: fixed, or dynamic (halve on overflow, double after
+    `GROWTH_STEPS` finite steps, never below `SCALE_FLOOR`)."""
+
+    def __init__(self, dynamic, initial):
+        self.dynamic = dynamic
+        self.scale = replica_local_variable(float(initial), "loss_scale")
+        self.good_steps = replica_local_variable(0, "loss_scale_good_steps", tf.int64)
+
+    def update(self, finite):
+        """Updates the scale after a micro-batch; `finite` is all-reduced."""
+        if not self.dynamic:
+            return
+        good = tf.where(finite, self.good_steps + 1, tf.zeros_like(self.good_steps))
+        grow = good >= GROWTH_STEPS
+        scale = self.scale.read_value()
+        new_scale = tf.where(
+            finite,
+            tf.where(grow, scale * 2.0, scale),
+            tf.maximum(scale / 2.0, SCALE_FLOOR),
+        )
+        self.scale.assign(new_scale)
+        self.good_steps.assign(tf.where(grow, tf.zeros_like(good), good))
+
+
+def health_warning(scale, skipped_in_epoch, steps_in_epoch):
+    """A loss-scale health warning, or None (pure: for the epoch-end check)."""
+    if skipped_in_epoch and scale <= SCALE_FLOOR:
+        return (
+            f"The loss scale is at its floor ({SCALE_FLOOR:g}) and steps are "
+            f"still skipped as non-finite ({skipped_in_epoch} this epoch): the "
+            "model produces inf/NaN even unscaled. Lower the learning rate, "
+            "guard log/sqrt/division in the loss, or train in float32 "
+            '(precision="float32") to find the cause.'
+        )
+    if (
+        skipped_in_epoch >= MIN_SKIPS_TO_WARN
+        and skipped_in_epoch > SKIP_SHARE_TO_WARN * steps_in_epoch
+    ):
+        return (
+            f"{skipped_in_epoch} of {steps_in_epoch} steps this epoch were "
+            f"skipped as non-finite (loss scale now {scale:g}): the model is "
+            "barely training. Lower the learning rate or use "
+            'precision="mixed_bfloat16", which needs no loss scaling.'
+        )
+    return None
+
+
+def warn(message):
+    warnings.warn(message, stacklevel=3)

@@ -1,0 +1,73 @@
+"""Replica-local training state, and the step facts published for callbacks.
+
+Every piece of gradboost state that changes inside the train step lives in a
+variable that each replica reads and writes on its own (`ON_READ`
+synchronisation). Every replica makes the same updates from all-reduced
+decisions, so the copies never drift, and no update needs a `merge_call`,
+which TensorFlow forbids inside the branches of a `tf.cond` in replica context.
+"""
+
+import tensorflow as tf
+
+
+def replica_local_variable(initial_value, name, dtype=None):
+    """A non-trainable variable with one local copy per replica.
+
+    Create it under the model's distribution strategy scope. Outside any
+    strategy it is an ordinary `tf.Variable`.
+    """
+    return tf.Variable(
+        initial_value,
+        dtype=dtype,
+        name=name,
+        trainable=False,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+    )
+
+
+def local_value(value, strategy):
+    """The first replica's copy of a value handed to a `merge_call` function."""
+    return strategy.experimental_local_results(value)[0]
+
+
+class StepFacts:
+    """What the last train steps did, for callbacks to read.
+
+    Runtime facts are variables updated inside the step, so reading them costs
+    one host sync when the caller chooses, and none otherwise. Trace-time facts
+    are plain Python values, set while the step function is traced.
+
+    Attributes:
+        last_step_finite: bool variable: whether the last micro-batch's loss
+            (and, when gradients are checked, its gradients) were finite.
+        skipped_steps: int64 variable: micro-batches whose update was dropped
+            because their gradients were not finite, since `compile()`.
+        checked_steps: int64 variable: micro-batches whose gradients were
+            checked for finiteness, since `compile()`.
+        none_gradient_variables: tuple of the paths of trainable variables that
+            got a `None` gradient when the step was last traced.
+        checks_gradients: whether the traced step checks gradients for
+            non-finite values (it does when loss scaling is on; set it to `True`
+            before training to ask for it without loss scaling, which also
+            makes the step skip non-finite updates).
+    """
+
+    def __init__(self):
+        self.last_step_finite = replica_local_variable(
+            True, "last_step_finite", tf.bool
+        )
+        self.skipped_steps = replica_local_variable(0, "skipped_steps", tf.int64)
+        self.checked_steps = replica_local_variable(0, "checked_steps", tf.int64)
+        self.none_gradient_variables = ()
+        self.checks_gradients = False
+
+    def read(self):
+        """A plain-Python snapshot (one host sync)."""
+        return {
+            "last_step_finite": bool(self.last_step_finite.numpy()),
+            "skipped_steps": int(self.skipped_steps.numpy()),
+            "checked_steps": int(self.checked_steps.numpy()),
+            "none_gradient_variables": tuple(self.none_gradient_variables),
+            "checks_gradients": self.checks_gradients,
+        }

@@ -1,0 +1,49 @@
+"""Test set-up: quiet TensorFlow, and two logical CPUs for MirroredStrategy.
+
+The logical device split must happen before TensorFlow initialises its
+devices, so it is done here, at collection time, for the whole session.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    _cpu,
+    [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()],
+)
+
+import keras  # noqa: E402
+
+
+@pytest.fixture
+def regression_data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(104, 5)).astype("float32")
+    y = rng.normal(size=(104, 3)).astype("float32")
+    return x, y
+
+
+def small_model(cls=keras.Model, regularize=True, seed=0):
+    """Dense(8, tanh, l2) -> Dense(3): tiny, with a regularisation loss."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(
+        8,
+        activation="tanh",
+        kernel_regularizer="l2" if regularize else None,
+        name="hidden",
+    )(inputs)
+    outputs = keras.layers.Dense(3, name="out")(hidden)
+    return cls(inputs, outputs)
+
+
+def max_weight_diff(a, b):
+    return max(
+        float(np.max(np.abs(wa - wb))) for wa, wb in zip(a.get_weights(), b.get_weights())
+    )
