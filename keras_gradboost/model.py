@@ -26,6 +26,7 @@ class _Runtime:
         self.scaler = None
         self.facts = None
         self.accumulator = None
+        # Which trainable variables get a gradient (set at trace time).
         self.grad_mask = None
         self.flush_function = None
         self.in_fit = False
@@ -179,9 +180,10 @@ class GradBoostModel(keras.Model):
                 if isinstance(l, keras.layers.BatchNormalization)
             ]
             if bn:
+                shown = ", ".join(bn[:4]) + (f" and {len(bn) - 4} more" if len(bn) > 4 else "")
                 warnings.warn(
                     f"accumulate_steps={config.accumulate_steps}: the "
-                    f"BatchNormalization layers {bn} normalise each "
+                    f"BatchNormalization layers ({shown}) normalise each "
                     "micro-batch with its own statistics, not those of the "
                     "whole accumulated batch, so the result differs from one "
                     "large-batch step. Use LayerNormalization or "
@@ -221,19 +223,42 @@ class GradBoostModel(keras.Model):
     # ------------------------------------------------------------- train step
 
     def make_train_function(self, force=False):
-        # Called by fit/train_on_batch after the model is built: the moment to
-        # create accumulators for the final list of trainable variables.
-        rt = self._gradboost
-        steps = rt.config.accumulate_steps
-        variables = self.trainable_variables
-        if steps > 1 and (
-            rt.accumulator is None or not rt.accumulator.matches(variables)
-        ):
+        # fit/train_on_batch call this after building the model when a
+        # distribution strategy is set: create the accumulators here, in the
+        # strategy's scope. Without a strategy Keras builds the model while
+        # tracing the step, and train_step creates them (see _accumulator).
+        if self.trainable_variables and self._needs_new_accumulator():
             with self.distribute_strategy.scope():
-                rt.accumulator = GradientAccumulator(variables, steps)
-            rt.flush_function = None
+                self._new_accumulator()
             force = True
         return super().make_train_function(force=force)
+
+    def _needs_new_accumulator(self):
+        rt = self._gradboost
+        return rt.config.accumulate_steps > 1 and (
+            rt.accumulator is None
+            or not rt.accumulator.matches(self.trainable_variables)
+        )
+
+    def _new_accumulator(self):
+        rt = self._gradboost
+        rt.accumulator = GradientAccumulator(
+            self.trainable_variables, rt.config.accumulate_steps
+        )
+        rt.flush_function = None
+
+    def _accumulator(self):
+        """The accumulator, created at trace time if the model was built by
+        this very trace (no strategy: Keras builds lazily)."""
+        if self._needs_new_accumulator():
+            if tf.distribute.has_strategy():
+                raise RuntimeError(
+                    "The trainable variables changed after the train function "
+                    "was made; call `compile()` again after changing them."
+                )
+            with tf.init_scope():
+                self._new_accumulator()
+        return self._gradboost.accumulator
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -277,8 +302,9 @@ class GradBoostModel(keras.Model):
 
         check = rt.scaler is not None or rt.facts.checks_gradients
         rt.facts.checks_gradients = check
+        rt.grad_mask = [g is not None for g in grads]
         if rt.config.accumulate_steps > 1:
-            rt.accumulator.grad_mask = [g is not None for g in grads]
+            self._accumulator().grad_mask = rt.grad_mask
         if check or rt.config.accumulate_steps > 1:
             bad = _nonfinite_indicator(batch_loss, grads) if check else None
             n = sample_count(x)
@@ -310,13 +336,10 @@ class GradBoostModel(keras.Model):
         rt = self._gradboost
         each = strategy.extended.call_for_each_replica
         variables = self.trainable_weights
-        mask = [True] * len(variables)
-        if rt.accumulator is not None:
-            mask = rt.accumulator.grad_mask
 
         def with_nones(present):
             it = iter(present)
-            return [next(it) if m else None for m in mask]
+            return [next(it) if m else None for m in rt.grad_mask]
 
         finite = None
         if bad is not None:

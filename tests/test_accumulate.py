@@ -1,0 +1,214 @@
+"""Accumulation against its independent reference: one large-batch step."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+from conftest import max_weight_diff
+from conftest import small_model
+from keras_gradboost import GradBoostModel
+from keras_gradboost.accumulate import accumulate
+
+TOL = 2e-6  # float32 round-off on weights of magnitude ~1
+
+
+def test_accumulate_formula_matches_concatenated_mean():
+    rng = np.random.default_rng(1)
+    per_sample = rng.normal(size=(13, 4))  # per-sample gradients
+    sizes = [5, 5, 3]
+    acc, start = [np.zeros(4)], 0
+    for n in sizes:
+        batch_mean = per_sample[start : start + n].mean(axis=0)
+        acc = accumulate(acc, [batch_mean], n)
+        start += n
+    np.testing.assert_allclose(acc[0] / sum(sizes), per_sample.mean(axis=0))
+    # Equal weighting of micro-batch means (Keras' own) is not the same.
+    equal = np.mean([per_sample[:5].mean(0), per_sample[5:10].mean(0), per_sample[10:].mean(0)], 0)
+    assert np.abs(equal - per_sample.mean(axis=0)).max() > 1e-3
+    # None gradients leave the accumulator alone.
+    assert accumulate([np.ones(2)], [None], 3)[0].tolist() == [1.0, 1.0]
+
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "sgd_momentum_clipnorm": lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.05),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw_global_clipnorm": lambda: keras.optimizers.AdamW(0.01, global_clipnorm=0.1),
+}
+
+
+def _large_batch_reference(x, y, optimizer, splits, sample_weight=None, **compile_kwargs):
+    """A plain keras.Model trained with one train_on_batch per update window."""
+    ref = small_model()
+    ref.compile(optimizer=optimizer, loss="mse", **compile_kwargs)
+    for lo, hi in splits:
+        sw = None if sample_weight is None else sample_weight[lo:hi]
+        ref.train_on_batch(x[lo:hi], y[lo:hi], sample_weight=sw)
+    return ref
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_uneven_micro_batches_equal_one_large_step(regression_data, name, jit_compile):
+    x, y = regression_data  # 104 samples: micro-batches 32, 32, 32, 8
+    ref = _large_batch_reference(x, y, OPTIMIZERS[name](), [(0, 104)])
+    model = small_model(GradBoostModel)
+    model.compile(
+        optimizer=OPTIMIZERS[name](),
+        loss="mse",
+        accumulate_steps=4,
+        jit_compile=jit_compile,
+    )
+    model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 1
+    assert max_weight_diff(model, ref) < TOL
+
+
+def test_keras_own_accumulation_is_wrong_on_uneven_batches(regression_data):
+    # Why this feature exists: the check above fails for Keras' own option.
+    x, y = regression_data
+    ref = _large_batch_reference(x, y, keras.optimizers.SGD(0.1), [(0, 104)])
+    model = small_model()
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=4), loss="mse"
+    )
+    model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    assert max_weight_diff(model, ref) > 100 * TOL
+
+
+def test_epoch_remainder_is_applied_at_epoch_end_not_carried(regression_data):
+    x, y = regression_data  # batch 24: 5 micro-batches (24,24,24,24,8) per epoch
+    ref = _large_batch_reference(
+        x, y, keras.optimizers.Adam(0.01), [(0, 96), (96, 104)] * 2
+    )
+    model = small_model(GradBoostModel)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", accumulate_steps=4)
+    history = model.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 4
+    assert max_weight_diff(model, ref) < TOL
+    assert len(history.history["loss"]) == 2
+
+
+def test_validation_and_checkpoint_see_the_flushed_remainder(regression_data, tmp_path):
+    x, y = regression_data
+    model = small_model(GradBoostModel)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=4)
+    path = str(tmp_path / "last.weights.h5")
+    history = model.fit(
+        x, y, batch_size=24, shuffle=False, verbose=0,
+        validation_data=(x, y),
+        callbacks=[keras.callbacks.ModelCheckpoint(path, save_weights_only=True)],
+    )
+    assert int(model.optimizer.iterations.numpy()) == 2
+    after = model.evaluate(x, y, verbose=0)
+    np.testing.assert_allclose(history.history["val_loss"][-1], after, rtol=1e-6)
+    saved = small_model(GradBoostModel)
+    saved.load_weights(path)
+    assert max_weight_diff(saved, model) == 0.0
+
+
+def test_sample_weights_match_weighted_large_batch(regression_data):
+    x, y = regression_data
+    sw = np.random.default_rng(2).uniform(0.0, 3.0, size=104).astype("float32")
+    ref = _large_batch_reference(x, y, keras.optimizers.Adam(0.01), [(0, 104)], sample_weight=sw)
+    model = small_model(GradBoostModel)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", accumulate_steps=4)
+    model.fit(x, y, sample_weight=sw, batch_size=32, shuffle=False, verbose=0)
+    assert max_weight_diff(model, ref) < TOL
+
+
+def test_class_weights_match_weighted_large_batch():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(40, 5)).astype("float32")
+    labels = rng.integers(0, 3, size=40)
+    y = keras.utils.to_categorical(labels, 3)
+    class_weight = {0: 1.0, 1: 3.0, 2: 0.5}
+
+    def build(cls):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5,))
+        outputs = keras.layers.Dense(3, activation="softmax")(inputs)
+        return cls(inputs, outputs)
+
+    ref = build(keras.Model)
+    ref.compile(optimizer=keras.optimizers.SGD(0.5), loss="categorical_crossentropy")
+    sw = np.array([class_weight[int(c)] for c in labels], dtype="float32")
+    ref.train_on_batch(x, y, sample_weight=sw)
+    model = build(GradBoostModel)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.5), loss="categorical_crossentropy", accumulate_steps=3
+    )
+    model.fit(x, y, batch_size=16, class_weight=class_weight, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 1
+    assert max_weight_diff(model, ref) < TOL
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_steps_per_execution(regression_data, jit_compile):
+    x, y = regression_data  # batch 16: 7 micro-batches -> updates on 4 and 3
+    ref = _large_batch_reference(x, y, keras.optimizers.Adam(0.01), [(0, 64), (64, 104)])
+    model = small_model(GradBoostModel)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="mse",
+        accumulate_steps=4,
+        steps_per_execution=3,
+        jit_compile=jit_compile,
+    )
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert max_weight_diff(model, ref) < TOL
+
+
+def test_loss_is_reported_per_micro_batch(regression_data):
+    x, y = regression_data
+    plain = small_model()
+    plain.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", metrics=["mae"])
+    model = small_model(GradBoostModel)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.0), loss="mse", metrics=["mae"], accumulate_steps=4
+    )
+    # With a zero learning rate the weights never move, so the epoch's mean
+    # loss over micro-batches must equal the plain model's.
+    h_plain = plain.fit(x, y, batch_size=32, shuffle=False, verbose=0).history
+    h_model = model.fit(x, y, batch_size=32, shuffle=False, verbose=0).history
+    np.testing.assert_allclose(h_model["loss"], h_plain["loss"], rtol=1e-6)
+    np.testing.assert_allclose(h_model["mae"], h_plain["mae"], rtol=1e-6)
+
+
+def test_train_on_batch_then_flush(regression_data):
+    x, y = regression_data
+    ref = _large_batch_reference(x, y, keras.optimizers.SGD(0.1), [(0, 48)])
+    model = small_model(GradBoostModel)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=4)
+    model.train_on_batch(x[:32], y[:32])
+    model.train_on_batch(x[32:48], y[32:48])
+    assert int(model.optimizer.iterations.numpy()) == 0
+    model.flush_accumulated_gradients()
+    assert int(model.optimizer.iterations.numpy()) == 1
+    assert max_weight_diff(model, ref) < TOL
+    model.flush_accumulated_gradients()  # nothing pending: no update
+    assert int(model.optimizer.iterations.numpy()) == 1
+
+
+def test_refuses_optimizer_gradient_accumulation_steps():
+    model = small_model(GradBoostModel)
+    with pytest.raises(ValueError) as info:
+        model.compile(
+            optimizer=keras.optimizers.SGD(gradient_accumulation_steps=2),
+            loss="mse",
+            accumulate_steps=4,
+        )
+    assert "accumulate_steps=4" in str(info.value)
+    assert "gradient_accumulation_steps=2" in str(info.value)
+    assert "Set only one" in str(info.value)
+
+
+def test_batch_normalization_warning_names_layers():
+    inputs = keras.Input((5,))
+    x = keras.layers.Dense(4)(inputs)
+    x = keras.layers.BatchNormalization(name="bn_1")(x)
+    model = GradBoostModel(inputs, keras.layers.Dense(1)(x))
+    with pytest.warns(UserWarning, match=r"accumulate_steps=2.*\(bn_1\)"):
+        model.compile(optimizer="sgd", loss="mse", accumulate_steps=2)

@@ -1,0 +1,188 @@
+"""GradBoostModel's three forms, boost(), plain-Keras equivalence, save/load."""
+
+import numpy as np
+import pytest
+
+import keras
+from conftest import max_weight_diff
+from conftest import small_model
+from keras_gradboost import GradBoostModel
+from keras_gradboost import boost
+
+
+def _fit(model, x, y, **compile_kwargs):
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", **compile_kwargs)
+    return model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_no_gradboost_kwargs_trains_exactly_like_keras_model(regression_data, jit_compile):
+    x, y = regression_data
+    plain, boosted = small_model(), small_model(GradBoostModel)
+    h_plain = _fit(plain, x, y, jit_compile=jit_compile).history
+    h_boost = _fit(boosted, x, y, jit_compile=jit_compile).history
+    assert max_weight_diff(plain, boosted) == 0.0
+    assert h_plain == h_boost  # same keys (no extra logs) and values
+
+
+class Net(GradBoostModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+class PlainNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def test_subclassed_gradboost_model_accumulates(regression_data):
+    x, y = regression_data
+    keras.utils.set_random_seed(0)
+    ref = PlainNet()
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    ref.train_on_batch(x, y)
+    keras.utils.set_random_seed(0)
+    net = Net()
+    net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=4)
+    net.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    assert max_weight_diff(net, ref) < 2e-6
+
+
+def _sequential():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)]
+    )
+
+
+def _subclassed():
+    keras.utils.set_random_seed(0)
+    model = PlainNet()
+    model(np.zeros((1, 5), "float32"))
+    return model
+
+
+@pytest.mark.parametrize("build", [small_model, _sequential, _subclassed])
+def test_boost_shares_weights_and_trains_the_original(regression_data, build):
+    x, y = regression_data
+    original = build()
+    reference = build()
+    boosted = boost(original)
+    assert isinstance(boosted, GradBoostModel)
+    ids = {id(v) for v in original.weights}
+    assert ids and ids == {id(v) for v in boosted.weights}
+    boosted.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=2)
+    boosted.fit(x[:64], y[:64], batch_size=32, shuffle=False, verbose=0)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    reference.train_on_batch(x[:64], y[:64])
+    assert max_weight_diff(original, reference) < 2e-6
+    np.testing.assert_allclose(boosted.predict(x, verbose=0), original.predict(x, verbose=0))
+
+
+def test_boost_keras_application():
+    base = keras.applications.MobileNetV3Small(
+        input_shape=(32, 32, 3), weights=None, classes=4, include_preprocessing=False
+    )
+    boosted = boost(base)
+    assert boosted.layers == base.layers[: len(boosted.layers)]
+    assert len(boosted.weights) == len(base.weights)
+    boosted.compile(optimizer="sgd", loss="categorical_crossentropy", accumulate_steps=2)
+    x = np.random.default_rng(0).normal(size=(8, 32, 32, 3)).astype("float32")
+    y = keras.utils.to_categorical(np.arange(8) % 4, 4)
+    before = [w.copy() for w in base.get_weights()]
+    boosted.fit(x, y, batch_size=4, verbose=0)
+    assert int(boosted.optimizer.iterations.numpy()) == 1
+    assert any(np.abs(a - b).max() > 0 for a, b in zip(before, base.get_weights()))
+
+
+def test_boost_rejects_non_models():
+    with pytest.raises(TypeError, match=r"argument `model`.*Dense"):
+        boost(keras.layers.Dense(2))
+
+
+def test_boost_of_gradboost_model_is_identity():
+    model = small_model(GradBoostModel)
+    assert boost(model) is model
+
+
+@pytest.mark.parametrize("form", ["functional", "subclassed", "boosted"])
+def test_save_load_restores_gradboost_settings_and_trains_identically(
+    regression_data, tmp_path, form
+):
+    x, y = regression_data
+    if form == "functional":
+        model = small_model(GradBoostModel)
+    elif form == "boosted":
+        model = boost(small_model())
+    else:
+        model = Net()
+        model(x[:1])
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="mse",
+        accumulate_steps=3,
+        precision="float32",
+        loss_scale=64.0,
+    )
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path, custom_objects={"Net": Net})
+    assert isinstance(loaded, GradBoostModel)
+    assert loaded.gradboost_config == model.gradboost_config
+    h1 = model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history
+    h2 = loaded.fit(x, y, batch_size=16, shuffle=False, verbose=0).history
+    assert max_weight_diff(model, loaded) < 1e-6
+    assert int(loaded.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy())
+    np.testing.assert_allclose(h1["loss"], h2["loss"], rtol=1e-5)
+    assert h2["loss_scale"] == [64.0]
+
+
+def test_compile_conflicts_name_both_sides():
+    model = small_model(GradBoostModel)
+    with pytest.raises(ValueError, match=r"auto_scale_loss=True.*loss_scale='auto'.*Set only one"):
+        model.compile(optimizer="sgd", loss="mse", auto_scale_loss=True)
+    with pytest.raises(ValueError, match=r"LossScaleOptimizer.*loss_scale='dynamic'.*Set only one"):
+        model.compile(
+            optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
+            loss="mse",
+            loss_scale="dynamic",
+        )
+    with pytest.raises(ValueError, match=r"accumulate_steps=2 and a LossScaleOptimizer"):
+        model.compile(
+            optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
+            loss="mse",
+            loss_scale=None,
+            accumulate_steps=2,
+        )
+    with pytest.raises(ValueError, match="accumulate_steps=0"):
+        model.compile(optimizer="sgd", loss="mse", accumulate_steps=0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'recompute_blocks'"):
+        model.compile(optimizer="sgd", loss="mse", recompute_blocks=["a"])
+
+
+def test_step_facts_publish_none_gradient_variables(regression_data):
+    x, y = regression_data
+    inputs = keras.Input((5,))
+    used = keras.layers.Dense(3, name="used")(inputs)
+    unused = keras.layers.Dense(3, name="unused")
+    unused.build((None, 5))
+    model = GradBoostModel(inputs, used)
+    model.unused = unused  # tracked, trainable, not on the path to the loss
+    model.compile(optimizer="sgd", loss="mse", loss_scale=1.0)
+    model.fit(x, y, batch_size=32, verbose=0)
+    facts = model.step_facts.read()
+    assert set(facts["none_gradient_variables"]) == {"unused/kernel", "unused/bias"}
+    assert facts["last_step_finite"] is True
+    assert facts["checked_steps"] == 4
+    assert facts["skipped_steps"] == 0
