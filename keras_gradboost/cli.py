@@ -115,11 +115,15 @@ def compare(args, parser):
     return rows
 
 
+# The rows of the last `compare` run, for tests and notebooks.
+LAST_ROWS = []
+
+
 def main(argv=None):
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "compare":
-        compare(args, parser)
+        LAST_ROWS[:] = compare(args, parser)
     return 0
 
 

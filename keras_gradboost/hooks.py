@@ -47,7 +47,10 @@ def functional_model_class():
 
 
 def is_functional(model):
-    """Whether `model` is a graph of layers (`Functional` or `Sequential`)."""
+    """Whether `model` is a `Functional` (`keras.Model(inputs, outputs)`).
+
+    A `keras.Sequential` is not: it wraps a functional graph, built lazily.
+    """
     return isinstance(model, functional_model_class())
 
 

@@ -471,6 +471,7 @@ class GradBoostModel(keras.Model):
             float(rt.scaler.scale.numpy()),
             skipped - prev_skipped,
             steps - prev_steps,
+            dynamic=rt.scaler.dynamic,
         )
         if message:
             warnings.warn(message, stacklevel=2)
@@ -556,7 +557,7 @@ def boost(model):
             f"model={model!r} of type {type(model).__name__}. Expected a "
             "keras.Model (functional, Sequential or subclassed)."
         )
-    if hooks.is_functional(model):
+    if hooks.is_functional(model) or isinstance(model, keras.Sequential):
         try:
             inputs, outputs = model.inputs, model.outputs
         except (AttributeError, ValueError):

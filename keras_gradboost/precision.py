@@ -154,9 +154,9 @@ class LossScaler:
         self.good_steps.assign(tf.where(grow, tf.zeros_like(good), good))
 
 
-def health_warning(scale, skipped_in_epoch, steps_in_epoch):
+def health_warning(scale, skipped_in_epoch, steps_in_epoch, dynamic=True):
     """A loss-scale health warning, or None (pure: for the epoch-end check)."""
-    if skipped_in_epoch and scale <= SCALE_FLOOR:
+    if dynamic and skipped_in_epoch and scale <= SCALE_FLOOR:
         return (
             f"The loss scale is at its floor ({SCALE_FLOOR:g}) and steps are "
             f"still skipped as non-finite ({skipped_in_epoch} this epoch): the "

@@ -8,6 +8,7 @@ from conftest import max_weight_diff
 from conftest import small_model
 from keras_gradboost import GradBoostModel
 from keras_gradboost import boost
+from keras_gradboost.model import FunctionalGradBoostModel
 
 
 def _fit(model, x, y, **compile_kwargs):
@@ -79,6 +80,8 @@ def test_boost_shares_weights_and_trains_the_original(regression_data, build):
     reference = build()
     boosted = boost(original)
     assert isinstance(boosted, GradBoostModel)
+    # Graphs of layers are rebuilt as a functional GradBoostModel; others wrapped.
+    assert isinstance(boosted, FunctionalGradBoostModel) == (build is not _subclassed)
     ids = {id(v) for v in original.weights}
     assert ids and ids == {id(v) for v in boosted.weights}
     boosted.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=2)

@@ -1,0 +1,75 @@
+"""MirroredStrategy over two logical CPUs vs one device on the same batches."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+from conftest import max_weight_diff
+from conftest import small_model
+from keras_gradboost import GradBoostModel
+
+
+def _strategy():
+    devices = tf.config.list_logical_devices("CPU")
+    assert len(devices) >= 2, "conftest.py splits the CPU into two devices"
+    return tf.distribute.MirroredStrategy([d.name for d in devices[:2]])
+
+
+@pytest.mark.parametrize(
+    "optimizer, loss_scale, batch_size",
+    [
+        ("sgd", None, 16),  # 7 micro-batches / epoch: an update of 4 and a remainder of 3
+        ("adam", None, 16),
+        ("sgd", "dynamic", 26),  # 4 micro-batches of 26: an uneven split per replica (13+13)
+        ("adam", 8.0, 24),  # last micro-batch of 8
+    ],
+)
+def test_mirrored_accumulation_equals_single_device(
+    regression_data, optimizer, loss_scale, batch_size
+):
+    x, y = regression_data
+    kwargs = dict(loss="mse", accumulate_steps=4, loss_scale=loss_scale)
+    single = small_model(GradBoostModel)
+    single.compile(optimizer=keras.optimizers.get(optimizer), **kwargs)
+    single.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    with _strategy().scope():
+        mirrored = small_model(GradBoostModel)
+        mirrored.compile(optimizer=keras.optimizers.get(optimizer), **kwargs)
+    mirrored.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    assert mirrored.optimizer.iterations.numpy() == single.optimizer.iterations.numpy()
+    assert max_weight_diff(mirrored, single) < 2e-6
+
+
+def test_mirrored_accumulation_equals_large_batch_reference(regression_data):
+    # Independent reference: a plain single-device Keras model stepping on
+    # the concatenated micro-batches.
+    x, y = regression_data
+    ref = small_model()
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    ref.train_on_batch(x[:64], y[:64])
+    ref.train_on_batch(x[64:], y[64:])
+    with _strategy().scope():
+        model = small_model(GradBoostModel)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=4)
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert model.optimizer.iterations.numpy() == 2
+    assert max_weight_diff(model, ref) < 2e-6
+
+
+def test_mirrored_skips_nonfinite_micro_batch_on_every_replica(regression_data):
+    x, y = regression_data
+    x = x.copy()
+    x[3] = np.nan  # only replica 0 of micro-batch 0 sees it
+    keep = np.r_[16:64]
+    ref = small_model()
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    ref.train_on_batch(x[keep], y[keep])
+    with _strategy().scope():
+        model = small_model(GradBoostModel)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=4, loss_scale=1.0
+        )
+    model.fit(x[:64], y[:64], batch_size=16, shuffle=False, verbose=0)
+    assert model.step_facts.read()["skipped_steps"] == 1
+    assert max_weight_diff(model, ref) < 2e-6

@@ -1,0 +1,73 @@
+"""Each Keras internal used by keras_gradboost, checked against this Keras.
+
+If one of these fails after a Keras upgrade, fix `keras_gradboost/hooks.py`:
+it is the only module that touches Keras internals.
+"""
+
+import numpy as np
+
+import keras
+from keras_gradboost import hooks
+
+
+def _model():
+    inputs = keras.Input((3,))
+    inner = keras.Sequential([keras.layers.Dense(4, name="inner_dense")], name="inner")
+    outputs = keras.layers.Dense(2, name="head")(inner(inputs))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def test_flatten_layers_includes_nested_layers():
+    names = [l.name for l in hooks.flatten_layers(_model(), include_self=False)]
+    assert "inner_dense" in names and "head" in names and "inner" in names
+    assert hooks.flatten_layers(_model())[0].__class__.__name__ == "Functional"
+
+
+def test_loss_tracker_is_the_metric_behind_logs_loss():
+    model = _model()
+    tracker = hooks.loss_tracker(model)
+    assert isinstance(tracker, keras.metrics.Mean)
+    logs = model.train_on_batch(np.ones((2, 3)), np.ones((2, 2)), return_dict=True)
+    np.testing.assert_allclose(float(tracker.result()), logs["loss"])
+
+
+def test_compute_loss_wrapper():
+    model = _model()
+    y = np.ones((2, 2), "float32")
+    loss = hooks.compute_loss(model, None, y, np.zeros((2, 2), "float32"), None)
+    np.testing.assert_allclose(float(loss), 1.0)
+
+
+def test_call_has_training_arg():
+    class WithTraining(keras.Model):
+        def call(self, x, training=False):
+            return x
+
+    class Without(keras.Model):
+        def call(self, x):
+            return x
+
+    assert hooks.call_has_training_arg(WithTraining()) is True
+    assert hooks.call_has_training_arg(Without()) is False
+
+
+def test_functional_class_and_detection():
+    model = _model()
+    assert isinstance(model, hooks.functional_model_class())
+    assert hooks.is_functional(model)
+    assert not hooks.is_functional(keras.Sequential([keras.layers.Dense(1)]))
+
+    class Sub(keras.Model):
+        def call(self, x):
+            return x
+
+    assert not hooks.is_functional(Sub())
+    assert hooks.functional_init_arguments((1, 2), {})
+    assert hooks.functional_init_arguments((), {"inputs": 1, "outputs": 2})
+    assert not hooks.functional_init_arguments((), {"name": "x"})
+
+
+def test_check_runs_every_hook():
+    assert hooks.check() is True
