@@ -61,16 +61,15 @@ class GradientAccumulator:
     def matches(self, variables):
         return self.variable_ids == tuple(id(v) for v in variables)
 
-    def add(self, grads, n, replicas=1):
+    def add(self, weighted_grads, n):
         """Adds one micro-batch of `n` samples on this replica.
 
-        `grads` are the gradients of the loss as Keras computes it under a
-        distribution strategy: the replica's batch mean divided by `replicas`.
+        `weighted_grads` are already `n` times the replica's mean gradient (the
+        train step puts the weight on the scalar loss, where it is free).
         """
-        weight = n * replicas
-        for acc, g in zip(self.sums, grads):
+        for acc, g in zip(self.sums, weighted_grads):
             if g is not None:
-                acc.assign_add(weight * tf.cast(g, tf.float32))
+                acc.assign_add(tf.cast(g, tf.float32))
         self.count.assign_add(n)
 
     def tick(self):

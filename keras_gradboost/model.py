@@ -266,6 +266,13 @@ class GradBoostModel(keras.Model):
         if rt.facts is None:  # a model trained before `compile()` finished
             raise RuntimeError("Call `compile()` before training the model.")
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        accumulating = rt.config.accumulate_steps > 1
+        n = sample_count(x)
+        # Accumulators sum n_j * (the replica's mean gradient) over
+        # micro-batches. Keras' loss is that mean over `replicas`, so the
+        # weight is n * replicas; it goes on the scalar loss (free), or on the
+        # gradients together with the loss-scale division (one pass).
+        weight = n * replicas if accumulating else 1.0
 
         with tf.GradientTape() as tape:
             if hooks.call_has_training_arg(self):
@@ -286,6 +293,8 @@ class GradBoostModel(keras.Model):
                 loss = self.optimizer.scale_loss(loss)
             if rt.scaler is not None:
                 loss = loss * tf.cast(rt.scaler.scale, loss.dtype)
+            elif accumulating:
+                loss = loss * tf.cast(weight, loss.dtype)
 
         variables = self.trainable_weights
         if not variables:
@@ -297,17 +306,16 @@ class GradBoostModel(keras.Model):
             v.path for v, g in zip(variables, grads) if g is None
         )
         if rt.scaler is not None:
-            inv = 1.0 / rt.scaler.scale
-            grads = [None if g is None else g * tf.cast(inv, g.dtype) for g in grads]
+            factor = weight / rt.scaler.scale
+            grads = [None if g is None else g * tf.cast(factor, g.dtype) for g in grads]
 
         check = rt.scaler is not None or rt.facts.checks_gradients
         rt.facts.checks_gradients = check
         rt.grad_mask = [g is not None for g in grads]
-        if rt.config.accumulate_steps > 1:
+        if accumulating:
             self._accumulator().grad_mask = rt.grad_mask
-        if check or rt.config.accumulate_steps > 1:
+        if check or accumulating:
             bad = _nonfinite_indicator(batch_loss, grads) if check else None
-            n = sample_count(x)
             present = [g for g in grads if g is not None]
             tf.distribute.get_replica_context().merge_call(
                 self._decide, args=(present, n, bad)
@@ -367,10 +375,7 @@ class GradBoostModel(keras.Model):
             return
 
         acc = rt.accumulator
-        replicas = strategy.num_replicas_in_sync
-        when_finite(
-            each, lambda g, n: acc.add(with_nones(g), n, replicas), (present_grads, n)
-        )
+        when_finite(each, lambda g, n: acc.add(with_nones(g), n), (present_grads, n))
         due = local_value(each(acc.tick), strategy)
         tf.cond(
             due, lambda: self._apply_accumulated(strategy, variables), lambda: None

@@ -1,0 +1,174 @@
+"""Foundation benchmark: GradBoostModel overhead, accumulation, precision.
+
+MLP 784-1024-1024-10, batch 256, Adam, CPU. Every configuration is compiled
+once, warmed up, then timed in interleaved rounds (each round times every
+configuration once, in a shuffled order) in this one process; each timing fits
+`--steps` batches from a repeated tf.data pipeline. A ratio A/B is the median
+over rounds of A's time over B's time in the same round. Only ratios measured
+side by side are printed.
+
+    python benchmarks/bench_foundation.py [--steps 20] [--rounds 7] [--quick]
+"""
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras  # noqa: E402
+from keras_gradboost import zoo  # noqa: E402
+
+BATCH = 256
+
+
+def dataset():
+    x, y = zoo.classification_data(BATCH * 8)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat().prefetch(2)
+
+
+def make(kind, jit, optimizer_kwargs=None, **gradboost):
+    cls = keras.Model if kind == "keras" else None
+    model = zoo.mlp(cls=cls)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3, **(optimizer_kwargs or {})),
+            loss="sparse_categorical_crossentropy",
+            jit_compile=jit,
+            **gradboost,
+        )
+    return model
+
+
+def time_per_batch(model, ds, steps):
+    start = time.perf_counter()
+    model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False)
+    return (time.perf_counter() - start) / steps
+
+
+class Timings:
+    """Seconds per batch of each model in each round."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __getitem__(self, name):
+        return statistics.median(self.samples[name])
+
+    def ratio(self, a, b):
+        """Median over rounds of the within-round ratio a / b."""
+        return statistics.median(
+            x / y for x, y in zip(self.samples[a], self.samples[b])
+        )
+
+
+def measure(models, steps, rounds, seed=0):
+    """Times every model in each round, in a shuffled order per round, so
+    slow drifts of the machine hit all models alike."""
+    ds = dataset()
+    for model in models.values():  # warm-up: trace, compile, allocate
+        time_per_batch(model, ds, max(2, steps // 4))
+    samples = {name: [] for name in models}
+    order = list(models)
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            samples[name].append(time_per_batch(models[name], ds, steps))
+    return Timings(samples)
+
+
+def table(title, rows):
+    print(f"\n{title}")
+    width = max(len(r[0]) for r in rows)
+    for label, ratio, target in rows:
+        verdict = "" if target is None else ("  ok" if ratio <= target else "  OVER TARGET")
+        limit = "" if target is None else f"  (target <= {target:.2f})"
+        print(f"  {label:<{width}}  {ratio:6.3f}x{limit}{verdict}")
+    sys.stdout.flush()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
+    parser.add_argument(
+        "--only",
+        choices=["overhead", "accumulate", "precision"],
+        help="run one section",
+    )
+    args = parser.parse_args(argv)
+    steps, rounds = (6, 3) if args.quick else (args.steps, args.rounds)
+    print(
+        f"TF {tf.__version__}, Keras {keras.__version__}, {os.cpu_count()} CPUs; "
+        f"MLP 784-1024-1024-10, batch {BATCH}, Adam; {steps} steps x {rounds} "
+        "interleaved rounds, median per batch"
+    )
+
+    sections = [args.only] if args.only else ["overhead", "accumulate", "precision"]
+    if "overhead" in sections:
+        overhead(steps, rounds)
+    if "accumulate" in sections:
+        accumulation(steps, rounds)
+    if "precision" in sections:
+        precision(steps, rounds)
+
+
+def overhead(steps, rounds):
+    t = measure({"keras": make("keras", False), "gradboost": make("gb", False)}, steps, rounds)
+    table(
+        "GradBoostModel (no kwargs) / keras.Model, step time",
+        [("jit_compile=False", t.ratio("gradboost", "keras"), 1.02)],
+    )
+
+
+def accumulation(steps, rounds):
+    rows = []
+    for jit in (False, True):
+        t = measure(
+            {
+                "plain": make("keras", jit),
+                "keras_acc": make("keras", jit, {"gradient_accumulation_steps": 4}),
+                "gb_acc": make("gb", jit, accumulate_steps=4),
+            },
+            steps,
+            rounds,
+        )
+        rows.append((f"gradboost accumulate_steps=4 / Keras' own, jit={jit}", t.ratio("gb_acc", "keras_acc"), 1.00))
+        rows.append((f"  (Keras' own / plain step, jit={jit})", t.ratio("keras_acc", "plain"), None))
+        rows.append((f"  (gradboost / plain step, jit={jit})", t.ratio("gb_acc", "plain"), None))
+    table("Accumulation, time per micro-batch", rows)
+
+
+def precision(steps, rounds):
+    rows = []
+    for jit in (False, True):
+        policies = ["auto", "mixed_bfloat16"] + (["mixed_float16"] if jit else [])
+        models = {"float32": make("gb", jit, precision="float32")}
+        models.update({p: make("gb", jit, precision=p) for p in policies})
+        chosen = models["auto"].dtype_policy_applied
+        t = measure(models, steps, rounds)
+        for p in policies:
+            label = f"precision={p}" + (f" (-> {chosen})" if p == "auto" else "")
+            rows.append((f"{label} / float32, jit={jit}", t.ratio(p, "float32"), None))
+    # mixed_float16 without XLA is hundreds of times slower on CPU: a few steps.
+    slow = measure(
+        {"float32": make("gb", False, precision="float32"), "f16": make("gb", False, precision="mixed_float16")},
+        2,
+        1,
+    )
+    rows.append(("precision=mixed_float16 / float32, jit=False (2 steps)", slow.ratio("f16", "float32"), None))
+    table("Precision, step time relative to float32 (backs the 'auto' rule)", rows)
+
+
+if __name__ == "__main__":
+    main()
