@@ -67,9 +67,22 @@ class GradientAccumulator:
         `weighted_grads` are already `n` times the replica's mean gradient (the
         train step puts the weight on the scalar loss, where it is free).
         """
-        for acc, g in zip(self.sums, weighted_grads):
-            if g is not None:
-                acc.assign_add(tf.cast(g, tf.float32))
+        pairs = [
+            (acc, tf.cast(g, tf.float32))
+            for acc, g in zip(self.sums, weighted_grads)
+            if g is not None
+        ]
+
+        # The first micro-batch overwrites, so a reset needs no pass of zeros.
+        def overwrite():
+            for acc, g in pairs:
+                acc.assign(g)
+
+        def add():
+            for acc, g in pairs:
+                acc.assign_add(g)
+
+        tf.cond(self.count > 0.0, add, overwrite)
         self.count.assign_add(n)
 
     def tick(self):
@@ -79,13 +92,14 @@ class GradientAccumulator:
     def mean_gradients(self, total_count):
         """The accumulated gradients divided by the global sample count, with
         `None` for variables that get no gradient."""
+        # A replica that added nothing since the last reset holds stale sums.
+        factor = tf.cast(self.count > 0.0, tf.float32) / total_count
         return [
-            tf.cast(acc / total_count, dtype) if has_grad else None
+            tf.cast(acc * factor, dtype) if has_grad else None
             for acc, dtype, has_grad in zip(self.sums, self.dtypes, self.grad_mask)
         ]
 
     def reset(self):
-        for acc in self.sums:
-            acc.assign(tf.zeros_like(acc))
+        """Starts a new window (the sums are overwritten by the next add)."""
         self.count.assign(0.0)
         self.micro_step.assign(0)

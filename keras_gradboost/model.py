@@ -220,6 +220,11 @@ class GradBoostModel(keras.Model):
         """The dtype policy `compile(precision=...)` set, or None."""
         return self._gradboost.policy
 
+    @property
+    def float32_layers(self):
+        """Names of the output layers `compile(precision=...)` kept float32."""
+        return list(self._gradboost.float32_layers)
+
     # ------------------------------------------------------------- train step
 
     def make_train_function(self, force=False):
@@ -314,6 +319,8 @@ class GradBoostModel(keras.Model):
         rt.grad_mask = [g is not None for g in grads]
         if accumulating:
             self._accumulator().grad_mask = rt.grad_mask
+        if not check:
+            rt.facts.last_step_finite.assign(tf.math.is_finite(batch_loss))
         if check or accumulating:
             bad = _nonfinite_indicator(batch_loss, grads) if check else None
             present = [g for g in grads if g is not None]
@@ -322,7 +329,6 @@ class GradBoostModel(keras.Model):
             )
         else:
             # Exactly Keras' own step.
-            rt.facts.last_step_finite.assign(tf.math.is_finite(batch_loss))
             self.optimizer.apply_gradients(zip(grads, variables))
 
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -433,7 +439,7 @@ class GradBoostModel(keras.Model):
                         lambda: None,
                     )
 
-            rt.flush_function = tf.function(flush)
+            rt.flush_function = tf.function(flush, autograph=False)
         rt.flush_function()
 
     # --------------------------------------------------------------- fit hooks
@@ -495,6 +501,11 @@ class _EpochEnd(keras.callbacks.Callback):
     def __init__(self, model):
         super().__init__()
         self._target = model
+
+    def on_train_begin(self, logs=None):
+        # Micro-batches left by an interrupted fit() are applied, not mixed
+        # into this run's first update.
+        self._target.flush_accumulated_gradients()
 
     def on_epoch_end(self, epoch, logs=None):
         self._target._epoch_end()

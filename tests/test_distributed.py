@@ -73,3 +73,36 @@ def test_mirrored_skips_nonfinite_micro_batch_on_every_replica(regression_data):
     model.fit(x[:64], y[:64], batch_size=16, shuffle=False, verbose=0)
     assert model.step_facts.read()["skipped_steps"] == 1
     assert max_weight_diff(model, ref) < 2e-6
+
+
+class _CountingReduce(tf.distribute.ReductionToOneDevice):
+    """Counts, in the graph, how many batch all-reduces of more than one
+    tensor actually run (the optimizer all-reduces all gradients in one)."""
+
+    def __init__(self, counter):
+        super().__init__()
+        self.counter = counter
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        if len(value_destination_pairs) > 1:
+            self.counter.assign_add(1)
+        return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+
+
+def test_gradients_are_all_reduced_once_per_update(regression_data):
+    x, y = regression_data
+    counter = tf.Variable(0, dtype=tf.int64, trainable=False)
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=_CountingReduce(counter))
+    with strategy.scope():
+        plain = small_model(GradBoostModel)
+        plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    plain.fit(x[:96], y[:96], batch_size=12, shuffle=False, verbose=0)  # 8 steps
+    assert int(counter.numpy()) == 8  # the counter sees Keras' own all-reduce
+    counter.assign(0)
+    with strategy.scope():
+        model = small_model(GradBoostModel)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=4)
+    model.fit(x[:96], y[:96], batch_size=12, shuffle=False, verbose=0)  # 8 micro-batches
+    assert model.optimizer.iterations.numpy() == 2
+    assert int(counter.numpy()) == 2
