@@ -5,6 +5,7 @@ import numbers
 
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16", "auto")
 LOSS_SCALES = ("auto", "dynamic")
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _invalid(name, value, expected, error=ValueError):
@@ -58,7 +59,9 @@ class GradBoostConfig:
         scale = self.loss_scale
         if scale is None or isinstance(scale, str) and scale in LOSS_SCALES:
             return
-        expected = 'None, "auto", "dynamic" or a float > 0 (a fixed scale)'
+        expected = (
+            'None, "auto", "dynamic" or a float in (0, 3.4e38] (a fixed scale)'
+        )
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise _invalid(
                 "loss_scale",
@@ -66,7 +69,7 @@ class GradBoostConfig:
                 expected,
                 error=ValueError if isinstance(scale, str) else TypeError,
             )
-        if not scale > 0 or scale == float("inf"):
+        if not 0 < scale <= _FLOAT32_MAX:
             raise _invalid("loss_scale", scale, expected)
         object.__setattr__(self, "loss_scale", float(scale))
 

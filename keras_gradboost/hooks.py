@@ -61,6 +61,15 @@ def functional_init_arguments(args, kwargs):
     return _f(args, kwargs)
 
 
+def is_fit_validation(evaluate_kwargs):
+    """Whether an `evaluate()` call is `fit()`'s own end-of-epoch validation.
+
+    `fit` passes the private `_use_cached_eval_dataset=True`; a callback that
+    evaluates mid-epoch does not.
+    """
+    return bool(evaluate_kwargs.get("_use_cached_eval_dataset", False))
+
+
 def check():
     """Fails with an AttributeError naming what moved, if a hook is broken.
 

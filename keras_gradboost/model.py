@@ -30,6 +30,7 @@ class _Runtime:
         self.grad_mask = None
         self.flush_function = None
         self.in_fit = False
+        self.auto_scale_loss = False
         # (skipped_steps, checked_steps) at the last epoch end.
         self.last_health = (0, 0)
 
@@ -62,8 +63,13 @@ class GradBoostModel(keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        if cls is GradBoostModel and hooks.functional_init_arguments(args, kwargs):
-            return keras.Model.__new__(FunctionalGradBoostModel, *args, **kwargs)
+        functional = hooks.functional_model_class()
+        if hooks.functional_init_arguments(args, kwargs) and not issubclass(
+            cls, functional
+        ):
+            # Instantiate a functional twin of `cls` instead of letting Keras
+            # rewrite the bases of `cls` (and of GradBoostModel) in place.
+            return keras.Model.__new__(_functional_twin(cls), *args, **kwargs)
         return super().__new__(cls, *args, **kwargs)
 
     def __init__(self, *args, **kwargs):
@@ -94,16 +100,19 @@ class GradBoostModel(keras.Model):
                 iterations` counts updates. Defaults to `1`.
             precision: `"float32"`, `"mixed_float16"`, `"mixed_bfloat16"`,
                 `"auto"` or `None`. Sets the dtype policy of every layer of the
-                (possibly already built) model; variables stay float32 and a
-                final softmax/sigmoid layer computes in float32. `"auto"` picks
-                mixed_float16 on a GPU and, on a CPU, mixed_bfloat16 when the
-                CPU has bfloat16 instructions and XLA is off, else float32.
+                (possibly already built) model; variables stay float32 and,
+                with a mixed policy, the output layers compute in float32.
+                `"auto"` picks mixed_float16 on a GPU and, on a CPU,
+                mixed_bfloat16 when the CPU has bfloat16 instructions and XLA
+                is off, else float32.
                 `None` leaves the model as built. Defaults to `None`.
             loss_scale: `"auto"` (dynamic loss scaling iff some layer computes
                 in float16), `"dynamic"`, a float > 0 (a fixed scale) or `None`
                 (off). A step whose gradients are not finite is not applied
-                (with accumulation: that micro-batch is not added), and a
-                dynamic scale is halved. Defaults to `"auto"`.
+                to the trainable weights (with accumulation: that micro-batch
+                is not added), and a dynamic scale is halved. (Its forward
+                pass still updated BatchNormalization statistics and metrics.)
+                Defaults to `"auto"`.
 
         Raises:
             TypeError: if a gradboost argument has the wrong type.
@@ -118,83 +127,63 @@ class GradBoostModel(keras.Model):
             loss_scale=loss_scale,
         )
         keras_kwargs = _bind_compile_args(args, kwargs)
-        if config.loss_scale is not None and keras_kwargs.get("auto_scale_loss"):
-            raise ValueError(
-                "Conflicting arguments: auto_scale_loss=True (Keras wraps the "
-                "optimizer in a LossScaleOptimizer) and "
-                f"loss_scale={config.loss_scale!r} (gradboost loss scaling). "
-                "Set only one: pass loss_scale=None to use Keras' loss "
-                "scaling, or drop auto_scale_loss."
-            )
-        keras_kwargs.setdefault("auto_scale_loss", False)
-        super().compile(**keras_kwargs)
-        _check_optimizer(self.optimizer, config)
+        optimizer = keras.optimizers.get(keras_kwargs.get("optimizer", "rmsprop"))
+        keras_kwargs["optimizer"] = optimizer
+        auto_scale_loss = bool(keras_kwargs.pop("auto_scale_loss", False))
+        on_gpu = precision_lib.gpu_available()
+        cpu_bf16 = precision_lib.cpu_has_native_bfloat16()
+        # Keras resolves jit_compile="auto" to False on a CPU-only machine, and
+        # the precision rule depends on jit only on a CPU.
+        jit = keras_kwargs.get("jit_compile", "auto")
+        jit = False if jit == "auto" or keras_kwargs.get("run_eagerly") else bool(jit)
+        policy = precision_lib.resolve_precision(config.precision, jit, on_gpu, cpu_bf16)
+        model_policy = policy or self.dtype_policy.name
+        float16 = policy == "mixed_float16" or (
+            policy is None and precision_lib.computes_in_float16(self)
+        )
+        scale = _loss_scale_setting(config.loss_scale, float16)
+        keras_scales = auto_scale_loss and model_policy == "mixed_float16"
+        # Every check runs before anything is changed.
+        _check_conflicts(config, optimizer, scale, auto_scale_loss, keras_scales)
 
         rt = self._gradboost
+        if rt.accumulator is not None:
+            self.flush_accumulated_gradients()  # nothing pending is lost
+        rt.float32_layers = []
+        if policy is not None:
+            rt.float32_layers = precision_lib.apply_policy(self, policy)
+        super().compile(**keras_kwargs, auto_scale_loss=scale is None and auto_scale_loss)
+        actual = precision_lib.resolve_precision(
+            config.precision, bool(self.jit_compile), on_gpu, cpu_bf16
+        )
+        if actual != policy:  # Keras turned jit_compile off (unsupported layer)
+            policy = actual
+            rt.float32_layers = precision_lib.apply_policy(self, policy)
+        message = precision_lib.float16_cpu_warning(policy, bool(self.jit_compile), on_gpu)
+        if message:
+            warnings.warn(message, stacklevel=2)
+
         rt.config = config
+        rt.auto_scale_loss = auto_scale_loss
+        rt.policy = policy
         rt.accumulator = None
         rt.flush_function = None
-        rt.policy = precision_lib.resolve_precision(
-            config.precision,
-            jit_compile=bool(self.jit_compile),
-            on_gpu=precision_lib.gpu_available(),
-            cpu_bf16=precision_lib.cpu_has_native_bfloat16(),
-        )
-        if rt.policy is not None:
-            rt.float32_layers = precision_lib.apply_policy(self, rt.policy)
-            message = precision_lib.float16_cpu_warning(
-                rt.policy, bool(self.jit_compile), precision_lib.gpu_available()
-            )
-            if message:
-                warnings.warn(message, stacklevel=2)
-
+        rt.last_health = (0, 0)
         with self.distribute_strategy.scope():
             rt.facts = StepFacts()
-            rt.last_health = (0, 0)
             rt.scaler = None
-            if config.loss_scale == "dynamic" or (
-                config.loss_scale == "auto"
-                and precision_lib.computes_in_float16(self)
-            ):
-                rt.scaler = precision_lib.LossScaler(
-                    dynamic=True, initial=precision_lib.INITIAL_SCALE
-                )
-            elif isinstance(config.loss_scale, float):
-                rt.scaler = precision_lib.LossScaler(
-                    dynamic=False, initial=config.loss_scale
-                )
-        if rt.scaler is not None and isinstance(
-            self.optimizer, keras.optimizers.LossScaleOptimizer
-        ):
-            raise ValueError(
-                "Conflicting arguments: the optimizer is a LossScaleOptimizer "
-                f"and loss_scale={config.loss_scale!r} (gradboost loss "
-                "scaling). Set only one: pass the inner optimizer, or "
-                "loss_scale=None."
-            )
-
+            if scale is not None:
+                rt.scaler = precision_lib.LossScaler(*scale)
         if config.accumulate_steps > 1:
-            bn = [
-                l.name
-                for l in hooks.flatten_layers(self)
-                if isinstance(l, keras.layers.BatchNormalization)
-            ]
-            if bn:
-                shown = ", ".join(bn[:4]) + (f" and {len(bn) - 4} more" if len(bn) > 4 else "")
-                warnings.warn(
-                    f"accumulate_steps={config.accumulate_steps}: the "
-                    f"BatchNormalization layers ({shown}) normalise each "
-                    "micro-batch with its own statistics, not those of the "
-                    "whole accumulated batch, so the result differs from one "
-                    "large-batch step. Use LayerNormalization or "
-                    "GroupNormalization for an exact equivalent.",
-                    stacklevel=2,
-                )
+            _warn_inexact_accumulation(self, config, keras_kwargs.get("loss"))
 
     def get_compile_config(self):
         config = super().get_compile_config()
         if config:
-            config["gradboost"] = self._gradboost.config.to_dict()
+            config["gradboost"] = {
+                **self._gradboost.config.to_dict(),
+                "auto_scale_loss": self._gradboost.auto_scale_loss,
+            }
         return config
 
     def compile_from_config(self, config):
@@ -461,11 +450,14 @@ class GradBoostModel(keras.Model):
             return super().fit(**bound)
         finally:
             rt.in_fit = False
+            if isinstance(callbacks, keras.callbacks.CallbackList):
+                callbacks.callbacks.remove(epoch_end)
 
     def evaluate(self, *args, **kwargs):
         # fit() validates after the epoch's last batch and before on_epoch_end:
-        # apply the epoch's remainder first, so validation sees it.
-        if self._gradboost.in_fit:
+        # apply the epoch's remainder first, so validation sees it. (An
+        # evaluate() from a callback mid-epoch must not split a window.)
+        if self._gradboost.in_fit and hooks.is_fit_validation(kwargs):
             self.flush_accumulated_gradients()
         return super().evaluate(*args, **kwargs)
 
@@ -494,6 +486,22 @@ class FunctionalGradBoostModel(GradBoostModel, hooks.functional_model_class()):
     GradBoostModel's training step. Not meant to be instantiated by name."""
 
 
+_FUNCTIONAL_TWINS = {}
+
+
+def _functional_twin(cls):
+    """`cls` with Keras' Functional mixed in (made once per class)."""
+    if cls is GradBoostModel:
+        return FunctionalGradBoostModel
+    if cls not in _FUNCTIONAL_TWINS:
+        _FUNCTIONAL_TWINS[cls] = type(
+            cls.__name__,
+            (cls, hooks.functional_model_class()),
+            {"__module__": cls.__module__, "__doc__": cls.__doc__},
+        )
+    return _FUNCTIONAL_TWINS[cls]
+
+
 class _EpochEnd(keras.callbacks.Callback):
     """Flushes accumulated gradients and checks loss-scale health at the end of
     each epoch; `fit` puts it first so ModelCheckpoint & co. see the update."""
@@ -518,8 +526,8 @@ class _BoostedModel(GradBoostModel):
         super().__init__(**kwargs)
         self.model = model
 
-    def call(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
+    def call(self, inputs, training=None, **kwargs):
+        return self.model(inputs, training=training, **kwargs)
 
     def get_config(self):
         return {
@@ -607,9 +615,36 @@ def _bind_fit_args(args, kwargs):
     return arguments
 
 
-def _check_optimizer(optimizer, config):
+def _loss_scale_setting(loss_scale, float16):
+    """`(dynamic, initial scale)` for the LossScaler, or None for no scaling."""
+    if loss_scale == "dynamic" or (loss_scale == "auto" and float16):
+        return (True, precision_lib.INITIAL_SCALE)
+    if isinstance(loss_scale, float):
+        return (False, loss_scale)
+    return None
+
+
+def _check_conflicts(config, optimizer, scale, auto_scale_loss, keras_scales):
+    if auto_scale_loss and scale is not None:
+        raise ValueError(
+            "Conflicting arguments: auto_scale_loss=True (Keras wraps the "
+            "optimizer in a LossScaleOptimizer) and "
+            f"loss_scale={config.loss_scale!r} (gradboost loss scaling, on for "
+            "this model). Set only one: pass loss_scale=None to use Keras' "
+            "loss scaling, or drop auto_scale_loss."
+        )
+    is_lso = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    if is_lso and scale is not None:
+        raise ValueError(
+            "Conflicting arguments: the optimizer is a LossScaleOptimizer "
+            f"and loss_scale={config.loss_scale!r} (gradboost loss scaling, on "
+            "for this model). Set only one: pass the inner optimizer, or "
+            "loss_scale=None."
+        )
+    if config.accumulate_steps == 1:
+        return
     own = getattr(optimizer, "gradient_accumulation_steps", None)
-    if config.accumulate_steps > 1 and own:
+    if own:
         raise ValueError(
             "Conflicting arguments: accumulate_steps="
             f"{config.accumulate_steps} and the optimizer's own "
@@ -617,14 +652,50 @@ def _check_optimizer(optimizer, config):
             "accumulate_steps (exact for uneven batches and distribution) and "
             "create the optimizer without gradient_accumulation_steps."
         )
-    if config.accumulate_steps > 1 and isinstance(
-        optimizer, keras.optimizers.LossScaleOptimizer
-    ):
+    if is_lso or keras_scales:
         raise ValueError(
             "Conflicting arguments: accumulate_steps="
-            f"{config.accumulate_steps} and a LossScaleOptimizer. Set only "
-            'one kind of loss scaling: pass the inner optimizer and loss_scale='
-            '"dynamic" (gradboost scaling works with accumulation).'
+            f"{config.accumulate_steps} and a LossScaleOptimizer"
+            + (" (from auto_scale_loss=True)" if keras_scales else "")
+            + '. Set only one kind of loss scaling: pass the inner optimizer '
+            'and loss_scale="dynamic" (gradboost scaling works with '
+            "accumulation)."
+        )
+
+
+def _warn_inexact_accumulation(model, config, loss):
+    """Warns about what makes k micro-batches differ from one large batch."""
+    steps = config.accumulate_steps
+    bn = [
+        l.name
+        for l in hooks.flatten_layers(model)
+        if isinstance(l, keras.layers.BatchNormalization)
+    ]
+    if bn:
+        shown = ", ".join(bn[:4]) + (f" and {len(bn) - 4} more" if len(bn) > 4 else "")
+        warnings.warn(
+            f"accumulate_steps={steps}: the BatchNormalization layers "
+            f"({shown}) normalise each micro-batch with its own statistics, "
+            "not those of the whole accumulated batch, so the result differs "
+            "from one large-batch step. Use LayerNormalization or "
+            "GroupNormalization for an exact equivalent.",
+            stacklevel=3,
+        )
+    losses = tf.nest.flatten(loss) if loss is not None else []
+    odd = sorted(
+        {
+            l.reduction
+            for l in losses
+            if isinstance(l, keras.losses.Loss)
+            and l.reduction not in ("sum_over_batch_size", "mean")
+        }
+    )
+    if odd:
+        warnings.warn(
+            f"accumulate_steps={steps}: a loss with reduction={odd[0]!r}. "
+            "Accumulation weights each micro-batch by its sample count, which "
+            'is exact for reduction="sum_over_batch_size" (the default) only.',
+            stacklevel=3,
         )
 
 

@@ -22,13 +22,14 @@ from keras_gradboost.state import replica_local_variable
 INITIAL_SCALE = 2.0**15
 GROWTH_STEPS = 2000
 SCALE_FLOOR = 1.0
+# Growth stops here: float32 and bfloat16 never overflow to bring a dynamic
+# scale down, and a scale that grew to inf would turn every step into NaN.
+SCALE_CEILING = 2.0**24
 # Loss-scale health: warn when more than this share of an epoch's steps were
 # skipped, and at least MIN_SKIPS_TO_WARN of them (the first few skips while
 # the scale comes down from 2**15 are normal).
 SKIP_SHARE_TO_WARN = 0.5
 MIN_SKIPS_TO_WARN = 8
-
-_SQUASHING_ACTIVATIONS = ("softmax", "sigmoid", "log_softmax")
 
 
 def cpu_has_native_bfloat16():
@@ -80,43 +81,41 @@ def float16_cpu_warning(policy, jit_compile, on_gpu):
     )
 
 
-def _is_squashing_output(layer):
-    if isinstance(layer, keras.layers.Softmax):
-        return True
-    activation = getattr(layer, "activation", None)
-    name = getattr(activation, "__name__", None)
-    return name in _SQUASHING_ACTIVATIONS
-
-
 def output_layers(model):
-    """The layers that produce the model's outputs (best effort)."""
+    """The layers that produce the model's outputs (best effort).
+
+    For a functional model, the layers named in `output_names`, descending
+    into a nested model that produces an output. For other models (whose
+    outputs are not known before they run), the last layer they track.
+    """
     names = getattr(model, "output_names", None)
-    if hooks.is_functional(model) and names:
-        found = []
-        for name in names:
-            try:
-                found.append(model.get_layer(name))
-            except ValueError:
-                pass
-        return found
-    layers = [l for l in hooks.flatten_layers(model, include_self=False)]
-    return layers[-1:]
+    if not (hooks.is_functional(model) and names):
+        return hooks.flatten_layers(model, include_self=False)[-1:]
+    found = []
+    for name in names:
+        try:
+            layer = model.get_layer(name)
+        except ValueError:
+            continue
+        found.extend(output_layers(layer) if isinstance(layer, keras.Model) else [layer])
+    return found
 
 
 def apply_policy(model, policy):
     """Sets `policy` on every layer of `model`, built or not.
 
-    Variables keep their dtype (mixed policies store variables in float32). An
-    output layer ending in softmax or sigmoid stays float32, as the Keras
-    mixed-precision guide advises.
+    Variables keep their dtype (mixed policies store variables in float32).
+    With a mixed policy the output layers stay float32, as the Keras
+    mixed-precision guide advises (a float16 softmax, or a float16 logit over
+    65504, breaks the loss). Quantized layers keep their policy.
 
     Returns:
         The names of the layers kept in float32.
     """
-    kept = []
-    if policy.startswith("mixed"):
-        kept = [l for l in output_layers(model) if _is_squashing_output(l)]
+    kept = output_layers(model) if policy.startswith("mixed") else []
     for layer in hooks.flatten_layers(model, include_self=True):
+        if layer.dtype_policy.quantization_mode is not None:
+            continue
         layer.dtype_policy = "float32" if layer in kept else policy
     return [l.name for l in kept]
 
@@ -131,7 +130,7 @@ def computes_in_float16(model):
 
 class LossScaler:
     """Loss scale state: fixed, or dynamic (halve on overflow, double after
-    `GROWTH_STEPS` finite steps, never below `SCALE_FLOOR`)."""
+    `GROWTH_STEPS` finite steps, within `[SCALE_FLOOR, SCALE_CEILING]`)."""
 
     def __init__(self, dynamic, initial):
         self.dynamic = dynamic
@@ -147,7 +146,7 @@ class LossScaler:
         scale = self.scale.read_value()
         new_scale = tf.where(
             finite,
-            tf.where(grow, scale * 2.0, scale),
+            tf.where(grow, tf.minimum(scale * 2.0, SCALE_CEILING), scale),
             tf.maximum(scale / 2.0, SCALE_FLOOR),
         )
         self.scale.assign(new_scale)

@@ -212,3 +212,28 @@ def test_batch_normalization_warning_names_layers():
     model = GradBoostModel(inputs, keras.layers.Dense(1)(x))
     with pytest.warns(UserWarning, match=r"accumulate_steps=2.*\(bn_1\)"):
         model.compile(optimizer="sgd", loss="mse", accumulate_steps=2)
+
+
+def test_evaluate_from_a_callback_does_not_split_a_window(regression_data):
+    x, y = regression_data
+
+    class EvaluateEveryBatch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.evaluate(x[:8], y[:8], verbose=0)
+
+    ref = _large_batch_reference(x, y, keras.optimizers.SGD(0.1), [(0, 104)])
+    model = small_model(GradBoostModel)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=4)
+    model.fit(x, y, batch_size=32, shuffle=False, verbose=0, callbacks=[EvaluateEveryBatch()])
+    assert int(model.optimizer.iterations.numpy()) == 1
+    assert max_weight_diff(model, ref) < TOL
+
+
+def test_non_default_loss_reduction_warns():
+    model = small_model(GradBoostModel)
+    with pytest.warns(UserWarning, match=r"reduction='sum'"):
+        model.compile(
+            optimizer="sgd",
+            loss=keras.losses.MeanSquaredError(reduction="sum"),
+            accumulate_steps=2,
+        )

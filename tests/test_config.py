@@ -25,6 +25,7 @@ def test_defaults_are_inactive():
         ({"loss_scale": 0.0}, ValueError, "loss_scale=0.0"),
         ({"loss_scale": -2}, ValueError, "loss_scale=-2"),
         ({"loss_scale": float("inf")}, ValueError, "loss_scale=inf"),
+        ({"loss_scale": 1e39}, ValueError, "loss_scale=1e+39"),
         ({"loss_scale": True}, TypeError, "loss_scale=True"),
         ({"loss_scale": [2.0]}, TypeError, "loss_scale=[2.0]"),
     ],

@@ -118,7 +118,7 @@ def test_boost_of_gradboost_model_is_identity():
     assert boost(model) is model
 
 
-@pytest.mark.parametrize("form", ["functional", "subclassed", "boosted"])
+@pytest.mark.parametrize("form", ["functional", "subclassed", "boosted", "boosted_subclassed"])
 def test_save_load_restores_gradboost_settings_and_trains_identically(
     regression_data, tmp_path, form
 ):
@@ -127,6 +127,8 @@ def test_save_load_restores_gradboost_settings_and_trains_identically(
         model = small_model(GradBoostModel)
     elif form == "boosted":
         model = boost(small_model())
+    elif form == "boosted_subclassed":
+        model = boost(_subclassed())
     else:
         model = Net()
         model(x[:1])
@@ -140,7 +142,9 @@ def test_save_load_restores_gradboost_settings_and_trains_identically(
     model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
     path = str(tmp_path / "model.keras")
     model.save(path)
-    loaded = keras.models.load_model(path, custom_objects={"Net": Net})
+    loaded = keras.models.load_model(
+        path, custom_objects={"Net": Net, "PlainNet": PlainNet}
+    )
     assert isinstance(loaded, GradBoostModel)
     assert loaded.gradboost_config == model.gradboost_config
     h1 = model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history
@@ -153,8 +157,8 @@ def test_save_load_restores_gradboost_settings_and_trains_identically(
 
 def test_compile_conflicts_name_both_sides():
     model = small_model(GradBoostModel)
-    with pytest.raises(ValueError, match=r"auto_scale_loss=True.*loss_scale='auto'.*Set only one"):
-        model.compile(optimizer="sgd", loss="mse", auto_scale_loss=True)
+    with pytest.raises(ValueError, match=r"auto_scale_loss=True.*loss_scale='dynamic'.*Set only one"):
+        model.compile(optimizer="sgd", loss="mse", auto_scale_loss=True, loss_scale="dynamic")
     with pytest.raises(ValueError, match=r"LossScaleOptimizer.*loss_scale='dynamic'.*Set only one"):
         model.compile(
             optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
@@ -189,3 +193,101 @@ def test_step_facts_publish_none_gradient_variables(regression_data):
     assert facts["last_step_finite"] is True
     assert facts["checked_steps"] == 4
     assert facts["skipped_steps"] == 0
+
+
+def test_functional_subclass_does_not_rewrite_gradboost_model(regression_data):
+    class Sub(GradBoostModel):
+        pass
+
+    x, y = regression_data
+    inputs = keras.Input((5,))
+    functional = Sub(inputs, keras.layers.Dense(3)(inputs))
+    assert isinstance(functional, Sub) and isinstance(functional, GradBoostModel)
+    assert GradBoostModel.__bases__ == (keras.Model,)
+    assert Sub.__bases__ == (GradBoostModel,)
+    functional.compile(optimizer="sgd", loss="mse", accumulate_steps=2)
+    functional.fit(x, y, batch_size=52, verbose=0)
+    assert int(functional.optimizer.iterations.numpy()) == 1
+    net = Net()  # subclassed use still works afterwards
+    net.compile(optimizer="sgd", loss="mse")
+    net.fit(x, y, batch_size=52, verbose=0)
+    assert boost(_subclassed()).__class__.__name__ == "_BoostedModel"
+
+
+def test_boosted_subclassed_model_trains_in_training_mode(regression_data):
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, x, training=None):
+            seen.append(training)
+            return x
+
+    class WithProbe(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.probe = Probe()
+            self.out = keras.layers.Dense(3)
+
+        def call(self, x, training=None):
+            return self.out(self.probe(x, training=training))
+
+    x, y = regression_data
+    inner = WithProbe()
+    inner(x[:1])
+    model = boost(inner)
+    model.compile(optimizer="sgd", loss="mse")
+    seen.clear()
+    model.fit(x, y, batch_size=52, verbose=0)
+    assert seen and all(t is True for t in seen)
+
+
+def test_failed_compile_changes_nothing():
+    model = small_model(GradBoostModel)
+    model.compile(optimizer="sgd", loss="mse")
+    optimizer = model.optimizer
+    with pytest.raises(ValueError, match="Set only one"):
+        model.compile(
+            optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
+            loss="mse",
+            precision="mixed_bfloat16",
+            loss_scale="dynamic",
+        )
+    assert model.optimizer is optimizer
+    assert model.get_layer("hidden").compute_dtype == "float32"
+    assert model._gradboost.scaler is None
+
+
+def test_keras_auto_scale_loss_is_honoured_when_gradboost_scaling_is_off(tmp_path):
+    # auto_scale_loss=True on a float32 model: nothing to scale, no conflict.
+    model = small_model(GradBoostModel)
+    model.compile(optimizer="sgd", loss="mse", auto_scale_loss=True)
+    assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    # float16 with gradboost scaling off: Keras' LossScaleOptimizer, kept on load.
+    model = small_model(GradBoostModel)
+    with pytest.warns(UserWarning, match="remapping"):
+        model.compile(
+            optimizer="sgd",
+            loss="mse",
+            precision="mixed_float16",
+            loss_scale=None,
+            auto_scale_loss=True,
+        )
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert model._gradboost.scaler is None
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    with pytest.warns(UserWarning, match="remapping"):
+        loaded = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def test_user_callback_list_is_left_as_given(regression_data):
+    x, y = regression_data
+    model = small_model(GradBoostModel)
+    model.compile(optimizer="sgd", loss="mse", accumulate_steps=2)
+    callbacks = keras.callbacks.CallbackList([keras.callbacks.History()], model=model)
+    before = list(callbacks.callbacks)
+    model.fit(x, y, batch_size=26, verbose=0, callbacks=callbacks)
+    model.fit(x, y, batch_size=26, verbose=0, callbacks=callbacks)
+    assert callbacks.callbacks == before
+    assert int(model.optimizer.iterations.numpy()) == 4

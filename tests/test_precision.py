@@ -51,7 +51,7 @@ def test_policy_applied_to_built_model(policy):
     assert model.get_layer("hidden").compute_dtype == compute
     assert model.get_layer("probs").compute_dtype == "float32"  # final softmax
     assert all(v.dtype == "float32" for v in model.weights)
-    probe = keras.Model(model.inputs, model.get_layer("hidden").output)
+    probe = keras.Model(model.inputs[0], model.get_layer("hidden").output)
     hidden = probe(np.ones((2, 6), "float32"))
     assert keras.backend.standardize_dtype(hidden.dtype) == compute
     assert model.dtype_policy_applied == policy
@@ -114,10 +114,12 @@ def test_auto_loss_scale_follows_float16():
 
 def _overflow_model(cls=GradBoostModel):
     """float16 model whose backward overflows at loss scale 2**15: the MSE
-    gradient 2*(pred - y)/N is ~1e3 per output, times 2**15 > float16 max."""
+    gradient 2*(pred - y)/N is ~1e3 per output, times 2**15 > float16 max
+    once it enters the float16 hidden layer."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4,))
-    outputs = keras.layers.Dense(2, name="out")(inputs)
+    hidden = keras.layers.Dense(4, name="hidden")(inputs)
+    outputs = keras.layers.Dense(2, name="out")(hidden)  # stays float32
     return cls(inputs, outputs)
 
 
@@ -218,3 +220,43 @@ def test_health_warning_is_raised_at_epoch_end():
     with pytest.warns(UserWarning, match=r"at its floor|steps this epoch were skipped"):
         model.fit(x, y, batch_size=2, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_float16_xla_accumulation_with_dynamic_scale_trains():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 6)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
+    model = _classifier()
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="sparse_categorical_crossentropy",
+        precision="mixed_float16",
+        accumulate_steps=2,
+        jit_compile=True,
+    )
+    assert model._gradboost.scaler.dynamic  # "auto" -> dynamic for float16
+    history = model.fit(x, y, batch_size=16, epochs=4, verbose=0).history
+    assert history["loss"][-1] < 0.7 * history["loss"][0]
+    assert int(model.optimizer.iterations.numpy()) == 4 * 8
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    assert model.get_layer("hidden").compute_dtype == "float16"
+
+
+def test_linear_output_layer_stays_float32():
+    model = small_model(GradBoostModel)  # hidden tanh -> linear "out"
+    model.compile(optimizer="sgd", loss="mse", precision="mixed_bfloat16")
+    assert model.get_layer("hidden").compute_dtype == "bfloat16"
+    assert model.get_layer("out").compute_dtype == "float32"
+    assert model.float32_layers == ["out"]
+
+
+def test_dynamic_scale_stops_growing_at_the_ceiling():
+    scaler = precision_lib.LossScaler(dynamic=True, initial=precision_lib.SCALE_CEILING)
+    scaler.good_steps.assign(precision_lib.GROWTH_STEPS - 1)
+    scaler.update(tf.constant(True))
+    assert float(scaler.scale.numpy()) == precision_lib.SCALE_CEILING
+    scaler.update(tf.constant(False))
+    assert float(scaler.scale.numpy()) == precision_lib.SCALE_CEILING / 2
+    low = precision_lib.LossScaler(dynamic=True, initial=1.0)
+    low.update(tf.constant(False))
+    assert float(low.scale.numpy()) == precision_lib.SCALE_FLOOR
