@@ -132,11 +132,11 @@ def main(argv=None):
 
 
 def overhead(steps, rounds):
-    t = measure({"keras": make("keras", False), "gradboost": make("gb", False)}, steps, rounds)
-    table(
-        "GradBoostModel (no kwargs) / keras.Model, step time",
-        [("jit_compile=False", t.ratio("gradboost", "keras"), 1.02)],
-    )
+    rows = []
+    for jit in (False, True):
+        t = measure({"keras": make("keras", jit), "gradboost": make("gb", jit)}, steps, rounds)
+        rows.append((f"jit_compile={jit}", t.ratio("gradboost", "keras"), 1.02))
+    table("GradBoostModel (no kwargs) / keras.Model, step time", rows)
 
 
 def accumulation(steps, rounds):

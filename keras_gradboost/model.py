@@ -145,6 +145,7 @@ class GradBoostModel(keras.Model):
         keras_scales = auto_scale_loss and model_policy == "mixed_float16"
         # Every check runs before anything is changed.
         _check_conflicts(config, optimizer, scale, auto_scale_loss, keras_scales)
+        _check_strategy(self.distribute_strategy, config, scale)
 
         rt = self._gradboost
         if rt.accumulator is not None:
@@ -277,12 +278,7 @@ class GradBoostModel(keras.Model):
                 self, x, y, y_pred, sample_weight, training=True
             )
             batch_loss = loss * replicas if replicas > 1 else loss
-            hooks.loss_tracker(self).update_state(
-                batch_loss,
-                sample_weight=tf.shape(
-                    next(t for t in tf.nest.flatten(x) if t is not None)
-                )[0],
-            )
+            hooks.loss_tracker(self).update_state(batch_loss, sample_weight=n)
             if self.optimizer is not None:
                 loss = self.optimizer.scale_loss(loss)
             if rt.scaler is not None:
@@ -346,8 +342,7 @@ class GradBoostModel(keras.Model):
 
         finite = None
         if bad is not None:
-            total_bad = tf.add_n(list(strategy.experimental_local_results(bad)))
-            finite = tf.equal(total_bad, 0.0)
+            finite = tf.equal(_sum_over_replicas(strategy, bad), 0.0)
             each(self._record_finiteness, args=(finite,))
 
         def when_finite(fn, *args):
@@ -389,8 +384,7 @@ class GradBoostModel(keras.Model):
         finite micro-batch was added, then reset the accumulators."""
         acc = self._gradboost.accumulator
         each = strategy.extended.call_for_each_replica
-        counts = each(acc.count.read_value)
-        total = tf.add_n(list(strategy.experimental_local_results(counts)))
+        total = _sum_over_replicas(strategy, each(acc.count.read_value))
 
         def apply_mean(total):
             grads = acc.mean_gradients(total)
@@ -663,6 +657,28 @@ def _check_conflicts(config, optimizer, scale, auto_scale_loss, keras_scales):
         )
 
 
+_UNSUPPORTED_STRATEGIES = (
+    tf.distribute.MultiWorkerMirroredStrategy,
+    tf.distribute.experimental.ParameterServerStrategy,
+    tf.distribute.TPUStrategy,
+)
+
+
+def _check_strategy(strategy, config, scale):
+    """Accumulation and loss scaling decide on local replicas' values: right
+    in one process (one device, MirroredStrategy), not yet across workers."""
+    if config.accumulate_steps == 1 and scale is None:
+        return
+    if isinstance(strategy, _UNSUPPORTED_STRATEGIES):
+        raise ValueError(
+            f"accumulate_steps={config.accumulate_steps} and loss_scale="
+            f"{config.loss_scale!r} are not supported yet under "
+            f"{type(strategy).__name__}. Supported: one device and "
+            "MirroredStrategy. Use accumulate_steps=1 and loss_scale=None "
+            "with this strategy."
+        )
+
+
 def _warn_inexact_accumulation(model, config, loss):
     """Warns about what makes k micro-batches differ from one large batch."""
     steps = config.accumulate_steps
@@ -697,6 +713,13 @@ def _warn_inexact_accumulation(model, config, loss):
             'is exact for reduction="sum_over_batch_size" (the default) only.',
             stacklevel=3,
         )
+
+
+def _sum_over_replicas(strategy, value):
+    """Sum of a per-replica scalar, in cross-replica context, with local ops
+    (no collective: this process holds every replica of a MirroredStrategy;
+    a multi-worker strategy will need a cross-worker reduce here)."""
+    return tf.add_n(list(strategy.experimental_local_results(value)))
 
 
 def _nonfinite_indicator(loss, grads):

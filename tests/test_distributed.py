@@ -106,3 +106,15 @@ def test_gradients_are_all_reduced_once_per_update(regression_data):
     model.fit(x[:96], y[:96], batch_size=12, shuffle=False, verbose=0)  # 8 micro-batches
     assert model.optimizer.iterations.numpy() == 2
     assert int(counter.numpy()) == 2
+
+
+def test_multi_worker_strategies_are_refused_with_a_clear_error():
+    from keras_gradboost.config import GradBoostConfig
+    from keras_gradboost.model import _check_strategy
+
+    # An uninitialised instance: only its type matters to the check.
+    strategy = object.__new__(tf.distribute.MultiWorkerMirroredStrategy)
+    with pytest.raises(ValueError, match=r"accumulate_steps=4.*not supported yet.*MirroredStrategy"):
+        _check_strategy(strategy, GradBoostConfig(accumulate_steps=4), None)
+    _check_strategy(strategy, GradBoostConfig(), None)  # plain Keras step: fine
+    _check_strategy(_strategy(), GradBoostConfig(accumulate_steps=4), (True, 1.0))
