@@ -26,7 +26,9 @@ def test_no_gradboost_kwargs_trains_exactly_like_keras_model(regression_data, ji
     assert h_plain == h_boost  # same keys (no extra logs) and values
 
 
-class Net(GradBoostModel):
+class _TwoDense:
+    """Dense(8, tanh) -> Dense(3), mixed into a subclassed model."""
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.hidden = keras.layers.Dense(8, activation="tanh")
@@ -36,14 +38,12 @@ class Net(GradBoostModel):
         return self.out(self.hidden(x))
 
 
-class PlainNet(keras.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.hidden = keras.layers.Dense(8, activation="tanh")
-        self.out = keras.layers.Dense(3)
+class Net(_TwoDense, GradBoostModel):
+    pass
 
-    def call(self, x):
-        return self.out(self.hidden(x))
+
+class PlainNet(_TwoDense, keras.Model):
+    pass
 
 
 def test_subclassed_gradboost_model_accumulates(regression_data):

@@ -87,10 +87,14 @@ def test_precision_none_leaves_model_as_built():
     assert model.dtype_policy_applied is None
 
 
-def test_bfloat16_trains_and_loss_goes_down():
+def _three_class_data():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(256, 6)).astype("float32")
-    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
+    return x, (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
+
+
+def test_bfloat16_trains_and_loss_goes_down():
+    x, y = _three_class_data()
     model = _classifier()
     model.compile(
         optimizer=keras.optimizers.Adam(0.01),
@@ -223,9 +227,7 @@ def test_health_warning_is_raised_at_epoch_end():
 
 
 def test_float16_xla_accumulation_with_dynamic_scale_trains():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(256, 6)).astype("float32")
-    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
+    x, y = _three_class_data()
     model = _classifier()
     model.compile(
         optimizer=keras.optimizers.Adam(0.01),
