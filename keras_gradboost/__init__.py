@@ -5,12 +5,14 @@ Public API:
         `precision` and `loss_scale`.
     boost: turns any built Keras model into a GradBoostModel.
     GradBoostConfig: the validated gradboost compile arguments.
+    callbacks: drop-in callbacks (NaNWatcher).
 """
 
 __version__ = "0.1.0.dev0"
 
+from keras_gradboost import callbacks
 from keras_gradboost.config import GradBoostConfig
 from keras_gradboost.model import GradBoostModel
 from keras_gradboost.model import boost
 
-__all__ = ["GradBoostConfig", "GradBoostModel", "boost", "__version__"]
+__all__ = ["GradBoostConfig", "GradBoostModel", "boost", "callbacks", "__version__"]

@@ -84,3 +84,47 @@ def check():
     assert is_functional(model)
     assert functional_init_arguments((inputs, inputs), {})
     return True
+
+
+def hold_batches(model):
+    """Wraps `model.train_function` so the batches of the last call stay
+    reachable, at no cost (the tensors exist anyway; nothing is copied).
+
+    Keras' train function takes an iterator; given a list of batches it runs
+    its compiled one-step function on each, which is what this wrapper does
+    after drawing up to `steps_per_execution` batches itself.
+
+    Returns:
+        `(held, undo)`: the list that holds the last call's batches, and a
+        function that restores the original train function.
+    """
+    import itertools
+
+    import tensorflow as tf
+
+    original = model.train_function
+    held = []
+    tf_iterators = (tf.data.Iterator, tf.distribute.DistributedIterator)
+
+    def function(iterator):
+        if isinstance(iterator, tf_iterators):
+            batches = []
+            for _ in range(model.steps_per_execution):
+                try:
+                    batches.append(next(iterator))
+                except (StopIteration, tf.errors.OutOfRangeError):
+                    break
+        else:
+            batches = list(itertools.islice(iterator, model.steps_per_execution))
+        if not batches:
+            raise StopIteration
+        held[:] = batches
+        return original(batches)
+
+    model.train_function = function
+
+    def undo():
+        if model.train_function is function:
+            model.train_function = original
+
+    return held, undo

@@ -6,13 +6,13 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_gradboost import guard
 from keras_gradboost import hooks
 from keras_gradboost import precision as precision_lib
 from keras_gradboost.accumulate import GradientAccumulator
 from keras_gradboost.accumulate import sample_count
 from keras_gradboost.config import GradBoostConfig
 from keras_gradboost.state import StepFacts
-from keras_gradboost.state import local_value
 
 
 class _Runtime:
@@ -307,7 +307,7 @@ class GradBoostModel(keras.Model):
         if not check:
             rt.facts.last_step_finite.assign(tf.math.is_finite(batch_loss))
         if check or accumulating:
-            bad = _nonfinite_indicator(batch_loss, grads) if check else None
+            bad = guard.nonfinite_indicator(batch_loss, grads) if check else None
             present = [g for g in grads if g is not None]
             tf.distribute.get_replica_context().merge_call(
                 self._decide, args=(present, n, bad)
@@ -342,7 +342,7 @@ class GradBoostModel(keras.Model):
 
         finite = None
         if bad is not None:
-            finite = tf.equal(_sum_over_replicas(strategy, bad), 0.0)
+            finite = tf.equal(guard.sum_over_replicas(strategy, bad), 0.0)
             each(self._record_finiteness, args=(finite,))
 
         def when_finite(fn, *args):
@@ -366,7 +366,7 @@ class GradBoostModel(keras.Model):
 
         acc = rt.accumulator
         when_finite(each, lambda g, n: acc.add(with_nones(g), n), (present_grads, n))
-        due = local_value(each(acc.tick), strategy)
+        due = guard.local_value(each(acc.tick), strategy)
         tf.cond(
             due, lambda: self._apply_accumulated(strategy, variables), lambda: None
         )
@@ -384,7 +384,7 @@ class GradBoostModel(keras.Model):
         finite micro-batch was added, then reset the accumulators."""
         acc = self._gradboost.accumulator
         each = strategy.extended.call_for_each_replica
-        total = _sum_over_replicas(strategy, each(acc.count.read_value))
+        total = guard.sum_over_replicas(strategy, each(acc.count.read_value))
 
         def apply_mean(total):
             grads = acc.mean_gradients(total)
@@ -417,7 +417,7 @@ class GradBoostModel(keras.Model):
                         lambda: acc.micro_step.read_value() > 0
                     )
                     tf.cond(
-                        local_value(pending, strategy),
+                        guard.local_value(pending, strategy),
                         lambda: self._apply_accumulated(strategy, variables),
                         lambda: None,
                     )
@@ -713,17 +713,3 @@ def _warn_inexact_accumulation(model, config, loss):
             'is exact for reduction="sum_over_batch_size" (the default) only.',
             stacklevel=3,
         )
-
-
-def _sum_over_replicas(strategy, value):
-    """Sum of a per-replica scalar, in cross-replica context, with local ops
-    (no collective: this process holds every replica of a MirroredStrategy;
-    a multi-worker strategy will need a cross-worker reduce here)."""
-    return tf.add_n(list(strategy.experimental_local_results(value)))
-
-
-def _nonfinite_indicator(loss, grads):
-    """1.0 if the loss or any gradient has a non-finite value, else 0.0."""
-    checks = [tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None]
-    finite = tf.reduce_all(tf.stack([tf.math.is_finite(loss)] + checks))
-    return tf.cast(tf.logical_not(finite), tf.float32)

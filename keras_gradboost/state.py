@@ -26,11 +26,6 @@ def replica_local_variable(initial_value, name, dtype=None):
     )
 
 
-def local_value(value, strategy):
-    """The first replica's copy of a value handed to a `merge_call` function."""
-    return strategy.experimental_local_results(value)[0]
-
-
 class StepFacts:
     """What the last train steps did, for callbacks to read.
 

@@ -1,0 +1,332 @@
+"""NaNWatcher: catch the first non-finite step, name the layer that produced
+it, and keep the weights safe."""
+
+import dataclasses
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_gradboost import guard
+from keras_gradboost import hooks
+from keras_gradboost.locate import as_local_batch
+from keras_gradboost.locate import locate_nonfinite
+
+ACTIONS = ("stop", "skip", "restore", "warn")
+
+ADVICE = (
+    "What usually helps: lower the learning rate (by 10-100x); train once in "
+    'float32 (precision="float32") to rule out float16 overflow; guard '
+    "log/sqrt/division against 0 in the loss and custom layers (e.g. "
+    "log(x + eps), sqrt(max(x, eps))); prefer numerically stable ops "
+    "(log-sum-exp, from_logits=True losses)."
+)
+
+
+class NonFiniteError(RuntimeError):
+    """Raised by `NaNWatcher` to end training on a non-finite step.
+
+    Raising (rather than setting `model.stop_training`) skips the
+    end-of-training hooks of other callbacks, so `BackupAndRestore` keeps its
+    backup. The weights are those before the bad step.
+
+    Attributes:
+        event: the `NaNEvent` that ended training.
+    """
+
+    def __init__(self, message, event):
+        super().__init__(message)
+        self.event = event
+
+
+@dataclasses.dataclass
+class NaNEvent:
+    """One non-finite training step.
+
+    Attributes:
+        epoch: 0-based epoch.
+        step: 0-based index of the batch within its epoch, as Keras numbers
+            batches.
+        phase: "forward", "loss" or "backward" (None when not located).
+        layer: name of the layer that produced the first non-finite value.
+        variables: paths of variables with non-finite gradients.
+        float32_finite: for a float16 model, whether the step is finite when
+            replayed in float32 (True: float16 overflow); None otherwise.
+        action_taken: "stopped", "skipped", "restored" or "warned".
+        detail: what the replay saw, in one sentence.
+        dump_path: the `.npz` with the offending batch, if `dump_dir` was set.
+    """
+
+    epoch: int
+    step: int
+    phase: object = None
+    layer: object = None
+    variables: tuple = ()
+    float32_finite: object = None
+    action_taken: str = ""
+    detail: str = ""
+    dump_path: object = None
+
+    def report(self):
+        where = f"epoch {self.epoch}, step {self.step}"
+        lines = [f"NaNWatcher: non-finite training step at {where}."]
+        if self.phase:
+            lines.append(
+                f"  phase: {self.phase}; layer: {self.layer or '-'}; {self.detail}."
+            )
+        if self.variables:
+            shown = ", ".join(self.variables[:6])
+            more = len(self.variables) - 6
+            lines.append(
+                f"  variables with non-finite gradients: {shown}"
+                + (f" and {more} more" if more > 0 else "")
+            )
+        if self.float32_finite is True:
+            lines.append(
+                "  replayed in float32 the step is finite: float16 overflow. "
+                'Use loss scaling (loss_scale="dynamic") or mixed_bfloat16.'
+            )
+        elif self.float32_finite is False:
+            lines.append(
+                "  replayed in float32 the step is still non-finite: not a "
+                "float16 problem."
+            )
+        if self.dump_path:
+            lines.append(f"  batch saved to {self.dump_path}")
+        lines.append(f"  action: {self.action_taken}. {ADVICE}")
+        return "\n".join(lines)
+
+
+class NaNWatcher(keras.callbacks.Callback):
+    """Stops, skips or rolls back a non-finite training step, and says where
+    it came from.
+
+    The check runs inside the compiled train step (with `jit_compile` too): a
+    step whose gradients (or loss) are not finite is never applied to the
+    weights. The callback reads one scalar per batch (Keras reads the logs
+    anyway) and, only when a step went bad, replays that batch eagerly to
+    find the layer that produced the first non-finite value.
+
+    Works with any compiled Keras model: with a `GradBoostModel` the skip is
+    part of its train step; with a plain model the optimizer's
+    `apply_gradients` is wrapped for the duration of `fit` (a model whose
+    optimizer is a `LossScaleOptimizer` already skips non-finite steps, and
+    is refused: use `GradBoostModel` with `loss_scale=`).
+
+    Args:
+        action: what to do after a non-finite step, whose update is skipped
+            in every case: `"stop"` raises `NonFiniteError` (other callbacks'
+            end-of-training hooks do not run, so `BackupAndRestore` keeps its
+            backup); `"skip"` goes on, and stops after `max_skips`
+            consecutive bad steps; `"restore"` rolls weights and optimizer
+            state back to the start of the epoch, multiplies the learning
+            rate by `lr_factor` and goes on; `"warn"` only reports.
+            Defaults to `"stop"`.
+        locate: replay the bad batch to name the layer and phase. Defaults to
+            `True`.
+        dump_dir: a directory to save the bad batch to (`.npz`), or `None`.
+            Defaults to `None`.
+        max_skips: consecutive bad steps tolerated by `"skip"` and
+            `"restore"`. Defaults to `10`.
+        lr_factor: learning-rate factor of `"restore"`. Defaults to `0.5`.
+        verbose: print each event's report. Defaults to `1`.
+
+    Raises:
+        ValueError: for a bad argument.
+
+    Example:
+
+    ```python
+    watcher = keras_gradboost.callbacks.NaNWatcher(action="skip")
+    model.fit(x, y, callbacks=[watcher])
+    print(watcher.events)
+    ```
+    """
+
+    def __init__(
+        self,
+        action="stop",
+        locate=True,
+        dump_dir=None,
+        max_skips=10,
+        lr_factor=0.5,
+        verbose=1,
+    ):
+        super().__init__()
+        if action not in ACTIONS:
+            raise ValueError(
+                "Invalid value for argument `action`. Received: "
+                f"action={action!r}. Expected one of {', '.join(map(repr, ACTIONS))}."
+            )
+        if isinstance(max_skips, bool) or not isinstance(max_skips, int) or max_skips < 1:
+            raise ValueError(
+                "Invalid value for argument `max_skips`. Received: "
+                f"max_skips={max_skips!r}. Expected an int >= 1."
+            )
+        if not 0 < lr_factor < 1:
+            raise ValueError(
+                "Invalid value for argument `lr_factor`. Received: "
+                f"lr_factor={lr_factor!r}. Expected a float in (0, 1)."
+            )
+        self.action = action
+        self.locate = locate
+        self.dump_dir = dump_dir
+        self.max_skips = max_skips
+        self.lr_factor = lr_factor
+        self.verbose = verbose
+        self.events = []
+        self._undo = []
+
+    # ------------------------------------------------------------ set-up
+
+    def on_train_begin(self, logs=None):
+        self.events = []
+        self._consecutive = 0
+        self._epoch = 0
+        self._begin = 0
+        model = self.model
+        from keras_gradboost.model import GradBoostModel
+
+        if isinstance(model, GradBoostModel):
+            facts = model.step_facts
+            previous = facts.checks_gradients
+            facts.checks_gradients = True
+            self._counter = facts.skipped_steps
+            self._undo.append(lambda: setattr(facts, "checks_gradients", previous))
+        else:
+            if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+                raise ValueError(
+                    "NaNWatcher cannot guard a LossScaleOptimizer (it already "
+                    "skips non-finite steps, without saying where they came "
+                    "from). Use keras_gradboost.GradBoostModel with "
+                    'loss_scale="dynamic" instead.'
+                )
+            with model.distribute_strategy.scope():
+                self._counter = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self._undo.append(guard.guard_optimizer(model.optimizer, self._counter))
+        # The train function was made before this hook: make it again with
+        # the checks in, and forget it after training.
+        model.make_train_function(force=True)
+        self._held, undo_hold = hooks.hold_batches(model)
+        self._undo.append(undo_hold)
+        self._undo.append(lambda: setattr(model, "train_function", None))
+        self._seen = int(self._counter.numpy())
+        self._start = self._seen
+        if self.action == "restore":
+            self._snapshot()
+
+    def _teardown(self):
+        while self._undo:
+            self._undo.pop()()
+
+    def on_train_end(self, logs=None):
+        self._teardown()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        if self.action == "restore":
+            self._snapshot()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["nonfinite_steps"] = float(self._seen - self._start)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._begin = batch
+
+    # ------------------------------------------------------------- events
+
+    def on_train_batch_end(self, batch, logs=None):
+        count = int(self._counter.numpy())
+        if count == self._seen:
+            self._consecutive = 0
+            return
+        new = count - self._seen
+        self._seen = count
+        self._consecutive += new
+        event = self._event(batch)
+        self.events.append(event)
+        if logs is not None:
+            logs["nonfinite_steps"] = float(self._seen - self._start)
+        stop = self.action == "stop" or (
+            self.action in ("skip", "restore") and self._consecutive >= self.max_skips
+        )
+        if stop:
+            event.action_taken = "stopped"
+        elif self.action == "restore":
+            self._restore()
+            event.action_taken = "restored"
+        else:
+            event.action_taken = "skipped" if self.action == "skip" else "warned"
+        message = event.report()
+        if self.verbose:
+            print(message, flush=True)
+        if stop:
+            self._teardown()
+            raise NonFiniteError(message, event)
+
+    def _event(self, end_batch):
+        """Locates the first bad batch of the last chunk, if asked."""
+        event = NaNEvent(epoch=self._epoch, step=end_batch)
+        if not self.locate:
+            event.detail = "not located (locate=False)"
+            return event
+        for i, data in enumerate(self._held):
+            finding = locate_nonfinite(self.model, data)
+            if finding.phase is None:
+                continue
+            event.step = self._begin + i
+            event.phase, event.layer = finding.phase, finding.layer
+            event.variables, event.detail = finding.variables, finding.detail
+            if _computes_in_float16(self.model):
+                with _float32_policies(self.model):
+                    event.float32_finite = locate_nonfinite(self.model, data).phase is None
+            if self.dump_dir:
+                event.dump_path = _dump(self.dump_dir, data, event, self.model)
+            return event
+        event.detail = "the replay of the batch was finite (a random layer?)"
+        return event
+
+    # ----------------------------------------------------------- restore
+
+    def _snapshot(self):
+        model = self.model
+        self._weights = model.get_weights()
+        self._optimizer_state = [v.numpy() for v in model.optimizer.variables]
+
+    def _restore(self):
+        model = self.model
+        model.set_weights(self._weights)
+        for v, value in zip(model.optimizer.variables, self._optimizer_state):
+            v.assign(value)
+        lr = model.optimizer.learning_rate
+        model.optimizer.learning_rate = float(np.asarray(lr)) * self.lr_factor
+
+
+def _computes_in_float16(model):
+    return any(l.compute_dtype == "float16" for l in hooks.flatten_layers(model))
+
+
+class _float32_policies:
+    """Temporarily sets every layer's dtype policy to float32."""
+
+    def __init__(self, model):
+        self.layers = hooks.flatten_layers(model)
+
+    def __enter__(self):
+        self.saved = [l.dtype_policy for l in self.layers]
+        for l in self.layers:
+            l.dtype_policy = "float32"
+
+    def __exit__(self, *exc):
+        for l, p in zip(self.layers, self.saved):
+            l.dtype_policy = p
+
+
+def _dump(directory, data, event, model):
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"nonfinite_epoch{event.epoch}_step{event.step}.npz")
+    flat = tf.nest.flatten(as_local_batch(data, model.distribute_strategy))
+    np.savez(path, **{f"arr_{i}": np.asarray(t) for i, t in enumerate(flat)})
+    return path

@@ -1,0 +1,159 @@
+"""Finding the layer that produced the first non-finite value of a step.
+
+The batch is replayed eagerly: every layer's `call` is wrapped (on the
+instance, for the replay only) to record its inputs and outputs in execution
+order, `tf.debugging.check_numerics` style. The producer is the first layer
+whose output is non-finite although its inputs are finite (a layer that only
+passes a NaN on is a propagator, not the producer). If the forward pass is
+finite, the backward pass is searched the same way from the loss down.
+"""
+
+import dataclasses
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_gradboost import hooks
+
+
+@dataclasses.dataclass
+class Finding:
+    """Where a replayed step first went non-finite.
+
+    Attributes:
+        phase: "forward", "loss", "backward", or None if the replay was finite.
+        layer: the name of the producing layer, or None.
+        variables: paths of trainable variables with non-finite gradients.
+        detail: one sentence saying what was seen.
+    """
+
+    phase: object = None
+    layer: object = None
+    variables: tuple = ()
+    detail: str = ""
+
+
+def _floats(structure):
+    return [
+        t
+        for t in tf.nest.flatten(structure)
+        if isinstance(t, (tf.Tensor, tf.Variable, np.ndarray))
+        and tf.as_dtype(t.dtype).is_floating
+    ]
+
+
+def _finite(tensors):
+    return all(bool(tf.reduce_all(tf.math.is_finite(t))) for t in tensors if t is not None)
+
+
+def _leaves(model):
+    """Layers with no sublayers of their own (producers are leaves)."""
+    return [
+        l
+        for l in hooks.flatten_layers(model, include_self=False)
+        if not hooks.flatten_layers(l, include_self=False)
+    ]
+
+
+def as_local_batch(data, strategy):
+    """Concatenates per-replica batch parts into one batch."""
+
+    def local(v):
+        if isinstance(v, tf.distribute.DistributedValues):
+            return tf.concat(strategy.experimental_local_results(v), axis=0)
+        return v
+
+    return tf.nest.map_structure(local, data)
+
+
+def locate_nonfinite(model, data):
+    """Replays one training batch eagerly and finds where it went non-finite.
+
+    The model's state is left as it was: non-trainable variables (e.g.
+    BatchNormalization statistics) and metric variables are restored after
+    the replay, and no weight is updated.
+
+    Args:
+        model: a compiled Keras model.
+        data: one batch as `fit` sees it: `x`, `(x, y)` or
+            `(x, y, sample_weight)`.
+
+    Returns:
+        A `Finding`.
+    """
+    data = as_local_batch(data, model.distribute_strategy)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    leaves = _leaves(model)
+    records = []  # (layer, inputs, outputs), in the order calls complete
+
+    def recording(layer, original):
+        def call(*args, **kwargs):
+            outputs = original(*args, **kwargs)
+            records.append((layer, _floats((args, kwargs)), _floats(outputs)))
+            return outputs
+
+        return call
+
+    saved = [(v, v.numpy()) for v in model.non_trainable_variables + model.metrics_variables]
+    for layer in leaves:
+        layer.call = recording(layer, layer.call)
+    try:
+        with tf.GradientTape(persistent=True) as tape:
+            for t in _floats(x):
+                if isinstance(t, tf.Tensor):
+                    tape.watch(t)
+            if hooks.call_has_training_arg(model):
+                y_pred = model(x, training=True)
+            else:
+                y_pred = model(x)
+            loss = hooks.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+        return _analyse(model, records, loss, tape)
+    finally:
+        for layer in leaves:
+            del layer.call
+        for v, value in saved:
+            v.assign(value)
+        del tape
+
+
+def _analyse(model, records, loss, tape):
+    for layer, inputs, outputs in records:
+        if not _finite(outputs):
+            if _finite(inputs):
+                return Finding(
+                    "forward",
+                    layer.name,
+                    detail=f"layer '{layer.name}' produced a non-finite output "
+                    "from finite inputs",
+                )
+            return Finding(
+                "forward",
+                layer.name,
+                detail=f"the input of layer '{layer.name}' was already "
+                "non-finite (made by an operation that is not a layer, or by "
+                "the data)",
+            )
+    if not _finite([loss]):
+        return Finding("loss", None, detail="the model's outputs are finite but the loss is not")
+
+    variables = model.trainable_variables
+    var_grads = tape.gradient(loss, variables)
+    bad_vars = tuple(
+        v.path for v, g in zip(variables, var_grads) if g is not None and not _finite([g])
+    )
+    for layer, inputs, outputs in reversed(records):
+        out_grads = tape.gradient(loss, outputs) if outputs else []
+        in_grads = tape.gradient(loss, inputs) if inputs else []
+        own = [g for v, g in zip(variables, var_grads) if any(v is w for w in layer.trainable_variables)]
+        if _finite(out_grads) and not (_finite(in_grads) and _finite(own)):
+            return Finding(
+                "backward",
+                layer.name,
+                bad_vars,
+                detail=f"the gradient turned non-finite inside layer "
+                f"'{layer.name}' (its output gradient is finite)",
+            )
+    if bad_vars:
+        return Finding("backward", None, bad_vars, detail="non-finite variable gradients")
+    return Finding(detail="the replayed step was finite")
