@@ -71,3 +71,33 @@ def test_functional_class_and_detection():
 
 def test_check_runs_every_hook():
     assert hooks.check() is True
+
+
+def test_hold_batches_keeps_the_last_chunk_and_undoes():
+    import tensorflow as tf
+
+    model = _model()
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    x = np.arange(12, dtype="float32").reshape(4, 3)
+    y = np.zeros((4, 2), "float32")
+    model.fit(x, y, batch_size=1, verbose=0)  # makes the train function
+    original = model.train_function
+    held, undo = hooks.hold_batches(model)
+    ds = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(1))
+    model.train_function(ds)
+    assert len(held) == 2
+    np.testing.assert_array_equal(held[1][0].numpy(), x[1:2])
+    model.train_function(ds)
+    np.testing.assert_array_equal(held[0][0].numpy(), x[2:3])
+    try:
+        model.train_function(ds)
+        raise AssertionError("expected StopIteration at the end of the data")
+    except StopIteration:
+        pass
+    undo()
+    assert model.train_function is original
+
+
+def test_fit_validation_flag():
+    assert hooks.is_fit_validation({"_use_cached_eval_dataset": True})
+    assert not hooks.is_fit_validation({})

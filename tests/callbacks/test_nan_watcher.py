@@ -1,0 +1,289 @@
+"""NaNWatcher against planted faults at known layers and steps."""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+from keras_gradboost import GradBoostModel
+from keras_gradboost.callbacks import NaNWatcher
+from keras_gradboost.callbacks import NonFiniteError
+
+BAD_STEP = 5  # batch 5 of 8 (batch size 5) holds the poisoned sample
+
+
+class BadLog(keras.layers.Layer):
+    """log(x): NaN in the forward pass where x < 0."""
+
+    def call(self, x):
+        return tf.math.log(x)
+
+
+class SqrtLayer(keras.layers.Layer):
+    """sqrt(x): finite forward at x = 0, infinite gradient there."""
+
+    def call(self, x):
+        return tf.sqrt(x)
+
+
+def _data(poison=True):
+    x = np.abs(np.random.default_rng(0).normal(size=(40, 3))).astype("float32") + 1.0
+    if poison:
+        x[BAD_STEP * 5 + 2] = -100.0
+    y = np.ones((40, 2), "float32")
+    return x, y
+
+
+def _functional(cls=keras.Model, fault=BadLog):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(4, name="d1")(inputs)
+    h = fault(name="fault")(h)
+    outputs = keras.layers.Dense(2, name="out")(h)
+    model = cls(inputs, outputs)
+    _positive_first_layer(model)
+    return model
+
+
+def _sequential(cls=None, fault=BadLog):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(4, name="d1"),
+            fault(name="fault"),
+            keras.layers.Dense(2, name="out"),
+        ]
+    )
+    _positive_first_layer(model)
+    return model
+
+
+class Subclassed(keras.Model):
+    def __init__(self, fault=BadLog):
+        super().__init__()
+        self.d1 = keras.layers.Dense(4, name="d1")
+        self.fault = fault(name="fault")
+        self.out = keras.layers.Dense(2, name="out")
+
+    def call(self, x):
+        return self.out(self.fault(self.d1(x)))
+
+
+def _subclassed(cls=None, fault=BadLog):
+    keras.utils.set_random_seed(0)
+    model = Subclassed(fault)
+    model(np.ones((1, 3), "float32"))
+    _positive_first_layer(model)
+    return model
+
+
+def _positive_first_layer(model):
+    # d1(x) = [x, 1] for x >= 1: finite log/sqrt except for the poisoned row.
+    d1 = next(l for l in model.layers if l.name == "d1")
+    d1.set_weights([np.eye(3, 4, dtype="float32"), np.ones(4, "float32")])
+
+
+def _weights_before_bad_step(build, x, y, skip_bad=False, steps=BAD_STEP):
+    """Independent reference: the same model trained without the watcher on
+    the batches it should have applied."""
+    ref = build()
+    ref.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    for b in range(steps):
+        if skip_bad and b == BAD_STEP:
+            continue
+        ref.train_on_batch(x[b * 5 : b * 5 + 5], y[b * 5 : b * 5 + 5])
+    return ref.get_weights()
+
+
+def _assert_weights(model, expected):
+    for a, b in zip(model.get_weights(), expected):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+BUILDERS = {"functional": _functional, "sequential": _sequential, "subclassed": _subclassed}
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_stop_names_layer_and_keeps_last_good_weights(kind, jit_compile):
+    build = BUILDERS[kind]
+    x, y = _data()
+    model = build()
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=jit_compile)
+    watcher = NaNWatcher(verbose=0)
+    with pytest.raises(NonFiniteError) as info:
+        model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    event = info.value.event
+    assert watcher.events == [event]
+    assert (event.epoch, event.step, event.phase, event.layer) == (0, BAD_STEP, "forward", "fault")
+    assert event.action_taken == "stopped"
+    assert event.float32_finite is None  # a float32 model
+    assert "fault" in str(info.value) and "learning rate" in str(info.value)
+    assert int(model.optimizer.iterations.numpy()) == BAD_STEP
+    _assert_weights(model, _weights_before_bad_step(build, x, y))
+
+
+@pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
+def test_skip_drops_only_the_bad_step(cls):
+    x, y = _data()
+    model = _functional(cls)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    watcher = NaNWatcher(action="skip", verbose=0)
+    history = model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    assert [(e.step, e.layer, e.action_taken) for e in watcher.events] == [(BAD_STEP, "fault", "skipped")]
+    assert history.history["nonfinite_steps"] == [1.0]
+    assert int(model.optimizer.iterations.numpy()) == 7
+    _assert_weights(model, _weights_before_bad_step(lambda: _functional(cls), x, y, skip_bad=True, steps=8))
+
+
+def test_skip_stops_after_max_skips_consecutive_bad_steps():
+    x, y = _data()
+    x[:] = -1.0  # every step bad
+    model = _functional()
+    model.compile(optimizer="sgd", loss="mse")
+    watcher = NaNWatcher(action="skip", max_skips=3, verbose=0)
+    with pytest.raises(NonFiniteError):
+        model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    assert [e.action_taken for e in watcher.events] == ["skipped", "skipped", "stopped"]
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_restore_rolls_back_to_epoch_start_and_lowers_learning_rate():
+    x, y = _data()
+    model = _functional()
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    start = model.get_weights()
+    watcher = NaNWatcher(action="restore", lr_factor=0.5, verbose=0)
+    model.fit(x[: (BAD_STEP + 1) * 5], y[: (BAD_STEP + 1) * 5], batch_size=5,
+              shuffle=False, verbose=0, callbacks=[watcher])
+    assert watcher.events[0].action_taken == "restored"
+    _assert_weights(model, start)  # the bad step was the epoch's last
+    np.testing.assert_allclose(float(model.optimizer.learning_rate.numpy()), 0.005)
+
+
+def test_warn_reports_and_goes_on(capsys):
+    x, y = _data()
+    model = _functional()
+    model.compile(optimizer="sgd", loss="mse")
+    watcher = NaNWatcher(action="warn")
+    model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    out = capsys.readouterr().out
+    assert f"epoch 0, step {BAD_STEP}" in out and "layer: fault" in out
+    assert "action: warned" in out
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_backward_only_fault_is_located_in_backward(kind):
+    x, y = _data(poison=False)
+    x[BAD_STEP * 5 + 1] = [-1.0, 1.0, 1.0]  # d1 -> [-1, ...]; relu below makes 0
+    keras.utils.set_random_seed(0)
+
+    class ReluSqrt(SqrtLayer):
+        def call(self, x):
+            return tf.sqrt(tf.nn.relu(x))  # finite value, infinite gradient at 0
+
+    model = BUILDERS[kind](fault=ReluSqrt)
+    model.compile(optimizer="sgd", loss="mse")
+    watcher = NaNWatcher(verbose=0)
+    with pytest.raises(NonFiniteError):
+        model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    event = watcher.events[0]
+    assert (event.step, event.phase, event.layer) == (BAD_STEP, "backward", "fault")
+    assert any("d1/" in v for v in event.variables)
+
+
+def test_float16_overflow_is_finite_in_float32():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(4, name="d1")(inputs)
+    h = keras.layers.Dense(4, name="big")(h)
+    outputs = keras.layers.Dense(2, name="out")(h)
+    model = GradBoostModel(inputs, outputs)
+    model.get_layer("d1").set_weights([np.eye(3, 4, dtype="float32"), np.zeros(4, "float32")])
+    model.compile(  # lr 0: the weights (and so the overflow) stay as planted
+        optimizer=keras.optimizers.SGD(0.0),
+        loss="mse",
+        precision="mixed_float16",
+        loss_scale=None,
+        jit_compile=True,
+    )
+    x, y = _data(poison=False)
+    x[BAD_STEP * 5] = 3e4  # fits float16; 1e3 * 9e4 does not: inf in "big" only
+    model.get_layer("big").set_weights([np.full((4, 4), 1e3, "float32"), np.zeros(4, "float32")])
+    model.get_layer("out").set_weights([np.full((4, 2), 1e-4, "float32"), np.zeros(2, "float32")])
+    watcher = NaNWatcher(action="skip", verbose=0)
+    model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    event = watcher.events[0]
+    assert (event.step, event.phase, event.layer) == (BAD_STEP, "forward", "big")
+    assert event.float32_finite is True
+    assert "float16 overflow" in event.report()
+
+
+def test_gradboost_accumulation_skips_the_bad_micro_batch():
+    x, y = _data()
+    model = _functional(GradBoostModel)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", accumulate_steps=4)
+    watcher = NaNWatcher(action="skip", verbose=0)
+    model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    assert [(e.step, e.layer) for e in watcher.events] == [(BAD_STEP, "fault")]
+    assert int(model.optimizer.iterations.numpy()) == 2
+    # Reference: one large step on micro-batches 0-3, one on 4, 6, 7.
+    ref = _functional()
+    ref.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    ref.train_on_batch(x[:20], y[:20])
+    keep = np.r_[20:25, 30:40]
+    ref.train_on_batch(x[keep], y[keep])
+    _assert_weights(model, ref.get_weights())
+
+
+def test_stop_keeps_backup_and_checkpoint(tmp_path):
+    x, y = _data()
+    backup = str(tmp_path / "backup")
+    ckpt = str(tmp_path / "ckpt.weights.h5")
+    model = _functional()
+    model.compile(optimizer="sgd", loss="mse")
+    callbacks = [
+        keras.callbacks.BackupAndRestore(backup, save_freq=2),
+        keras.callbacks.ModelCheckpoint(ckpt, save_weights_only=True, save_freq=2),
+        NaNWatcher(verbose=0),
+    ]
+    with pytest.raises(NonFiniteError):
+        model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=callbacks)
+    assert os.path.isdir(backup) and os.listdir(backup)
+    assert os.path.exists(ckpt)
+
+
+def test_dump_dir_saves_the_offending_batch(tmp_path):
+    x, y = _data()
+    model = _functional()
+    model.compile(optimizer="sgd", loss="mse")
+    watcher = NaNWatcher(action="skip", dump_dir=str(tmp_path), verbose=0)
+    model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    saved = np.load(watcher.events[0].dump_path)
+    np.testing.assert_array_equal(saved["arr_0"], x[BAD_STEP * 5 : BAD_STEP * 5 + 5])
+
+
+def test_watcher_is_removed_after_fit():
+    x, y = _data(poison=False)
+    model = _functional()
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=5, verbose=0, callbacks=[NaNWatcher(verbose=0)])
+    assert "apply_gradients" not in vars(model.optimizer)
+    assert model.train_function is None  # made again, unguarded, by the next fit
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"action": "explode"}, "action='explode'"),
+        ({"max_skips": 0}, "max_skips=0"),
+        ({"lr_factor": 2.0}, "lr_factor=2.0"),
+    ],
+)
+def test_bad_arguments(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        NaNWatcher(**kwargs)
