@@ -177,6 +177,8 @@ class NaNWatcher(keras.callbacks.Callback):
         self.verbose = verbose
         self.events = []
         self._undo = []
+        # (model/optimizer/function key, guarded train function, counter)
+        self._guarded = None
 
     # ------------------------------------------------------------ set-up
 
@@ -188,12 +190,18 @@ class NaNWatcher(keras.callbacks.Callback):
         model = self.model
         from keras_gradboost.model import GradBoostModel
 
+        # fit() made the train function before this hook: make one with the
+        # checks in (traced once, and kept for later fits of the same compiled
+        # model), and give fit() its own function back afterwards.
+        plain = model.train_function
+        key = (id(model), id(model.optimizer), id(plain))
+        fresh = self._guarded is None or self._guarded[0] != key
         if isinstance(model, GradBoostModel):
             facts = model.step_facts
             previous = facts.checks_gradients
             facts.checks_gradients = True
-            self._counter = facts.skipped_steps
             self._undo.append(lambda: setattr(facts, "checks_gradients", previous))
+            counter = facts.skipped_steps
         else:
             if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
                 raise ValueError(
@@ -202,15 +210,20 @@ class NaNWatcher(keras.callbacks.Callback):
                     "from). Use keras_gradboost.GradBoostModel with "
                     'loss_scale="dynamic" instead.'
                 )
-            with model.distribute_strategy.scope():
-                self._counter = tf.Variable(0, dtype=tf.int64, trainable=False)
-            self._undo.append(guard.guard_optimizer(model.optimizer, self._counter))
-        # The train function was made before this hook: make it again with
-        # the checks in, and forget it after training.
-        model.make_train_function(force=True)
+            if fresh:
+                with model.distribute_strategy.scope():
+                    counter = tf.Variable(0, dtype=tf.int64, trainable=False)
+            else:
+                counter = self._guarded[2]
+            self._undo.append(guard.guard_optimizer(model.optimizer, counter))
+        if fresh:
+            model.make_train_function(force=True)
+            self._guarded = (key, model.train_function, counter)
+        model.train_function = self._guarded[1]
+        self._undo.append(lambda: setattr(model, "train_function", plain))
+        self._counter = counter
         self._held, undo_hold = hooks.hold_batches(model)
         self._undo.append(undo_hold)
-        self._undo.append(lambda: setattr(model, "train_function", None))
         self._seen = int(self._counter.numpy())
         self._start = self._seen
         if self.action == "restore":

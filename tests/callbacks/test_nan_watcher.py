@@ -267,13 +267,21 @@ def test_dump_dir_saves_the_offending_batch(tmp_path):
     np.testing.assert_array_equal(saved["arr_0"], x[BAD_STEP * 5 : BAD_STEP * 5 + 5])
 
 
-def test_watcher_is_removed_after_fit():
-    x, y = _data(poison=False)
+def test_watcher_is_removed_after_fit_and_reused_without_retracing():
+    x, y = _data()
     model = _functional()
-    model.compile(optimizer="sgd", loss="mse")
-    model.fit(x, y, batch_size=5, verbose=0, callbacks=[NaNWatcher(verbose=0)])
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")  # only the planted fault
+    watcher = NaNWatcher(action="skip", verbose=0)
+    model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    assert [e.step for e in watcher.events] == [BAD_STEP]
+    plain = model.train_function
     assert "apply_gradients" not in vars(model.optimizer)
-    assert model.train_function is None  # made again, unguarded, by the next fit
+    guarded = watcher._guarded[1]
+    assert guarded is not plain
+    model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    assert watcher._guarded[1] is guarded  # the same traced function
+    assert [e.step for e in watcher.events] == [BAD_STEP]  # still guarded
+    assert model.train_function is plain
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,98 @@
+"""NaNWatcher overhead: step time with vs without the callback.
+
+MLP 784-1024-1024-10, batch 256, Adam, CPU, `model.fit` (so callback costs
+count). Every configuration is warmed up, then timed in interleaved rounds
+(every configuration once per round, in a shuffled order) in this one
+process; a ratio A/B is the median over rounds of A's time over B's time in
+the same round. `tf.debugging.enable_check_numerics()` is printed for
+comparison (its model is traced while it is on; its checks stay in that
+model's graph only).
+
+    python benchmarks/bench_nan_watcher.py [--steps 32] [--rounds 11]
+"""
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+
+import keras  # noqa: E402
+from keras_gradboost import zoo  # noqa: E402
+from keras_gradboost.callbacks import NaNWatcher  # noqa: E402
+
+BATCH = 256
+
+
+def make(kind):
+    model = zoo.mlp(cls=keras.Model if kind == "keras" else None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
+    return model
+
+
+def time_fit(model, ds, steps, callbacks):
+    start = time.perf_counter()
+    model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=callbacks)
+    return (time.perf_counter() - start) / steps
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=11)
+    args = parser.parse_args(argv)
+    x, y = zoo.classification_data(BATCH * 8)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat().prefetch(2)
+
+    # name: (model, callbacks)
+    configs = {}
+    for kind in ("keras", "gradboost"):
+        configs[f"{kind}"] = (make(kind), [])
+        # One watcher per model, as in one long fit: its guarded train
+        # function is traced once (in the warm-up), not once per round.
+        configs[f"{kind}+watcher"] = (make(kind), [NaNWatcher(verbose=0)])
+    tf.debugging.enable_check_numerics()
+    checked = make("keras")
+    time_fit(checked, ds, 2, [])  # traced with the checks in
+    tf.debugging.disable_check_numerics()
+    configs["keras+enable_check_numerics"] = (checked, [])
+
+    for model, callbacks in configs.values():  # warm-up
+        time_fit(model, ds, 4, callbacks)
+    samples = {name: [] for name in configs}
+    order = list(configs)
+    rng = random.Random(0)
+    for _ in range(args.rounds):
+        rng.shuffle(order)
+        for name in order:
+            model, callbacks = configs[name]
+            samples[name].append(time_fit(model, ds, args.steps, callbacks))
+
+    def ratio(a, b):
+        return statistics.median(p / q for p, q in zip(samples[a], samples[b]))
+
+    print(
+        f"TF {tf.__version__}, Keras {keras.__version__}; MLP 784-1024-1024-10, "
+        f"batch {BATCH}, Adam, fit; {args.steps} steps x {args.rounds} rounds"
+    )
+    rows = [
+        ("GradBoostModel + NaNWatcher / GradBoostModel", ratio("gradboost+watcher", "gradboost"), 1.02),
+        ("keras.Model + NaNWatcher / keras.Model", ratio("keras+watcher", "keras"), 1.03),
+        ("keras.Model + enable_check_numerics / keras.Model", ratio("keras+enable_check_numerics", "keras"), None),
+    ]
+    for label, value, target in rows:
+        verdict = "" if target is None else (f"  (target <= {target:.2f}) " + ("ok" if value <= target else "OVER TARGET"))
+        print(f"  {label:<52} {value:6.3f}x{verdict}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
