@@ -86,13 +86,18 @@ def check():
     return True
 
 
-def hold_batches(model):
+def hold_batches(model, extra_logs=None):
     """Wraps `model.train_function` so the batches of the last call stay
     reachable, at no cost (the tensors exist anyway; nothing is copied).
 
     Keras' train function takes an iterator; given a list of batches it runs
     its compiled one-step function on each, which is what this wrapper does
     after drawing up to `steps_per_execution` batches itself.
+
+    Args:
+        model: a Keras model whose train function is made.
+        extra_logs: optional callable returning a dict merged into the logs
+            of every call (so the progress bar and History show it).
 
     Returns:
         `(held, undo)`: the list that holds the last call's batches, and a
@@ -119,7 +124,10 @@ def hold_batches(model):
         if not batches:
             raise StopIteration
         held[:] = batches
-        return original(batches)
+        logs = original(batches)
+        if extra_logs is not None:
+            logs = {**logs, **extra_logs()}
+        return logs
 
     model.train_function = function
 

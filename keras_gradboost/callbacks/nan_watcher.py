@@ -108,6 +108,9 @@ class NaNWatcher(keras.callbacks.Callback):
     anyway) and, only when a step went bad, replays that batch eagerly to
     find the layer that produced the first non-finite value.
 
+    `logs["nonfinite_steps"]` (bad steps in this `fit`) shows in the progress
+    bar and History.
+
     Works with any compiled Keras model: with a `GradBoostModel` the skip is
     part of its train step; with a plain model the optimizer's
     `apply_gradients` is wrapped for the duration of `fit` (a model whose
@@ -120,9 +123,9 @@ class NaNWatcher(keras.callbacks.Callback):
             end-of-training hooks do not run, so `BackupAndRestore` keeps its
             backup); `"skip"` goes on, and stops after `max_skips`
             consecutive bad steps; `"restore"` rolls weights and optimizer
-            state back to the start of the epoch, multiplies the learning
-            rate by `lr_factor` and goes on; `"warn"` only reports.
-            Defaults to `"stop"`.
+            state back to their copy from the start of the epoch (one host
+            copy per epoch), multiplies the learning rate by `lr_factor` and
+            goes on; `"warn"` only reports. Defaults to `"stop"`.
         locate: replay the bad batch to name the layer and phase. Defaults to
             `True`.
         dump_dir: a directory to save the bad batch to (`.npz`), or `None`.
@@ -222,10 +225,14 @@ class NaNWatcher(keras.callbacks.Callback):
         model.train_function = self._guarded[1]
         self._undo.append(lambda: setattr(model, "train_function", plain))
         self._counter = counter
-        self._held, undo_hold = hooks.hold_batches(model)
-        self._undo.append(undo_hold)
         self._seen = int(self._counter.numpy())
         self._start = self._seen
+        start = tf.constant(self._start, tf.int64)
+        self._held, undo_hold = hooks.hold_batches(
+            model,
+            extra_logs=lambda: {"nonfinite_steps": counter.read_value() - start},
+        )
+        self._undo.append(undo_hold)
         if self.action == "restore":
             self._snapshot()
 
@@ -240,10 +247,6 @@ class NaNWatcher(keras.callbacks.Callback):
         self._epoch = epoch
         if self.action == "restore":
             self._snapshot()
-
-    def on_epoch_end(self, epoch, logs=None):
-        if logs is not None:
-            logs["nonfinite_steps"] = float(self._seen - self._start)
 
     def on_train_batch_begin(self, batch, logs=None):
         self._begin = batch
@@ -260,8 +263,6 @@ class NaNWatcher(keras.callbacks.Callback):
         self._consecutive += new
         event = self._event(batch)
         self.events.append(event)
-        if logs is not None:
-            logs["nonfinite_steps"] = float(self._seen - self._start)
         stop = self.action == "stop" or (
             self.action in ("skip", "restore") and self._consecutive >= self.max_skips
         )

@@ -127,14 +127,15 @@ def test_stop_names_layer_and_keeps_last_good_weights(kind, jit_compile):
 
 
 @pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
-def test_skip_drops_only_the_bad_step(cls):
+def test_skip_drops_only_the_bad_step(cls, capsys):
     x, y = _data()
     model = _functional(cls)
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     watcher = NaNWatcher(action="skip", verbose=0)
-    history = model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    history = model.fit(x, y, batch_size=5, shuffle=False, verbose=1, callbacks=[watcher])
     assert [(e.step, e.layer, e.action_taken) for e in watcher.events] == [(BAD_STEP, "fault", "skipped")]
     assert history.history["nonfinite_steps"] == [1.0]
+    assert "nonfinite_steps: 1" in capsys.readouterr().out  # the progress bar
     assert int(model.optimizer.iterations.numpy()) == 7
     _assert_weights(model, _weights_before_bad_step(lambda: _functional(cls), x, y, skip_bad=True, steps=8))
 
