@@ -186,6 +186,7 @@ class NaNWatcher(keras.callbacks.Callback):
     # ------------------------------------------------------------ set-up
 
     def on_train_begin(self, logs=None):
+        self._teardown()  # leftovers of a fit() that ended in an exception
         self.events = []
         self._consecutive = 0
         self._epoch = 0
