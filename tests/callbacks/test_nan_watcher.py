@@ -296,3 +296,17 @@ def test_watcher_is_removed_after_fit_and_reused_without_retracing():
 def test_bad_arguments(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         NaNWatcher(**kwargs)
+
+
+def test_mirrored_strategy_plain_model_skip():
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
+    x, y = _data()
+    with tf.distribute.MirroredStrategy(devices).scope():
+        model = _functional()
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    watcher = NaNWatcher(action="skip", verbose=0)
+    model.fit(x, y, batch_size=10, shuffle=False, verbose=0, callbacks=[watcher])
+    # Batch 2 (samples 20-29) holds the poisoned sample 27, on replica 1 only.
+    assert [(e.step, e.phase, e.layer) for e in watcher.events] == [(2, "forward", "fault")]
+    assert model.optimizer.iterations.numpy() == 3
+    assert all(np.isfinite(w).all() for w in model.get_weights())
