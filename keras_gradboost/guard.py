@@ -18,6 +18,13 @@ def nonfinite_indicator(loss, grads):
     return tf.cast(tf.logical_not(finite), tf.float32)
 
 
+def with_nones(present, mask):
+    """Puts `None` back where `mask` is False: the inverse of dropping the
+    `None` gradients (which cannot cross a `merge_call`)."""
+    it = iter(present)
+    return [next(it) if m else None for m in mask]
+
+
 def sum_over_replicas(strategy, value):
     """Sum of a per-replica scalar, in cross-replica context, with local ops
     (no collective: this process holds every replica of a MirroredStrategy;
@@ -47,16 +54,12 @@ def guard_optimizer(optimizer, counter):
         present = [g for g, _ in pairs if g is not None]
         bad = nonfinite_indicator(None, present)
 
-        def with_nones(grads):
-            it = iter(grads)
-            return [next(it) if m else None for m in mask]
-
         def merge_fn(strategy, bad, present):
             finite = tf.equal(sum_over_replicas(strategy, bad), 0.0)
             counter.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
 
             def apply_replica(grads):
-                original(zip(with_nones(grads), variables))
+                original(zip(with_nones(grads, mask), variables))
 
             def apply():
                 strategy.extended.call_for_each_replica(apply_replica, args=(present,))

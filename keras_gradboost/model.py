@@ -337,8 +337,7 @@ class GradBoostModel(keras.Model):
         variables = self.trainable_weights
 
         def with_nones(present):
-            it = iter(present)
-            return [next(it) if m else None for m in rt.grad_mask]
+            return guard.with_nones(present, rt.grad_mask)
 
         finite = None
         if bad is not None:
