@@ -47,15 +47,6 @@ def _finite(tensors):
     return all(bool(tf.reduce_all(tf.math.is_finite(t))) for t in tensors if t is not None)
 
 
-def _leaves(model):
-    """Layers with no sublayers of their own (producers are leaves)."""
-    return [
-        l
-        for l in hooks.flatten_layers(model, include_self=False)
-        if not hooks.flatten_layers(l, include_self=False)
-    ]
-
-
 def as_local_batch(data, strategy):
     """Concatenates per-replica batch parts into one batch."""
 
@@ -84,7 +75,11 @@ def locate_nonfinite(model, data):
     """
     data = as_local_batch(data, model.distribute_strategy)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    leaves = _leaves(model)
+    # Every layer, nested ones too. Calls complete innermost first, so the
+    # first record with finite inputs and a non-finite output is the
+    # innermost layer that produced it (a block computing `log` itself is
+    # named, not the Dense inside it).
+    layers = hooks.flatten_layers(model, include_self=False)
     records = []  # (layer, inputs, outputs), in the order calls complete
 
     def recording(layer, original):
@@ -96,7 +91,7 @@ def locate_nonfinite(model, data):
         return call
 
     saved = [(v, v.numpy()) for v in model.non_trainable_variables + model.metrics_variables]
-    for layer in leaves:
+    for layer in layers:
         layer.call = recording(layer, layer.call)
     try:
         with tf.GradientTape(persistent=True) as tape:
@@ -108,32 +103,42 @@ def locate_nonfinite(model, data):
             else:
                 y_pred = model(x)
             loss = hooks.compute_loss(model, x, y, y_pred, sample_weight, training=True)
-        return _analyse(model, records, loss, tape)
+        return _analyse(model, records, y_pred, loss, tape)
     finally:
-        for layer in leaves:
+        for layer in layers:
             del layer.call
         for v, value in saved:
             v.assign(value)
         del tape
 
 
-def _analyse(model, records, loss, tape):
+def _analyse(model, records, y_pred, loss, tape):
+    first_bad = None
     for layer, inputs, outputs in records:
-        if not _finite(outputs):
-            if _finite(inputs):
-                return Finding(
-                    "forward",
-                    layer.name,
-                    detail=f"layer '{layer.name}' produced a non-finite output "
-                    "from finite inputs",
-                )
+        if _finite(outputs):
+            continue
+        if _finite(inputs):
             return Finding(
                 "forward",
                 layer.name,
-                detail=f"the input of layer '{layer.name}' was already "
-                "non-finite (made by an operation that is not a layer, or by "
-                "the data)",
+                detail=f"layer '{layer.name}' produced a non-finite output "
+                "from finite inputs",
             )
+        first_bad = first_bad or layer
+    if first_bad is not None:
+        return Finding(
+            "forward",
+            None,
+            detail=f"a non-finite value reached layer '{first_bad.name}' from "
+            "its input: the data, or an operation that is not a layer",
+        )
+    if not _finite(_floats(y_pred)):
+        return Finding(
+            "forward",
+            None,
+            detail="every layer's output is finite but the model's output is "
+            "not: an operation that is not a layer produced it",
+        )
     if not _finite([loss]):
         return Finding("loss", None, detail="the model's outputs are finite but the loss is not")
 
@@ -142,11 +147,23 @@ def _analyse(model, records, loss, tape):
     bad_vars = tuple(
         v.path for v, g in zip(variables, var_grads) if g is not None and not _finite([g])
     )
+    # From the loss down: layers whose output gradient is finite but whose
+    # input or weight gradient is not. A block containing such a layer also
+    # qualifies; the innermost one is the producer.
+    candidates = []
     for layer, inputs, outputs in reversed(records):
         out_grads = tape.gradient(loss, outputs) if outputs else []
         in_grads = tape.gradient(loss, inputs) if inputs else []
-        own = [g for v, g in zip(variables, var_grads) if any(v is w for w in layer.trainable_variables)]
+        own = [
+            g
+            for v, g in zip(variables, var_grads)
+            if any(v is w for w in layer.trainable_variables)
+        ]
         if _finite(out_grads) and not (_finite(in_grads) and _finite(own)):
+            candidates.append(layer)
+    for layer in candidates:
+        inner = hooks.flatten_layers(layer, include_self=False)
+        if not any(c is not layer and c in inner for c in candidates):
             return Finding(
                 "backward",
                 layer.name,
