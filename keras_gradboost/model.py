@@ -307,10 +307,13 @@ class GradBoostModel(keras.Model):
         if not check:
             rt.facts.last_step_finite.assign(tf.math.is_finite(batch_loss))
         if check or accumulating:
-            bad = guard.nonfinite_indicator(batch_loss, grads) if check else None
+            bad = loss_bad = None
+            if check:
+                bad = guard.nonfinite_indicator(batch_loss, grads)
+                loss_bad = guard.nonfinite_indicator(batch_loss, [])
             present = [g for g in grads if g is not None]
             tf.distribute.get_replica_context().merge_call(
-                self._decide, args=(present, n, bad)
+                self._decide, args=(present, n, bad, loss_bad)
             )
         else:
             # Exactly Keras' own step.
@@ -323,7 +326,7 @@ class GradBoostModel(keras.Model):
             logs["skipped_steps"] = rt.facts.skipped_steps.read_value()
         return logs
 
-    def _decide(self, strategy, present_grads, n, bad):
+    def _decide(self, strategy, present_grads, n, bad, loss_bad):
         """The cross-replica part of a step: one decision for all replicas.
 
         Decisions (is the step finite, is an update due) are made here from
@@ -342,7 +345,8 @@ class GradBoostModel(keras.Model):
         finite = None
         if bad is not None:
             finite = tf.equal(guard.sum_over_replicas(strategy, bad), 0.0)
-            each(self._record_finiteness, args=(finite,))
+            loss_finite = tf.equal(guard.sum_over_replicas(strategy, loss_bad), 0.0)
+            each(self._record_finiteness, args=(finite, loss_finite))
 
         def when_finite(fn, *args):
             def run():
@@ -370,8 +374,21 @@ class GradBoostModel(keras.Model):
             due, lambda: self._apply_accumulated(strategy, variables), lambda: None
         )
 
-    def _record_finiteness(self, finite):
+    def _record_finiteness(self, finite, loss_finite):
         rt = self._gradboost
+        genuine = tf.logical_not(finite)
+        if rt.scaler is not None and rt.scaler.dynamic:
+            # An overflow of the scaled backward pass is the dynamic scale's
+            # normal search; only an unscaled non-finite loss, or an overflow
+            # at the floor scale, is a real non-finite step.
+            genuine = tf.logical_and(
+                genuine,
+                tf.logical_or(
+                    tf.logical_not(loss_finite),
+                    rt.scaler.scale <= precision_lib.SCALE_FLOOR,
+                ),
+            )
+        rt.facts.nonfinite_steps.assign_add(tf.cast(genuine, tf.int64))
         if rt.scaler is not None:
             rt.scaler.update(finite)
         rt.facts.last_step_finite.assign(finite)

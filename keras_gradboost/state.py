@@ -40,6 +40,11 @@ class StepFacts:
             because their gradients were not finite, since `compile()`.
         checked_steps: int64 variable: micro-batches whose gradients were
             checked for finiteness, since `compile()`.
+        nonfinite_steps: int64 variable: skipped micro-batches that were
+            non-finite for real, since `compile()`: all skips without a
+            dynamic loss scale; with one, those whose unscaled loss was
+            non-finite or that overflowed at the floor scale (the scale's
+            ordinary overflows while it searches are not counted).
         none_gradient_variables: tuple of the paths of trainable variables that
             got a `None` gradient when the step was last traced.
         checks_gradients: whether the traced step checks gradients for
@@ -54,6 +59,7 @@ class StepFacts:
         )
         self.skipped_steps = replica_local_variable(0, "skipped_steps", tf.int64)
         self.checked_steps = replica_local_variable(0, "checked_steps", tf.int64)
+        self.nonfinite_steps = replica_local_variable(0, "nonfinite_steps", tf.int64)
         self.none_gradient_variables = ()
         self.checks_gradients = False
 
@@ -63,6 +69,7 @@ class StepFacts:
             "last_step_finite": bool(self.last_step_finite.numpy()),
             "skipped_steps": int(self.skipped_steps.numpy()),
             "checked_steps": int(self.checked_steps.numpy()),
+            "nonfinite_steps": int(self.nonfinite_steps.numpy()),
             "none_gradient_variables": tuple(self.none_gradient_variables),
             "checks_gradients": self.checks_gradients,
         }

@@ -75,6 +75,8 @@ class NaNEvent:
             lines.append(
                 f"  phase: {self.phase}; layer: {self.layer or '-'}; {self.detail}."
             )
+        elif self.detail:
+            lines.append(f"  {self.detail}.")
         if self.variables:
             shown = ", ".join(self.variables[:6])
             more = len(self.variables) - 6
@@ -107,6 +109,12 @@ class NaNWatcher(keras.callbacks.Callback):
     weights. The callback reads one scalar per batch (Keras reads the logs
     anyway) and, only when a step went bad, replays that batch eagerly to
     find the layer that produced the first non-finite value.
+
+    With `steps_per_execution > 1` it sees one chunk of steps at a time: the
+    bad step's update is skipped, the chunk's later steps are applied, the
+    event names the first bad step of the chunk, and `max_skips` counts bad
+    chunks in a row. With a dynamic loss scale (GradBoostModel), the scale's
+    own overflows are not events.
 
     `logs["nonfinite_steps"]` (bad steps in this `fit`) shows in the progress
     bar and History.
@@ -198,14 +206,23 @@ class NaNWatcher(keras.callbacks.Callback):
         # checks in (traced once, and kept for later fits of the same compiled
         # model), and give fit() its own function back afterwards.
         plain = model.train_function
-        key = (id(model), id(model.optimizer), id(plain))
-        fresh = self._guarded is None or self._guarded[0] != key
+        key = (model, model.optimizer, plain)
+        fresh = self._guarded is None or any(
+            a is not b for a, b in zip(self._guarded[0], key)
+        )
+        lr = model.optimizer.get_config().get("learning_rate")
+        if self.action == "restore" and not isinstance(lr, (int, float)):
+            raise ValueError(
+                'NaNWatcher(action="restore") lowers a constant learning '
+                f"rate; this optimizer's is {type(lr).__name__} (a schedule). "
+                'Use action="skip" or "stop" with a schedule.'
+            )
         if isinstance(model, GradBoostModel):
             facts = model.step_facts
             previous = facts.checks_gradients
             facts.checks_gradients = True
             self._undo.append(lambda: setattr(facts, "checks_gradients", previous))
-            counter = facts.skipped_steps
+            counter = facts.nonfinite_steps
         else:
             if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
                 raise ValueError(
@@ -225,6 +242,12 @@ class NaNWatcher(keras.callbacks.Callback):
             self._guarded = (key, model.train_function, counter)
         model.train_function = self._guarded[1]
         self._undo.append(lambda: setattr(model, "train_function", plain))
+        # fit() calls make_train_function() first: if a fit() ended in an
+        # exception (no on_train_end), the next fit() undoes the watcher here.
+        model.make_train_function = lambda force=False: self._teardown() or (
+            type(model).make_train_function(model, force=force)
+        )
+        self._undo.append(lambda: vars(model).pop("make_train_function", None))
         self._counter = counter
         self._seen = int(self._counter.numpy())
         self._start = self._seen
@@ -259,9 +282,8 @@ class NaNWatcher(keras.callbacks.Callback):
         if count == self._seen:
             self._consecutive = 0
             return
-        new = count - self._seen
         self._seen = count
-        self._consecutive += new
+        self._consecutive += 1  # bad chunks in a row
         event = self._event(batch)
         self.events.append(event)
         stop = self.action == "stop" or (
@@ -308,15 +330,18 @@ class NaNWatcher(keras.callbacks.Callback):
     def _snapshot(self):
         model = self.model
         self._weights = model.get_weights()
-        self._optimizer_state = [v.numpy() for v in model.optimizer.variables]
+        # The learning rate is not state to roll back: restore lowers it.
+        self._optimizer_state = [
+            (v, v.numpy()) for v in model.optimizer.variables if v.name != "learning_rate"
+        ]
 
     def _restore(self):
         model = self.model
         model.set_weights(self._weights)
-        for v, value in zip(model.optimizer.variables, self._optimizer_state):
+        for v, value in self._optimizer_state:
             v.assign(value)
-        lr = model.optimizer.learning_rate
-        model.optimizer.learning_rate = float(np.asarray(lr)) * self.lr_factor
+        lr = float(np.asarray(model.optimizer.learning_rate))
+        model.optimizer.learning_rate = lr * self.lr_factor
 
 
 def _computes_in_float16(model):

@@ -310,3 +310,74 @@ def test_mirrored_strategy_plain_model_skip():
     assert [(e.step, e.phase, e.layer) for e in watcher.events] == [(2, "forward", "fault")]
     assert model.optimizer.iterations.numpy() == 3
     assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+def test_recompile_between_fits_is_not_served_a_stale_function():
+    x, y = _data(poison=False)
+    model = _functional()
+    optimizer = keras.optimizers.SGD(0.0)
+    watcher = NaNWatcher(verbose=0)
+    for loss in ("mse", "mae", "mse", "mae"):
+        model.compile(optimizer=optimizer, loss=loss)
+        logged = model.fit(x, y, batch_size=40, verbose=0, callbacks=[watcher]).history["loss"][0]
+        np.testing.assert_allclose(logged, model.evaluate(x, y, verbose=0), rtol=1e-5)
+
+
+def test_an_exception_elsewhere_leaves_no_guard_behind():
+    x, y = _data()
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise KeyboardInterrupt
+
+    model = _functional()
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=5, verbose=0, callbacks=[NaNWatcher(verbose=0), Interrupt()])
+    history = model.fit(x, y, batch_size=5, shuffle=False, verbose=0)  # no watcher
+    assert "nonfinite_steps" not in history.history
+    # 1 step before the interrupt, then all 8: the NaN step applied, as in Keras.
+    assert int(model.optimizer.iterations.numpy()) == 9
+    assert "apply_gradients" not in vars(model.optimizer)
+    assert "make_train_function" not in vars(model)
+
+
+def test_dynamic_loss_scale_overflows_are_not_events():
+    x, y = _data(poison=False)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(8, name="hidden")(inputs)
+    outputs = keras.layers.Dense(2, name="out")(h)
+    model = GradBoostModel(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse", precision="mixed_float16", jit_compile=True)
+    y = np.full_like(y, 3000.0)  # gradients ~1e3: times 2**15 overflow float16
+    watcher = NaNWatcher(verbose=0)
+    model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    facts = model.step_facts.read()
+    assert facts["skipped_steps"] >= 1  # the scale searched downwards...
+    assert watcher.events == [] and facts["nonfinite_steps"] == 0  # ...silently
+
+
+def test_two_restores_in_one_epoch_halve_twice_and_schedules_are_refused():
+    x, y = _data(poison=False)
+    x[7] = x[22] = -100.0  # bad steps 1 and 4
+    model = _functional()
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    watcher = NaNWatcher(action="restore", verbose=0)
+    model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    assert [e.step for e in watcher.events] == [1, 4]
+    np.testing.assert_allclose(float(model.optimizer.learning_rate.numpy()), 0.0025)
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.01, 10, 0.9)
+    model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
+    with pytest.raises(ValueError, match="schedule"):
+        model.fit(x, y, batch_size=5, verbose=0, callbacks=[NaNWatcher(action="restore")])
+
+
+def test_steps_per_execution_names_the_first_bad_step_of_the_chunk():
+    x, y = _data()  # bad step 5, in chunk (4, 5, 6, 7)
+    model = _functional()
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", steps_per_execution=4)
+    watcher = NaNWatcher(action="skip", max_skips=2, verbose=0)
+    model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    assert [(e.step, e.layer) for e in watcher.events] == [(BAD_STEP, "fault")]
+    assert int(model.optimizer.iterations.numpy()) == 7
