@@ -10,8 +10,6 @@ the CPU has native bfloat16 instructions and XLA is off, and float32 otherwise;
 it never picks mixed_float16. On a GPU it picks mixed_float16.
 """
 
-import warnings
-
 import keras
 import tensorflow as tf
 
@@ -175,6 +173,3 @@ def health_warning(scale, skipped_in_epoch, steps_in_epoch, dynamic=True):
         )
     return None
 
-
-def warn(message):
-    warnings.warn(message, stacklevel=3)
