@@ -11,6 +11,7 @@ import tensorflow as tf
 from keras_gradboost import guard
 from keras_gradboost import hooks
 from keras_gradboost.locate import as_local_batch
+from keras_gradboost.precision import computes_in_float16
 from keras_gradboost.locate import locate_nonfinite
 
 ACTIONS = ("stop", "skip", "restore", "warn")
@@ -316,7 +317,7 @@ class NaNWatcher(keras.callbacks.Callback):
             event.step = self._begin + i
             event.phase, event.layer = finding.phase, finding.layer
             event.variables, event.detail = finding.variables, finding.detail
-            if _computes_in_float16(self.model):
+            if computes_in_float16(self.model):
                 with _float32_policies(self.model):
                     event.float32_finite = locate_nonfinite(self.model, data).phase is None
             if self.dump_dir:
@@ -342,10 +343,6 @@ class NaNWatcher(keras.callbacks.Callback):
             v.assign(value)
         lr = float(np.asarray(model.optimizer.learning_rate))
         model.optimizer.learning_rate = lr * self.lr_factor
-
-
-def _computes_in_float16(model):
-    return any(l.compute_dtype == "float16" for l in hooks.flatten_layers(model))
 
 
 class _float32_policies:
