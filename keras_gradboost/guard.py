@@ -14,6 +14,8 @@ def nonfinite_indicator(loss, grads):
     checks = [tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None]
     if loss is not None:
         checks.append(tf.reduce_all(tf.math.is_finite(loss)))
+    if not checks:
+        return tf.constant(0.0)
     finite = tf.reduce_all(tf.stack(checks))
     return tf.cast(tf.logical_not(finite), tf.float32)
 

@@ -6,7 +6,10 @@ of them against the installed Keras, so an upgrade that moves one fails loudly
 in one named test instead of somewhere deep inside a training step.
 """
 
+import itertools
+
 import keras
+import tensorflow as tf
 
 
 def flatten_layers(model, include_self=True):
@@ -103,10 +106,6 @@ def hold_batches(model, extra_logs=None):
         `(held, undo)`: the list that holds the last call's batches, and a
         function that restores the original train function.
     """
-    import itertools
-
-    import tensorflow as tf
-
     original = model.train_function
     held = []
     tf_iterators = (tf.data.Iterator, tf.distribute.DistributedIterator)

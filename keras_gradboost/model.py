@@ -309,8 +309,8 @@ class GradBoostModel(keras.Model):
         if check or accumulating:
             bad = loss_bad = None
             if check:
-                bad = guard.nonfinite_indicator(batch_loss, grads)
                 loss_bad = guard.nonfinite_indicator(batch_loss, [])
+                bad = tf.maximum(loss_bad, guard.nonfinite_indicator(None, grads))
             present = [g for g in grads if g is not None]
             tf.distribute.get_replica_context().merge_call(
                 self._decide, args=(present, n, bad, loss_bad)
