@@ -28,6 +28,11 @@ class GradBoostConfig:
         loss_scale: `"auto"` (dynamic loss scaling when the model computes in
             float16), `"dynamic"`, a positive float (a fixed scale) or `None`
             (no loss scaling). Defaults to `"auto"`.
+        recompute: `None` (off), `"auto"`, a list of layer names or glob
+            patterns, or `{"budget_mb": N}` (optionally with `"batch_size"`).
+            Lists are stored as tuples. Defaults to `None`.
+        recompute_check: whether to compare the gradients with and without
+            recompute at the first step. Defaults to `False`.
 
     Raises:
         TypeError: if an argument has the wrong type.
@@ -37,8 +42,24 @@ class GradBoostConfig:
     accumulate_steps: int = 1
     precision: object = None
     loss_scale: object = "auto"
+    recompute: object = None
+    recompute_check: bool = False
 
     def __post_init__(self):
+        object.__setattr__(self, "recompute", _recompute_setting(self.recompute))
+        if not isinstance(self.recompute_check, bool):
+            raise _invalid(
+                "recompute_check", self.recompute_check, "True or False", TypeError
+            )
+        if self.recompute_check and self.recompute is None:
+            raise ValueError(
+                "`recompute_check=True` compares gradients with and without "
+                "recompute, but `recompute` is None. Set `recompute` too, or "
+                "drop `recompute_check`."
+            )
+        self._check_accumulation_and_scale()
+
+    def _check_accumulation_and_scale(self):
         steps = self.accumulate_steps
         if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
             raise _invalid(
@@ -79,4 +100,51 @@ class GradBoostConfig:
         return self != GradBoostConfig()
 
     def to_dict(self):
-        return dataclasses.asdict(self)
+        config = dataclasses.asdict(self)
+        if isinstance(self.recompute, tuple):
+            config["recompute"] = list(self.recompute)
+        return config
+
+
+_RECOMPUTE_EXPECTED = (
+    'None, "auto", a list of layer names or glob patterns (e.g. '
+    '["encoder_*", "res_block_3"]), or {"budget_mb": N} with N > 0 '
+    '(optionally with "batch_size": B)'
+)
+
+
+def _recompute_setting(value):
+    """Normalises `recompute`: None, "auto", a tuple of patterns, or a dict."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, str):
+        raise _invalid(
+            "recompute",
+            value,
+            _RECOMPUTE_EXPECTED + f"; for one layer write [{value!r}]",
+        )
+    if isinstance(value, dict):
+        unknown = set(value) - {"budget_mb", "batch_size"}
+        budget = value.get("budget_mb")
+        batch = value.get("batch_size")
+        good_budget = (
+            not isinstance(budget, bool)
+            and isinstance(budget, numbers.Real)
+            and budget > 0
+        )
+        good_batch = batch is None or (
+            not isinstance(batch, bool)
+            and isinstance(batch, numbers.Integral)
+            and batch > 0
+        )
+        if unknown or not good_budget or not good_batch:
+            raise _invalid("recompute", value, _RECOMPUTE_EXPECTED)
+        setting = {"budget_mb": float(budget)}
+        if batch is not None:
+            setting["batch_size"] = int(batch)
+        return setting
+    if isinstance(value, (list, tuple)):
+        if value and all(isinstance(v, str) and v for v in value):
+            return tuple(value)
+        raise _invalid("recompute", value, _RECOMPUTE_EXPECTED)
+    raise _invalid("recompute", value, _RECOMPUTE_EXPECTED, TypeError)

@@ -21,6 +21,28 @@ def flatten_layers(model, include_self=True):
     return list(model._flatten_layers(include_self=include_self, recursive=True))
 
 
+def child_layers(layer):
+    """The layers `layer` holds directly (not their sub-layers), in order."""
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def functional_nodes(model):
+    """The calls of a functional model's graph, in the order Keras runs them.
+
+    Each is `(layer, input KerasTensors, output KerasTensors)`; a layer used
+    twice appears twice. Reads the private `Function._nodes_by_depth`.
+    """
+    calls = []
+    for depth in sorted(model._nodes_by_depth, reverse=True):
+        for node in model._nodes_by_depth[depth]:
+            if node.operation is None or node.is_input:
+                continue
+            calls.append(
+                (node.operation, list(node.input_tensors), list(node.output_tensors))
+            )
+    return calls
+
+
 def loss_tracker(model):
     """The `Mean` metric behind `logs["loss"]`, created by `compile()`."""
     return model._loss_tracker
@@ -73,6 +95,36 @@ def is_fit_validation(evaluate_kwargs):
     return bool(evaluate_kwargs.get("_use_cached_eval_dataset", False))
 
 
+def current_autocast():
+    """The dtype Keras autocasts float variables to right now, or None.
+
+    Set by a layer's `__call__` around its `call` (mixed precision). A block's
+    `call` recomputed during the backward pass runs outside that `__call__`,
+    so the recompute re-enters the scope the forward saw.
+    """
+    from keras.src.backend.common.variables import get_autocast_scope
+
+    scope = get_autocast_scope()
+    return None if scope is None else scope.dtype
+
+
+def autocast(dtype):
+    """A context in which float variables are read as `dtype` (None: as they
+    are stored)."""
+    from keras.src.backend.common.variables import AutocastScope
+
+    return AutocastScope(dtype)
+
+
+def stop_recording():
+    """A context in which no gradient tape records (TensorFlow's private
+    `record.stop_recording`, which `tf.recompute_grad` uses too): the forward
+    of a recomputed block is differentiated by its custom gradient only."""
+    from tensorflow.python.eager import record
+
+    return record.stop_recording()
+
+
 def check():
     """Fails with an AttributeError naming what moved, if a hook is broken.
 
@@ -82,14 +134,30 @@ def check():
     model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
     model.compile(optimizer="sgd", loss="mse")
     assert len(flatten_layers(model)) == 3
+    assert [layer.name for layer in child_layers(model)] == [
+        layer.name for layer in model.layers
+    ]
+    (layer, ins, outs), = functional_nodes(model)
+    assert layer is model.layers[1] and ins[0] is inputs and outs == model.outputs
     assert isinstance(loss_tracker(model), keras.metrics.Mean)
     assert call_has_training_arg(model) in (True, False)
     assert is_functional(model)
     assert functional_init_arguments((inputs, inputs), {})
+    with autocast("bfloat16"):
+        assert current_autocast() == "bfloat16"
+        with autocast(None):
+            assert current_autocast() is None
+    assert current_autocast() is None
+    with tf.GradientTape() as tape:
+        x = tf.constant(1.0)
+        tape.watch(x)
+        with stop_recording():
+            y = x * 2.0
+    assert tape.gradient(y, x) is None
     return True
 
 
-def hold_batches(model, extra_logs=None):
+def hold_batches(model, extra_logs=None, before=None):
     """Wraps `model.train_function` so the batches of the last call stay
     reachable, at no cost (the tensors exist anyway; nothing is copied).
 
@@ -101,6 +169,7 @@ def hold_batches(model, extra_logs=None):
         model: a Keras model whose train function is made.
         extra_logs: optional callable returning a dict merged into the logs
             of every call (so the progress bar and History show it).
+        before: optional callable, given each call's batches before they run.
 
     Returns:
         `(held, undo)`: the list that holds the last call's batches, and a
@@ -123,6 +192,8 @@ def hold_batches(model, extra_logs=None):
         if not batches:
             raise StopIteration
         held[:] = batches
+        if before is not None:
+            before(batches)
         logs = original(batches)
         if extra_logs is not None:
             logs = {**logs, **extra_logs()}

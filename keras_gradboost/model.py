@@ -6,11 +6,14 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_gradboost import blocks
 from keras_gradboost import guard
 from keras_gradboost import hooks
 from keras_gradboost import precision as precision_lib
+from keras_gradboost import recompute_check
 from keras_gradboost.accumulate import GradientAccumulator
 from keras_gradboost.accumulate import sample_count
+from keras_gradboost.locate import as_local_batch
 from keras_gradboost.config import GradBoostConfig
 from keras_gradboost.state import StepFacts
 
@@ -33,6 +36,9 @@ class _Runtime:
         self.auto_scale_loss = False
         # (skipped_steps, checked_steps) at the last epoch end.
         self.last_health = (0, 0)
+        self.recompute = None  # blocks.RecomputeSetup
+        self.recompute_check_pending = False
+        self.check_wrapper = None  # the train function that runs the check
 
 
 @keras.saving.register_keras_serializable(package="keras_gradboost")
@@ -84,6 +90,8 @@ class GradBoostModel(keras.Model):
         accumulate_steps=1,
         precision=None,
         loss_scale="auto",
+        recompute=None,
+        recompute_check=False,
         **kwargs,
     ):
         """Configures the model for training, with the gradboost options.
@@ -113,6 +121,25 @@ class GradBoostModel(keras.Model):
                 is not added), and a dynamic scale is halved. (Its forward
                 pass still updated BatchNormalization statistics and metrics.)
                 Defaults to `"auto"`.
+            recompute: activation recompute (gradient checkpointing): chosen
+                blocks keep only their inputs from the forward pass and run
+                their forward again during the backward pass, with the same
+                Dropout masks and BatchNormalization statistics (moving
+                statistics are updated once). `None` (off); a list of layer
+                names or glob patterns (`["encoder_*", "res_block_3"]`),
+                nested layers included; `"auto"`: every block (a layer that
+                holds layers; a stack of them is split into its members), or,
+                for a functional model without such layers, about sqrt(n)
+                segments of its layer graph cut where one tensor carries
+                everything; `{"budget_mb": N}`: the fewest of the "auto"
+                candidates (best saving per extra compute first) whose
+                estimated activation memory fits N MiB at the training batch
+                size (add `"batch_size": B` when batches have no fixed size).
+                See `recompute_plan()`. Defaults to `None`.
+            recompute_check: if True, the first training batch is run once
+                without recompute and once with each block recomputed, and a
+                `RecomputeCheckError` names a block that changes a gradient.
+                Defaults to `False`.
 
         Raises:
             TypeError: if a gradboost argument has the wrong type.
@@ -125,6 +152,8 @@ class GradBoostModel(keras.Model):
             accumulate_steps=accumulate_steps,
             precision=precision,
             loss_scale=loss_scale,
+            recompute=recompute,
+            recompute_check=recompute_check,
         )
         keras_kwargs = _bind_compile_args(args, kwargs)
         optimizer = keras.optimizers.get(keras_kwargs.get("optimizer", "rmsprop"))
@@ -146,6 +175,9 @@ class GradBoostModel(keras.Model):
         # Every check runs before anything is changed.
         _check_conflicts(config, optimizer, scale, auto_scale_loss, keras_scales)
         _check_strategy(self.distribute_strategy, config, scale)
+        setup = None
+        if config.recompute is not None:
+            setup = blocks.RecomputeSetup(self, config.recompute)
 
         rt = self._gradboost
         if rt.accumulator is not None:
@@ -170,6 +202,10 @@ class GradBoostModel(keras.Model):
         rt.accumulator = None
         rt.flush_function = None
         rt.last_health = (0, 0)
+        rt.recompute = setup
+        rt.recompute_check_pending = config.recompute_check
+        if setup is not None:
+            setup.apply()
         with self.distribute_strategy.scope():
             rt.facts = StepFacts()
             rt.scaler = None
@@ -210,6 +246,27 @@ class GradBoostModel(keras.Model):
         """The dtype policy `compile(precision=...)` set, or None."""
         return self._gradboost.policy
 
+    def recompute_plan(self, batch_size=None):
+        """What `compile(recompute=...)` recomputes, with memory estimates.
+
+        The estimates come from the traced training graph: for each block,
+        the activations made inside it that the backward pass keeps without
+        recompute, and its inputs (kept with recompute).
+
+        Args:
+            batch_size: the batch size to estimate for. Defaults to the
+                training batch size, once known (the budget's `batch_size`,
+                or the first training batch).
+
+        Returns:
+            A `RecomputePlan` (`print()` it for a table); without a known
+            batch size and input shape, it lists the blocks only.
+        """
+        setup = self._gradboost.recompute
+        if setup is None:
+            return blocks.RecomputePlan(setting=None)
+        return setup.report(self, batch_size)
+
     @property
     def float32_layers(self):
         """Names of the output layers `compile(precision=...)` kept float32."""
@@ -226,7 +283,23 @@ class GradBoostModel(keras.Model):
             with self.distribute_strategy.scope():
                 self._new_accumulator()
             force = True
-        return super().make_train_function(force=force)
+        super().make_train_function(force=force)
+        rt = self._gradboost
+        if rt.recompute_check_pending and self.train_function is not rt.check_wrapper:
+            _, undo = hooks.hold_batches(self, before=lambda b: self._check(b, undo))
+            rt.check_wrapper = self.train_function
+        return self.train_function
+
+    def _check(self, batches, undo):
+        rt = self._gradboost
+        undo()
+        if rt.recompute_check_pending:
+            rt.recompute_check_pending = False
+            batch = as_local_batch(batches[0], self.distribute_strategy)
+            if rt.recompute.pending:
+                x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+                rt.recompute.resolve_budget(self, x)
+            recompute_check.check(self, rt.recompute, batch)
 
     def _needs_new_accumulator(self):
         rt = self._gradboost
@@ -269,8 +342,16 @@ class GradBoostModel(keras.Model):
         # gradients together with the loss-scale division (one pass).
         weight = n * replicas if accumulating else 1.0
 
+        setup = rt.recompute
+        if setup is not None and setup.pending:
+            setup.resolve_budget(self, x)
+        elif setup is not None and setup.input_spec is None:
+            setup.observe(x)
+
         with tf.GradientTape() as tape:
-            if hooks.call_has_training_arg(self):
+            if setup is not None:
+                y_pred = setup.forward(self, x)
+            elif hooks.call_has_training_arg(self):
                 y_pred = self(x, training=True)
             else:
                 y_pred = self(x)
@@ -445,6 +526,9 @@ class GradBoostModel(keras.Model):
 
     def fit(self, *args, **kwargs):
         rt = self._gradboost
+        setup = rt.recompute
+        if setup is not None and setup.pending and setup.batch_hint is None:
+            setup.batch_hint = _batch_size_hint(_bind_fit_args(args, kwargs))
         if rt.config.accumulate_steps == 1 and rt.scaler is None:
             return super().fit(*args, **kwargs)
         bound = _bind_fit_args(args, kwargs)
@@ -623,6 +707,22 @@ def _bind_fit_args(args, kwargs):
     arguments = dict(bound.arguments)
     arguments.pop("self")
     return arguments
+
+
+def _batch_size_hint(fit_args):
+    """The batch size `fit` will draw, when it can be told in advance."""
+    x = fit_args.get("x")
+    if isinstance(x, tf.data.Dataset):
+        size = tf.nest.flatten(x.element_spec)[0].shape[0]
+        if size is None:  # batches of no fixed size: look at the first
+            first = next(iter(x.take(1)))
+            size = tf.nest.flatten(first)[0].shape[0]
+        return size
+    arrays = [a for a in tf.nest.flatten(x) if hasattr(a, "shape")]
+    if arrays and x is not None:
+        batch = fit_args.get("batch_size") or 32
+        return min(batch, int(arrays[0].shape[0]))
+    return None
 
 
 def _loss_scale_setting(loss_scale, float16):

@@ -64,5 +64,14 @@ def test_to_dict_round_trips():
         "accumulate_steps": 2,
         "precision": None,
         "loss_scale": None,
+        "recompute": None,
+        "recompute_check": False,
     }
     assert GradBoostConfig(**config.to_dict()) == config
+    config = GradBoostConfig(recompute=["a", "b*"], recompute_check=True)
+    assert config.recompute == ("a", "b*")
+    assert config.to_dict()["recompute"] == ["a", "b*"]  # JSON-friendly
+    assert GradBoostConfig(**config.to_dict()) == config
+    budget = GradBoostConfig(recompute={"budget_mb": 100, "batch_size": 8})
+    assert budget.recompute == {"budget_mb": 100.0, "batch_size": 8}
+    assert GradBoostConfig(**budget.to_dict()) == budget

@@ -1,0 +1,193 @@
+"""Block-level activation recompute (gradient checkpointing).
+
+A recomputed block keeps only its inputs from the forward pass. Its backward
+runs the block's forward again and differentiates that, in the state the first
+forward saw: the same Dropout masks (Keras draws them from seed-generator
+variables, read back as they were) and the same BatchNormalization batch
+statistics, while moving statistics and seeds are updated once, by the first
+forward only.
+
+`recomputed(fn, state)` does this for any function of tensors. Layers are
+marked with `mark(layer)`, which puts a dispatcher in front of their `call`:
+it recomputes only inside `active(plan)` (GradBoostModel's training forward,
+for the blocks its plan chose) and is a plain call everywhere else.
+"""
+
+import contextlib
+import threading
+
+import keras
+import tensorflow as tf
+
+from keras_gradboost import hooks
+
+_LOCAL = threading.local()  # per thread: MirroredStrategy traces replicas in threads
+
+
+@contextlib.contextmanager
+def _handling(handler):
+    """Marked layers' calls go through `handler(layer, call, args, kwargs)`
+    inside this context; `None` runs them as they are."""
+    previous = getattr(_LOCAL, "handler", None)
+    _LOCAL.handler = handler
+    try:
+        yield
+    finally:
+        _LOCAL.handler = previous
+
+
+def active(layer_ids):
+    """Marked layers whose id is in `layer_ids` recompute inside this context."""
+    layer_ids = frozenset(layer_ids)
+
+    def handle(layer, call, args, kwargs):
+        if id(layer) not in layer_ids:
+            return call(*args, **kwargs)
+        fn = recomputed(call, state_variables(layer), layer.name)
+        return fn(*args, **kwargs)
+
+    return _handling(handle)
+
+
+def probing(probe, layer_ids):
+    """Calls of marked layers in `layer_ids` go through `probe.run(id, ...)`."""
+    layer_ids = frozenset(layer_ids)
+
+    def handle(layer, call, args, kwargs):
+        if id(layer) not in layer_ids:
+            return call(*args, **kwargs)
+        return probe.run(id(layer), call, *args, **kwargs)
+
+    return _handling(handle)
+
+
+def _plain():
+    """Inside a recomputed block, nested marked blocks run as they are."""
+    return _handling(None)
+
+
+def state_variables(layer):
+    """The variables a forward pass reads but does not differentiate:
+    seed-generator states, moving statistics, frozen weights."""
+    return [v for v in layer.variables if not v.trainable]
+
+
+def recomputed(fn, state, name="block"):
+    """`fn` with the same forward, whose backward recomputes `fn`'s forward.
+
+    Args:
+        fn: a function of (nested) tensors and Python values.
+        state: Keras variables `fn` may read and update that are not
+            differentiated (see `state_variables`); the recompute reads their
+            values from before the forward and leaves them untouched.
+        name: used in error messages.
+
+    Returns:
+        A function with `fn`'s signature.
+    """
+
+    def call(*args, **kwargs):
+        flat = tf.nest.flatten((args, kwargs))
+        positions = []
+        for i, value in enumerate(flat):
+            if isinstance(value, tf.Tensor):
+                positions.append(i)
+            elif (
+                isinstance(value, (tf.RaggedTensor, tf.SparseTensor))
+                and value.dtype.is_floating
+            ):
+                raise TypeError(
+                    f"Cannot recompute block {name!r}: it takes a float "
+                    f"{type(value).__name__}, whose gradient the recompute "
+                    "would lose. Recompute a block with dense inputs instead."
+                )
+
+        def rebuild(tensors):
+            values = list(flat)
+            for i, tensor in zip(positions, tensors):
+                values[i] = tensor
+            return tf.nest.pack_sequence_as((args, kwargs), values)
+
+        # Read the state as the forward finds it (no autocasting), before the
+        # forward updates it. tf.identity copies the read into the graph now.
+        with hooks.autocast(None):
+            saved = [(v, tf.identity(v.value)) for v in state]
+        dtype = hooks.current_autocast()
+        structure = []
+
+        @tf.custom_gradient
+        def forward(*tensors):
+            a, k = rebuild(tensors)
+            with hooks.stop_recording(), _plain():
+                outputs = fn(*a, **k)
+            structure.append(outputs)
+
+            def grad(*upstream, variables=None):
+                variables = list(variables or ())
+                inputs = _after(upstream, tensors)
+                with tf.GradientTape() as tape:
+                    tape.watch([t for t in inputs if t.dtype.is_floating])
+                    a, k = rebuild(inputs)
+                    with keras.StatelessScope(state_mapping=saved), hooks.autocast(
+                        dtype
+                    ), _plain():
+                        again = fn(*a, **k)
+                grads = tape.gradient(
+                    tf.nest.flatten(again),
+                    list(inputs) + variables,
+                    output_gradients=list(upstream),
+                )
+                return grads[: len(inputs)], grads[len(inputs) :]
+
+            return tf.nest.flatten(outputs), grad
+
+        flat_outputs = forward(*[flat[i] for i in positions])
+        return tf.nest.pack_sequence_as(structure[0], flat_outputs)
+
+    return call
+
+
+def _after(upstream, tensors):
+    """`tensors`, made to depend on the upstream gradient's arrival.
+
+    Without the dependency, graph optimisers (and XLA, which ignores control
+    dependencies) may run the recompute early or merge it with the forward,
+    which keeps the activations alive. The same trick as `tf.recompute_grad`:
+    a zero that XLA cannot prove is zero.
+    """
+    first = tf.reshape(upstream[0], [-1])[:1]
+    flag = tf.cast(tf.reduce_max(first), tf.bool)
+    zero = tf.where(tf.equal(flag, flag), 0.0, float("nan"))
+    return [
+        t + tf.cast(zero, t.dtype) if t.dtype.is_floating else tf.identity(t)
+        for t in tensors
+    ]
+
+
+class _Dispatch:
+    """Stands in for a marked layer's `call`: recomputes when chosen."""
+
+    def __init__(self, layer, original):
+        self.layer = layer
+        self.original = original
+        self.__wrapped__ = original  # so inspect.signature sees the original
+        self.__name__ = getattr(original, "__name__", "call")
+
+    def __call__(self, *args, **kwargs):
+        handler = getattr(_LOCAL, "handler", None)
+        if handler is None:
+            return self.original(*args, **kwargs)
+        with _plain():  # nested marked blocks run as they are
+            return handler(self.layer, self.original, args, kwargs)
+
+
+def mark(layer):
+    """Lets `layer` recompute when a plan chooses it (idempotent)."""
+    if isinstance(vars(layer).get("call"), _Dispatch):
+        return
+    dispatch = _Dispatch(layer, layer.call)
+    object.__setattr__(layer, "call", dispatch)
+
+
+def is_marked(layer):
+    return isinstance(vars(layer).get("call"), _Dispatch)

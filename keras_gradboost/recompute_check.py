@@ -1,0 +1,94 @@
+"""`recompute_check=True`: gradients with each block recomputed must equal
+the gradients without recompute, on the first training batch."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_gradboost import hooks
+
+
+class RecomputeCheckError(RuntimeError):
+    """Raised when a recomputed block changes the gradients.
+
+    Attributes:
+        block: name of the block.
+        variable: path of the variable whose gradient differs most.
+        difference: the largest absolute difference (inf when a gradient is
+            None on one side only).
+    """
+
+    def __init__(self, message, block, variable, difference):
+        super().__init__(message)
+        self.block = block
+        self.variable = variable
+        self.difference = difference
+
+
+def check(model, setup, batch, rtol=None):
+    """Compares gradients without recompute and with each block recomputed.
+
+    Runs once, on `batch`, without changing any variable: moving statistics,
+    seed-generator states and metrics are read through a `StatelessScope`,
+    so both passes see the same state and nothing is committed.
+
+    Args:
+        model: the GradBoostModel.
+        setup: its `blocks.RecomputeSetup`.
+        batch: one (local) training batch.
+        rtol: tolerance relative to each gradient's largest magnitude.
+            Defaults to 1e-5 in float32 and 1e-2 with a mixed policy.
+
+    Raises:
+        RecomputeCheckError: naming the first block that changes a gradient.
+    """
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+    if rtol is None:
+        rtol = 1e-5 if model.dtype_policy.compute_dtype == "float32" else 1e-2
+    with hooks.autocast(None):
+        state = [(v, tf.identity(v.value)) for v in model.non_trainable_variables]
+        state += [(v, tf.identity(v.value)) for v in model.metrics_variables]
+    variables = model.trainable_variables
+
+    def gradients(only):
+        def run(x, y, sample_weight):
+            with keras.StatelessScope(state_mapping=state):
+                with tf.GradientTape() as tape:
+                    y_pred = setup.forward(model, x, only=only)
+                    loss = hooks.compute_loss(
+                        model, x, y, y_pred, sample_weight, training=True
+                    )
+            return tape.gradient(loss, variables)
+
+        grads = tf.function(run, autograph=False)(x, y, sample_weight)
+        return [None if g is None else np.asarray(g) for g in grads]
+
+    reference = gradients(())
+    names = setup.names()
+    for key in sorted(setup.chosen, key=setup.keys.index):
+        worst = (0.0, None)
+        for variable, want, got in zip(variables, reference, gradients((key,))):
+            if (want is None) != (got is None):
+                worst = (float("inf"), variable.path)
+                break
+            if want is None:
+                continue
+            difference = float(np.max(np.abs(want - got), initial=0.0))
+            allowed = rtol * float(np.max(np.abs(want), initial=0.0)) + 1e-12
+            if difference > allowed and difference > worst[0]:
+                worst = (difference, variable.path)
+        if worst[1] is not None:
+            raise RecomputeCheckError(
+                f"recompute_check: recomputing block {names[key]!r} changes "
+                f"the gradient of {worst[1]!r} (largest difference "
+                f"{worst[0]:.3g}; a None gradient on one side counts as inf). "
+                "The block's second forward pass does not repeat the first: "
+                "typical causes are random ops that do not use a Keras "
+                "seed generator (tf.random.* instead of keras.random.* with a "
+                "SeedGenerator, or keras.layers.Dropout), state changed in "
+                "Python during call(), or a frozen input whose gradient is "
+                "None. Fix the block, or leave it out of `recompute`.",
+                names[key],
+                worst[1],
+                worst[0],
+            )
