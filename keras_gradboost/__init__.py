@@ -2,17 +2,29 @@
 
 Public API:
     GradBoostModel: a `keras.Model` whose `compile()` adds `accumulate_steps`,
-        `precision` and `loss_scale`.
+        `precision`, `loss_scale`, `recompute` and `recompute_check`.
     boost: turns any built Keras model into a GradBoostModel.
     GradBoostConfig: the validated gradboost compile arguments.
+    RecomputePlan: what `GradBoostModel.recompute_plan()` returns.
+    RecomputeCheckError: raised by `recompute_check=True`.
     callbacks: drop-in callbacks (NaNWatcher).
 """
 
 __version__ = "0.1.0.dev0"
 
 from keras_gradboost import callbacks
+from keras_gradboost.blocks import RecomputePlan
 from keras_gradboost.config import GradBoostConfig
 from keras_gradboost.model import GradBoostModel
 from keras_gradboost.model import boost
+from keras_gradboost.recompute_check import RecomputeCheckError
 
-__all__ = ["GradBoostConfig", "GradBoostModel", "boost", "callbacks", "__version__"]
+__all__ = [
+    "GradBoostConfig",
+    "GradBoostModel",
+    "RecomputeCheckError",
+    "RecomputePlan",
+    "boost",
+    "callbacks",
+    "__version__",
+]

@@ -118,3 +118,23 @@ def test_multi_worker_strategies_are_refused_with_a_clear_error():
         _check_strategy(strategy, GradBoostConfig(accumulate_steps=4), None)
     _check_strategy(strategy, GradBoostConfig(), None)  # plain Keras step: fine
     _check_strategy(_strategy(), GradBoostConfig(accumulate_steps=4), (True, 1.0))
+
+
+def test_mirrored_recompute_equals_no_recompute():
+    """Each replica's thread recomputes its own blocks, with its own Dropout
+    masks and BatchNormalization statistics restored."""
+    from test_recompute import residual_model
+
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(64, 5)).astype("float32")
+    y = rng.normal(size=(64, 3)).astype("float32")
+    models = {}
+    for setting in (None, "auto"):
+        with _strategy().scope():
+            model = residual_model()
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", recompute=setting)
+        model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        models[setting] = model
+    assert models["auto"].recompute_plan().recomputed == ["res_0", "res_1", "res_2"]
+    for a, b in zip(models[None].variables, models["auto"].variables):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, err_msg=a.path)

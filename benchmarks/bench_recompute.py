@@ -1,0 +1,225 @@
+"""Recompute benchmark: training memory and step time, each configuration in
+its own process.
+
+Model: `zoo.residual_mlp` (16 pre-norm residual blocks, width 256, 4x inner
+expansion with gelu), batch 2048, Adam, float32, no XLA: training memory is
+dominated by activations. Configurations: no recompute (baseline),
+`recompute="auto"`, Keras' own `keras.RematScope` (modes "activations" and
+"full"), and `recompute={"budget_mb": N}` for budgets at fractions of the
+baseline's estimated activation memory.
+
+Each configuration runs in a fresh subprocess (no shared allocator pools or
+caches), once per round, rounds in shuffled order. In the subprocess: build,
+compile, two warm-up steps through `fit`, then `--reps` timings of `--steps`
+calls of the compiled train function (one host sync each).
+
+Measured, per configuration:
+- train MiB: TensorFlow's CPU allocator peak during the timed steps minus
+  its level just before them (`tf.config.experimental.get_memory_info`
+  after `reset_memory_stats`): what training adds on top of weights and
+  optimizer slots. This is the figure the targets use.
+- RSS MiB: the subprocess's peak resident set size minus its size before
+  the first `fit` (includes tracing and allocator pools; a cross-check).
+- step: median seconds per step; its ratio to the baseline is the median
+  over rounds of the ratio within each round.
+
+    python benchmarks/bench_recompute.py [--rounds 3] [--quick]
+"""
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+BUDGET_FRACTIONS = (0.6, 0.4, 0.25)
+
+
+def _rss_bytes():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def worker(args):
+    """Runs one configuration and prints one JSON line."""
+    import tensorflow as tf
+
+    import keras
+    from keras_gradboost import zoo
+
+    config = args.worker
+    size = dict(blocks=args.blocks, width=args.width)
+    kwargs = {}
+    if config.startswith("rematscope_"):
+        with keras.RematScope(mode=config.split("_", 1)[1]):
+            model = zoo.residual_mlp(cls=keras.Model, **size)
+    else:
+        model = zoo.residual_mlp(**size)
+        if config == "auto":
+            kwargs["recompute"] = "auto"
+        elif config.startswith("budget_"):
+            kwargs["recompute"] = {"budget_mb": float(config.split("_")[1])}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.compile(
+            optimizer="adam",
+            loss="sparse_categorical_crossentropy",
+            jit_compile=False,
+            **kwargs,
+        )
+    x, y = zoo.classification_data(args.batch * 2)
+    data = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .batch(args.batch, drop_remainder=True)
+        .repeat()
+    )
+    result = {"config": config}
+    rss_before = _rss_bytes()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.fit(data, steps_per_epoch=2, epochs=1, verbose=0)
+    except Exception as error:  # noqa: BLE001 - reported in the table
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        telling = [line for line in lines if "gradient" in line] or lines or [""]
+        result["error"] = f"{type(error).__name__}: {telling[0][:110]}"
+        print(json.dumps(result))
+        return
+    iterator = iter(data)
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    times = []
+    for _ in range(args.reps):
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            logs = model.train_function(iterator)
+        float(logs["loss"])
+        times.append((time.perf_counter() - start) / args.steps)
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    result.update(
+        step_s=statistics.median(times),
+        train_bytes=peak - before,
+        rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        - rss_before,
+    )
+    if hasattr(model, "recompute_plan") and kwargs:
+        plan = model.recompute_plan()
+        result["recomputed"] = len(plan.recomputed)
+        result["estimate_bytes"] = plan.bytes_with
+    print(json.dumps(result))
+
+
+def estimates(args):
+    """The baseline's estimated activation bytes, and recompute="auto"'s."""
+    import keras  # noqa: F401
+    from keras_gradboost import zoo
+
+    model = zoo.residual_mlp(blocks=args.blocks, width=args.width)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", recompute="auto")
+    plan = model.recompute_plan(batch_size=args.batch)
+    return plan.bytes_without, plan.bytes_with
+
+
+def run(config, args):
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        config,
+        "--blocks", str(args.blocks),
+        "--width", str(args.width),
+        "--batch", str(args.batch),
+        "--steps", str(args.steps),
+        "--reps", str(args.reps),
+    ]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    for line in reversed(out.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return {"config": config, "error": (out.stderr.strip().splitlines() or ["?"])[-1][:90]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--blocks", type=int, default=16)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="small model, 1 round")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.rounds, args.blocks, args.batch = 1, 4, 512
+
+    without, with_auto = estimates(args)
+    mib = 2**20
+    budgets = [f"budget_{without * f / mib:.0f}" for f in BUDGET_FRACTIONS]
+    configs = ["baseline", "auto", "rematscope_activations", "rematscope_full"] + budgets
+    results = {c: [] for c in configs}
+    for r in range(args.rounds):
+        order = configs[:]
+        random.shuffle(order)
+        for config in order:
+            results[config].append(run(config, args))
+            print(f"round {r + 1}/{args.rounds}: {config} done", file=sys.stderr, flush=True)
+
+    base = results["baseline"]
+    print(
+        f"\nRecompute: residual MLP, {args.blocks} blocks, width {args.width}, "
+        f"batch {args.batch}, Adam, float32, no XLA; {args.rounds} round(s), "
+        "each configuration in its own process."
+    )
+    print(
+        f"Estimated activations kept for backward: {without / mib:.0f} MiB "
+        f"without recompute, {with_auto / mib:.0f} MiB with recompute=\"auto\"."
+    )
+    header = (
+        f"{'configuration':<24} {'blocks':>6} {'estimate':>9} {'train MiB':>10} "
+        f"{'x base':>7} {'RSS MiB':>8} {'x base':>7} {'step s':>7} {'x base':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for config in configs:
+        runs = results[config]
+        errors = [r["error"] for r in runs if "error" in r]
+        if errors:
+            print(f"{config:<24} fails: {errors[0]}")
+            continue
+        train = statistics.median(r["train_bytes"] for r in runs)
+        rss = statistics.median(r["rss_bytes"] for r in runs)
+        step = statistics.median(r["step_s"] for r in runs)
+        base_train = statistics.median(r["train_bytes"] for r in base)
+        base_rss = statistics.median(r["rss_bytes"] for r in base)
+        step_ratio = statistics.median(
+            r["step_s"] / b["step_s"] for r, b in zip(runs, base)
+        )
+        blocks = runs[0].get("recomputed", "-")
+        estimate = runs[0].get("estimate_bytes")
+        estimate = f"{estimate / mib:.0f}" if estimate else "-"
+        print(
+            f"{config:<24} {blocks:>6} {estimate:>9} {train / mib:>10.0f} "
+            f"{train / base_train:>6.2f}x {rss / mib:>8.0f} {rss / base_rss:>6.2f}x "
+            f"{step:>7.3f} {step_ratio:>6.2f}x"
+        )
+    print(
+        "\nTargets: recompute=\"auto\" train memory <= 0.5x baseline, step time "
+        "<= 1.4x; budget rows: measured train memory tracks the budget (MiB in the name)."
+    )
+
+
+if __name__ == "__main__":
+    main()
