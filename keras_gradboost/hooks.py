@@ -89,7 +89,7 @@ def check():
     return True
 
 
-def hold_batches(model, extra_logs=None):
+def hold_batches(model, extra_logs=None, before_call=None, after_call=None):
     """Wraps `model.train_function` so the batches of the last call stay
     reachable, at no cost (the tensors exist anyway; nothing is copied).
 
@@ -97,10 +97,19 @@ def hold_batches(model, extra_logs=None):
     its compiled one-step function on each, which is what this wrapper does
     after drawing up to `steps_per_execution` batches itself.
 
+    Wrappers stack: several callbacks may each hold the batches. Undoing a
+    wrapper that another one has since wrapped turns it into a pass-through.
+
     Args:
         model: a Keras model whose train function is made.
         extra_logs: optional callable returning a dict merged into the logs
             of every call (so the progress bar and History show it).
+        before_call: optional callable `(batches)`, called before each call
+            with the list of batches it will run (eager tensors: their shapes
+            are concrete, and reading a shape costs no device sync).
+        after_call: optional callable `(batches, logs)` called after each
+            call with its logs (tensors, not yet read); a dict it returns is
+            merged into the logs.
 
     Returns:
         `(held, undo)`: the list that holds the last call's batches, and a
@@ -108,9 +117,12 @@ def hold_batches(model, extra_logs=None):
     """
     original = model.train_function
     held = []
+    active = [True]
     tf_iterators = (tf.data.Iterator, tf.distribute.DistributedIterator)
 
     def function(iterator):
+        if not active[0]:
+            return original(iterator)
         if isinstance(iterator, tf_iterators):
             batches = []
             for _ in range(model.steps_per_execution):
@@ -123,7 +135,13 @@ def hold_batches(model, extra_logs=None):
         if not batches:
             raise StopIteration
         held[:] = batches
+        if before_call is not None:
+            before_call(batches)
         logs = original(batches)
+        if after_call is not None:
+            more = after_call(batches, logs)
+            if more:
+                logs = {**logs, **more}
         if extra_logs is not None:
             logs = {**logs, **extra_logs()}
         return logs
@@ -131,6 +149,7 @@ def hold_batches(model, extra_logs=None):
     model.train_function = function
 
     def undo():
+        active[0] = False
         if model.train_function is function:
             model.train_function = original
 
