@@ -10,6 +10,9 @@ from keras_gradboost.callbacks.nan_watcher import NonFiniteError
 from keras_gradboost.callbacks.retrace import RetraceCounter
 from keras_gradboost.callbacks.retrace import RetraceError
 from keras_gradboost.callbacks.retrace import RetraceEvent
+from keras_gradboost.callbacks.step_time import StepSplit
+from keras_gradboost.callbacks.step_time import StepTimeMonitor
+from keras_gradboost.callbacks.step_time import StepTimeReport
 
 __all__ = [
     "AuditReport",
@@ -22,4 +25,7 @@ __all__ = [
     "RetraceCounter",
     "RetraceError",
     "RetraceEvent",
+    "StepSplit",
+    "StepTimeMonitor",
+    "StepTimeReport",
 ]
