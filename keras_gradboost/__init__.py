@@ -5,14 +5,17 @@ Public API:
         `precision` and `loss_scale`.
     boost: turns any built Keras model into a GradBoostModel.
     GradBoostConfig: the validated gradboost compile arguments.
-    callbacks: drop-in callbacks (NaNWatcher).
+    callbacks: drop-in callbacks (NaNWatcher, StepTimeMonitor,
+        RetraceCounter, GradientAuditor).
+    data: input-pipeline helpers (bucket_by_length).
 """
 
 __version__ = "0.1.0.dev0"
 
 from keras_gradboost import callbacks
+from keras_gradboost import data
 from keras_gradboost.config import GradBoostConfig
 from keras_gradboost.model import GradBoostModel
 from keras_gradboost.model import boost
 
-__all__ = ["GradBoostConfig", "GradBoostModel", "boost", "callbacks", "__version__"]
+__all__ = ["GradBoostConfig", "GradBoostModel", "boost", "callbacks", "data", "__version__"]

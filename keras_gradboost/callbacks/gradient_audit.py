@@ -120,8 +120,8 @@ class GradientAuditor(keras.callbacks.Callback):
     whose gradient is None, grouped by layer, with the reason: the layer
     never ran in the forward pass ("unused"), or it ran but the path to the
     loss is cut ("cut": stop_gradient, an integer cast, argmax...). The
-    reason comes from tracing (not running) the forward pass once with a
-    `tf.GradientTape` that records which variables were read.
+    reason comes from tracing (not running) the forward pass and loss once
+    and looking at which variables that graph captures.
 
     At run time, every `every_n_steps` optimizer steps the train step stores
     each variable's gradient sum of squares and max |g| (computed in-graph,
@@ -297,29 +297,24 @@ class GradientAuditor(keras.callbacks.Callback):
             warnings.warn(message, stacklevel=2)
 
     def _read_by_forward(self):
-        """Keys of the variables the forward pass and loss read, from a trace
-        (never run) of them under a GradientTape."""
+        """Keys of the variables the forward pass and loss use: those the
+        graph of a trace (never run) of them captures."""
         model, specs = self.model, self._specs
         if specs is None:
             return set()
-        found = set()
 
         def forward(data):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-            with tf.GradientTape(watch_accessed_variables=True) as tape:
-                if hooks.call_has_training_arg(model):
-                    y_pred = model(x, training=True)
-                else:
-                    y_pred = model(x)
-                if y is not None:
-                    hooks.compute_loss(model, x, y, y_pred, sample_weight, training=True)
-            found.update(id(v) for v in tape.watched_variables())
-            return 0
+            if hooks.call_has_training_arg(model):
+                y_pred = model(x, training=True)
+            else:
+                y_pred = model(x)
+            if y is None:
+                return tf.nest.flatten(y_pred)[0]
+            return hooks.compute_loss(model, x, y, y_pred, sample_weight, training=True)
 
-        # Traced in a graph of its own, never run (no init_scope: it would
-        # pause the tape).
-        tf.function(forward, autograph=False).get_concrete_function(specs)
-        return found
+        concrete = tf.function(forward, autograph=False).get_concrete_function(specs)
+        return {id(t) for t in concrete.captured_inputs}
 
     # ------------------------------------------------------ runtime checks
 
@@ -410,10 +405,10 @@ def _spec(value):
 
 
 def _key(variable):
-    """The id of the TensorFlow variable behind a Keras variable, as a
-    GradientTape's `watched_variables()` returns it."""
+    """The id of the resource handle behind a (Keras) variable, as a traced
+    function's `captured_inputs` holds it."""
     value = getattr(variable, "value", variable)
-    return id(value)
+    return id(getattr(value, "handle", value))
 
 
 def _variable_owners(model):

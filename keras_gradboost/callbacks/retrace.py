@@ -55,9 +55,10 @@ def signature(data):
         name = _path_name(path, isinstance(data, tuple) and len(data) <= 3)
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
             shape = leaf.shape
-            dims = None if shape.rank is None else tuple(shape) if isinstance(
-                shape, tf.TensorShape
-            ) else tuple(shape)
+            if isinstance(shape, tf.TensorShape):
+                dims = None if shape.rank is None else tuple(shape.as_list())
+            else:
+                dims = tuple(shape)
             if dims is not None:
                 dims = tuple(None if d is None else int(d) for d in dims)
             leaves.append((name, "tensor", dims, tf.as_dtype(leaf.dtype).name))
@@ -312,8 +313,9 @@ class RetraceCounter(keras.callbacks.Callback):
     relaxes the dimension to None), and the counter reports it.
 
     Args:
-        max_retraces: warn once when retraces plus recompiles exceed this
-            many, or `None` for no limit. Defaults to `None`.
+        max_retraces: warn once when there are more than this many events
+            (retraces and recompiles; a retrace under XLA is one event), or
+            `None` for no limit. Defaults to `None`.
         strict: raise `RetraceError` when the count exceeds `max_retraces`
             (or at the first retrace/recompile when `max_retraces` is None):
             for CI. Defaults to `False`.
@@ -513,7 +515,7 @@ class RetraceCounter(keras.callbacks.Callback):
         self.events.append(event)
         if self.verbose:
             print(event.report(), flush=True)
-        count = self.retraces + self.recompiles
+        count = len(self.events)  # a retrace under XLA is one event
         limit = self.max_retraces
         over = count > (limit if limit is not None else 0)
         if self.strict and over:
