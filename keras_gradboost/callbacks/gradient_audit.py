@@ -170,6 +170,8 @@ class GradientAuditor(keras.callbacks.Callback):
     ```
     """
 
+    async_safe = True  # no batch-end hook: everything runs in the train call
+
     def __init__(
         self,
         on_missing="warn",
@@ -269,6 +271,7 @@ class GradientAuditor(keras.callbacks.Callback):
         if self._analysed:
             return
         self._analysed = True
+        self._owners = _variable_owners(self.model)  # built by now
         none_paths = set(none_paths)
         from keras_gradboost.model import GradBoostModel
 
@@ -336,6 +339,8 @@ class GradientAuditor(keras.callbacks.Callback):
         if at == self._last_at:
             return
         self._last_at = at
+        if any(p not in self._owners for p in tracer.paths):
+            self._owners = _variable_owners(self.model)
         sums, maxes = tracer.stats.numpy()
         report = self._report
         report.checks += 1

@@ -342,6 +342,8 @@ class RetraceCounter(keras.callbacks.Callback):
     ```
     """
 
+    async_safe = True  # no batch-end hook: everything runs in the train call
+
     def __init__(self, max_retraces=None, strict=False, verbose=0):
         super().__init__()
         if max_retraces is not None and (
