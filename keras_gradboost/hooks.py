@@ -115,12 +115,13 @@ def hold_batches(model, extra_logs=None, before_call=None, after_call=None):
         `(held, undo)`: the list that holds the last call's batches, and a
         function that restores the original train function.
     """
-    original = model.train_function
+    cell = [model.train_function]  # what this wrapper calls (see below)
     held = []
     active = [True]
     tf_iterators = (tf.data.Iterator, tf.distribute.DistributedIterator)
 
     def function(iterator):
+        original = cell[0]
         if not active[0]:
             return original(iterator)
         if isinstance(iterator, tf_iterators):
@@ -146,11 +147,55 @@ def hold_batches(model, extra_logs=None, before_call=None, after_call=None):
             logs = {**logs, **extra_logs()}
         return logs
 
+    function._held_original = cell
+    function._held_active = active
     model.train_function = function
 
     def undo():
         active[0] = False
         if model.train_function is function:
-            model.train_function = original
+            # Drop this wrapper and any pass-through ones below it.
+            model.train_function = _skip_inactive(cell[0])
 
     return held, undo
+
+
+def _skip_inactive(fn):
+    while getattr(fn, "_held_active", [True])[0] is False:
+        fn = fn._held_original[0]
+    return fn
+
+
+def base_train_function(model):
+    """The train function under every `hold_batches` wrapper: the one Keras
+    (or a callback) made."""
+    fn = model.train_function
+    while getattr(fn, "_held_original", None) is not None:
+        fn = fn._held_original[0]
+    return fn
+
+
+def replace_base_train_function(model, new):
+    """Puts `new` in place of `base_train_function(model)`, under the
+    `hold_batches` wrappers of other callbacks (which stay in place).
+
+    Returns:
+        A function that puts the previous base function back.
+    """
+    fn, cell = model.train_function, None
+    while getattr(fn, "_held_original", None) is not None:
+        cell = fn._held_original
+        fn = cell[0]
+    old = fn
+    if cell is None:
+        model.train_function = new
+    else:
+        cell[0] = new
+
+    def undo():
+        if cell is not None and cell[0] is new:
+            cell[0] = old
+        if model.train_function is new:
+            model.train_function = old
+
+    return undo

@@ -15,12 +15,29 @@ functions again (`model.train_function = None`, which Keras remakes), so
 the next trace goes through it.
 """
 
+import weakref
+
 import tensorflow as tf
 
 from keras_gradboost.state import replica_local_variable
 
 STEP_METHODS = ("train_step", "test_step", "predict_step")
 _MARK = "__keras_gradboost_tracer__"
+_STEP_TRACERS = weakref.WeakKeyDictionary()
+_GRADIENT_TRACERS = weakref.WeakKeyDictionary()
+
+
+def _installed(tracer, owner, name):
+    """Whether `tracer` still sits in `owner.<name>`'s call chain: its
+    wrapper is the instance attribute, or another wrapper was put on top of
+    it (an instance attribute that is not ours). With no instance attribute
+    left, someone removed the chain (e.g. NaNWatcher's optimizer guard,
+    undone after a fit, takes a wrapper installed under it along)."""
+    current = vars(owner).get(name)
+    if current is None:
+        return False
+    marked = getattr(current, _MARK, None)
+    return marked is None or marked is tracer
 
 
 class StepTracer:
@@ -55,10 +72,13 @@ def step_tracer(model):
         in which case the model's step functions were reset (Keras makes them
         again, through the tracer, when it next needs them).
     """
-    tracer = getattr(vars(model).get("train_step"), _MARK, None)
-    if tracer is not None:
+    tracer = _STEP_TRACERS.get(model)
+    if tracer is not None and _installed(tracer, model, "train_step"):
         return tracer, False
+    seen = tracer.seen if tracer is not None else {}
     tracer = StepTracer(model)
+    tracer.seen = seen
+    _STEP_TRACERS[model] = tracer
     model.train_function = None
     model.test_function = None
     model.predict_function = None
@@ -138,10 +158,11 @@ def gradient_tracer(model):
         model's train function.
     """
     optimizer = model.optimizer
-    tracer = getattr(vars(optimizer).get("apply_gradients"), _MARK, None)
-    if tracer is not None:
+    tracer = _GRADIENT_TRACERS.get(optimizer)
+    if tracer is not None and _installed(tracer, optimizer, "apply_gradients"):
         return tracer, False
     tracer = GradientTracer(optimizer, model.distribute_strategy)
+    _GRADIENT_TRACERS[optimizer] = tracer
     model.train_function = None
     return tracer, True
 

@@ -129,6 +129,7 @@ def test_stacked_hold_batches_undo_in_any_order():
     x = np.arange(12, dtype="float32").reshape(4, 3)
     y = np.zeros((4, 2), "float32")
     model.fit(x, y, batch_size=2, verbose=0)
+    original = model.train_function
     calls = []
     _, undo_inner = hooks.hold_batches(model, extra_logs=lambda: calls.append("inner") or {})
     _, undo_outer = hooks.hold_batches(model, extra_logs=lambda: calls.append("outer") or {})
@@ -139,11 +140,36 @@ def test_stacked_hold_batches_undo_in_any_order():
     calls.clear()
     model.train_function(iter(ds))
     assert calls == ["outer"]
-    undo_outer()
+    undo_outer()  # on top: removes itself and the pass-through below
+    assert model.train_function is original
     calls.clear()
-    model.train_function(iter(ds))
-    assert calls == []
     before = model.get_weights()[0].copy()
-    model.fit(x, y, batch_size=2, verbose=0)  # the pass-through still trains
+    model.fit(x, y, batch_size=2, verbose=0)
     assert not np.array_equal(before, model.get_weights()[0])
     assert calls == []
+
+
+def test_replace_base_train_function_goes_under_the_wrappers():
+    import tensorflow as tf
+
+    model = _model()
+    x = np.arange(12, dtype="float32").reshape(4, 3)
+    y = np.zeros((4, 2), "float32")
+    model.fit(x, y, batch_size=2, verbose=0)
+    original = model.train_function
+    _, undo_hold = hooks.hold_batches(model, extra_logs=lambda: {"held": 1.0})
+    seen = []
+
+    def replacement(iterator):
+        seen.append(len(list(iterator)))
+        return original(iterator[:0] or [next(iter(ds))])
+
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(2)
+    undo = hooks.replace_base_train_function(model, replacement)
+    assert hooks.base_train_function(model) is replacement
+    logs = model.train_function(iter(ds))
+    assert seen == [1] and logs["held"] == 1.0  # the wrapper still runs
+    undo()
+    assert hooks.base_train_function(model) is original
+    undo_hold()
+    assert model.train_function is original

@@ -1,0 +1,47 @@
+"""The four callbacks in one fit, in either order: each still sees what it
+needs (the wrappers stack and come off)."""
+
+import numpy as np
+import pytest
+
+import keras
+from keras_gradboost import GradBoostModel
+from keras_gradboost.callbacks import GradientAuditor
+from keras_gradboost.callbacks import NaNWatcher
+from keras_gradboost.callbacks import RetraceCounter
+from keras_gradboost.callbacks import StepTimeMonitor
+
+
+@pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_all_callbacks_together(cls, reverse):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+    model = cls(inputs, keras.layers.Dense(1, name="out")(h))
+    model.compile(optimizer="sgd", loss="mse")
+    unused = keras.layers.Dense(2, name="unused")
+    unused.build((None, 4))
+    model.spare = unused
+    x = np.random.default_rng(0).normal(size=(100, 4)).astype("float32")
+    y = np.ones((100, 1), "float32")
+    watcher = NaNWatcher(verbose=0)
+    monitor = StepTimeMonitor(window=3, split_at=None)
+    counter = RetraceCounter()
+    auditor = GradientAuditor(every_n_steps=2, on_missing="ignore", verbose=0)
+    callbacks = [watcher, monitor, counter, auditor]
+    if reverse:
+        callbacks.reverse()
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=callbacks)
+    # 13 batches (the last one of 4 examples) per epoch.
+    logs = history.history
+    assert {"step_ms", "retraces", "nonfinite_steps", "loss"} <= set(logs)
+    assert monitor.report().steps == 26 and monitor.report().windows >= 6
+    assert counter.retraces == 1  # the short last batch, once
+    assert counter.events[0].diagnosis == "the last batch is smaller than the others"
+    assert [m.variable for m in auditor.missing] == ["unused/kernel", "unused/bias"]
+    assert auditor.report().checks >= 6
+    assert watcher.events == []
+    # Everything came off: a plain fit has none of the extra logs.
+    plain = model.fit(x, y, batch_size=8, verbose=0).history
+    assert set(plain) == {"loss"}
