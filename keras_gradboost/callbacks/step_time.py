@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from keras_gradboost import hooks
 
-SPLIT_REPEATS = 5
+SPLIT_REPEATS = 7
 
 
 # ------------------------------------------------------------- pure maths
@@ -507,8 +507,8 @@ def split_times(model, batch, repeats=SPLIT_REPEATS):
 
     Returns:
         `({"forward": s, "forward_backward": s, "full": s}, compile_s)`:
-        median seconds over `repeats` runs after one warm-up call each, and
-        the warm-up calls' total (trace and compile).
+        median seconds over `repeats` interleaved runs after one warm-up
+        call each, and the warm-up calls' total (trace and compile).
     """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
     trainable = list(model.trainable_variables)
@@ -555,18 +555,20 @@ def split_times(model, batch, repeats=SPLIT_REPEATS):
         "forward_backward": tf.function(fwd_bwd_out, jit_compile=jit, autograph=False),
         "full": tf.function(full, jit_compile=jit, autograph=False),
     }
-    times, compile_s = {}, 0.0
+    samples = {name: [] for name in functions}
+    compile_s = 0.0
     try:
-        for name, fn in functions.items():
+        for fn in functions.values():
             start = time.perf_counter()
             _sync(fn(x, y, sample_weight))
             compile_s += time.perf_counter() - start
-            samples = []
-            for _ in range(repeats):
+        # Interleaved, so a busy spell of the machine hits all three alike.
+        for _ in range(repeats):
+            for name, fn in functions.items():
                 start = time.perf_counter()
                 _sync(fn(x, y, sample_weight))
-                samples.append(time.perf_counter() - start)
-            times[name] = statistics.median(samples)
+                samples[name].append(time.perf_counter() - start)
+        times = {name: statistics.median(v) for name, v in samples.items()}
     finally:
         for v, value in saved:
             v.assign(value)
