@@ -94,11 +94,10 @@ class GradientTracer:
 
     OFF = 2**62
 
-    def __init__(self, optimizer, strategy):
+    def __init__(self, optimizer, strategy, variables=()):
         self.optimizer = optimizer
         self.strategy = strategy
         self.none_paths = ()
-        self.paths = ()
         self.traced = False
         # Called at trace time with the paths of variables whose gradient
         # is None.
@@ -106,7 +105,13 @@ class GradientTracer:
         with strategy.scope():
             self.every = tf.Variable(self.OFF, dtype=tf.int64, trainable=False)
             self.at = replica_local_variable(-1, "gradient_stats_at", tf.int64)
+        self.paths = ()
         self.stats = None
+        if variables:
+            # Made here, in cross-replica context: under a distribution
+            # strategy the trace runs in replica context, where no variable
+            # can be made.
+            self._make_stats(tuple(_path(v) for v in variables))
         original = optimizer.apply_gradients
 
         def apply_gradients(grads_and_vars, *args, **kwargs):
@@ -118,27 +123,33 @@ class GradientTracer:
         setattr(apply_gradients, _MARK, self)
         optimizer.apply_gradients = apply_gradients
 
+    def _make_stats(self, paths):
+        with self.strategy.scope():
+            self.stats = replica_local_variable(tf.zeros((2, len(paths))), "gradient_stats")
+        self.paths = paths
+
     def _trace(self, pairs):
         self.traced = True
         self.none_paths = tuple(_path(v) for g, v in pairs if g is None)
         for listener in list(self.listeners):
             listener(self.none_paths)
-        present = [(g, v) for g, v in pairs if g is not None]
-        if not present:
-            return
-        paths = tuple(_path(v) for _, v in present)
-        if self.stats is None or paths != self.paths:
-            with tf.init_scope(), self.strategy.scope():
-                self.stats = replica_local_variable(
-                    tf.zeros((2, len(paths))), "gradient_stats"
-                )
-            self.paths = paths
+        paths = tuple(_path(v) for _, v in pairs)
+        if paths != self.paths:
+            if tf.distribute.has_strategy():
+                return  # variables changed after set-up: no runtime stats
+            with tf.init_scope():
+                self._make_stats(paths)
         stats, at = self.stats, self.at
         step = tf.cast(self.optimizer.iterations, tf.int64)
 
         def record():
+            # Per variable: sum of squares and max |g| (-1: no gradient).
             sums, maxes = [], []
-            for g, _ in present:
+            for g, _ in pairs:
+                if g is None:
+                    sums.append(tf.constant(0.0))
+                    maxes.append(tf.constant(-1.0))
+                    continue
                 if isinstance(g, tf.IndexedSlices):
                     g = g.values
                 g = tf.cast(g, tf.float32)
@@ -161,7 +172,9 @@ def gradient_tracer(model):
     tracer = _GRADIENT_TRACERS.get(optimizer)
     if tracer is not None and _installed(tracer, optimizer, "apply_gradients"):
         return tracer, False
-    tracer = GradientTracer(optimizer, model.distribute_strategy)
+    tracer = GradientTracer(
+        optimizer, model.distribute_strategy, model.trainable_variables
+    )
     _GRADIENT_TRACERS[optimizer] = tracer
     model.train_function = None
     return tracer, True

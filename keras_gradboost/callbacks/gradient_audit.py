@@ -346,6 +346,8 @@ class GradientAuditor(keras.callbacks.Callback):
         report.checks += 1
         norms = {}
         for path, s, m in zip(tracer.paths, sums, maxes):
+            if m < 0:
+                continue  # no gradient at all: listed in `missing`
             layer = self._owners.get(path, path)
             norms[layer] = norms.get(layer, 0.0) + float(s)
             streak = self._streaks.get(path, 0) + 1 if m == 0 else 0

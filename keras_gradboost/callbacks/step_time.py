@@ -167,7 +167,9 @@ class StepTimeReport:
         examples_per_s: median over windows.
         steps: training steps seen.
         windows: windows measured.
-        split: a `StepSplit`, or None if not measured.
+        split: a `StepSplit`, or None if not measured (`split_at=None`, too
+            few steps, or a distribution strategy: the probe times one
+            device).
         advice: the rules of thumb for this step, as sentences.
         probe_seconds: wall time the split probe took (one-off, outside the
             windows).
@@ -233,7 +235,7 @@ class StepTimeMonitor(keras.callbacks.Callback):
     same `jit_compile` as the model, without changing the weights or the
     optimizer state (the update goes to throwaway copies; non-trainable and
     metric variables are restored); that one-off cost stays out of the
-    windows.
+    windows. Under a distribution strategy the split is not measured.
 
     Logs `step_ms` and `examples_per_s` (the last window's) from the first
     window on, and `split_forward_ms`, `split_backward_ms`,
@@ -398,6 +400,9 @@ class StepTimeMonitor(keras.callbacks.Callback):
 
     def _split_due(self):
         if self.split_at is None or self._profiling:
+            return False
+        if self.model.distribute_strategy is not tf.distribute.get_strategy():
+            # One replica's probe is not a distributed step: not measured.
             return False
         if self.split_at == "auto":
             return bool(self._timer.ms_per_step)

@@ -45,3 +45,30 @@ def test_all_callbacks_together(cls, reverse):
     # Everything came off: a plain fit has none of the extra logs.
     plain = model.fit(x, y, batch_size=8, verbose=0).history
     assert set(plain) == {"loss"}
+
+
+@pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
+def test_under_mirrored_strategy(cls):
+    import tensorflow as tf
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        h = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+        model = cls(inputs, keras.layers.Dense(1, name="out")(h))
+        kwargs = {"accumulate_steps": 2} if cls is GradBoostModel else {}
+        model.compile(optimizer="sgd", loss="mse", **kwargs)
+    x = np.random.default_rng(0).normal(size=(96, 4)).astype("float32")
+    y = np.ones((96, 1), "float32")
+    monitor = StepTimeMonitor(window=3)
+    counter = RetraceCounter()
+    auditor = GradientAuditor(every_n_steps=2, verbose=0)
+    history = model.fit(
+        x, y, batch_size=8, verbose=0, callbacks=[monitor, counter, auditor]
+    )
+    assert history.history["retraces"] == [0.0]
+    assert monitor.report().windows == 3 and monitor.report().split is None
+    report = auditor.report()
+    assert report.checks == (3 if kwargs else 6) and set(report.layer_norms) == {"hidden", "out"}
+    assert auditor.missing == []
