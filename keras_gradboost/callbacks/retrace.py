@@ -33,7 +33,10 @@ class RetraceError(RuntimeError):
 # ----------------------------------------------------------------- signatures
 
 
-def signature(data):
+_SCALARS = (bool, int, float, complex, str, bytes)
+
+
+def signature(data, local_results=None):
     """The input signature of one step's `data`, as a tuple of leaves.
 
     Each leaf is `(path, kind, shape_or_value, dtype)`: kind "tensor" for
@@ -44,6 +47,9 @@ def signature(data):
     Args:
         data: what the step function receives: `x`, or `(x, y)`, or
             `(x, y, sample_weight)`, nested as Keras allows.
+        local_results: for a distributed batch, a strategy's
+            `experimental_local_results`: the first replica's part stands for
+            a distributed value. Defaults to `None`.
 
     Returns:
         A hashable tuple.
@@ -53,6 +59,8 @@ def signature(data):
         if leaf is None:
             continue
         name = _path_name(path, isinstance(data, tuple) and len(data) <= 3)
+        if isinstance(leaf, tf.distribute.DistributedValues) and local_results:
+            leaf = local_results(leaf)[0]
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
             shape = leaf.shape
             if isinstance(shape, tf.TensorShape):
@@ -62,8 +70,10 @@ def signature(data):
             if dims is not None:
                 dims = tuple(None if d is None else int(d) for d in dims)
             leaves.append((name, "tensor", dims, tf.as_dtype(leaf.dtype).name))
-        else:
+        elif isinstance(leaf, _SCALARS):
             leaves.append((name, "python", leaf, type(leaf).__name__))
+        else:  # tf.function keys other objects by identity
+            leaves.append((name, "python", f"<{type(leaf).__name__} {id(leaf):#x}>", "object"))
     return tuple(leaves)
 
 
@@ -467,7 +477,8 @@ class RetraceCounter(keras.callbacks.Callback):
     def _before_call(self, batches):
         self._in_call = True
         self._pending = []
-        self._call_sigs = [signature(b) for b in batches]
+        local = self.model.distribute_strategy.experimental_local_results
+        self._call_sigs = [signature(b, local) for b in batches]
         self._start = time.perf_counter()
 
     def _after_call(self, batches, logs):

@@ -379,7 +379,8 @@ class StepTimeMonitor(keras.callbacks.Callback):
             self._first_ms = 1000.0 * (now - self._first_start)
             self._timer.start(now)
             return self._logs or None
-        self._timer.add(n, sum(_batch_size(b) for b in batches))
+        local = self.model.distribute_strategy.experimental_local_results
+        self._timer.add(n, sum(_batch_size(b, local) for b in batches))
         if self._timer.due():
             _wait(logs)
             ms, eps = self._timer.close(time.perf_counter())
@@ -594,8 +595,11 @@ def _wait(logs):
             return
 
 
-def _batch_size(batch):
+def _batch_size(batch, local_results):
+    """Examples in a batch, from its first tensor's static shape."""
     for value in tf.nest.flatten(batch):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return sum(_batch_size(v, None) for v in local_results(value))
         shape = getattr(value, "shape", None)
         if shape is not None and len(shape) and shape[0] is not None:
             return int(shape[0])

@@ -69,6 +69,8 @@ def test_under_mirrored_strategy(cls):
     )
     assert history.history["retraces"] == [0.0]
     assert monitor.report().windows == 3 and monitor.report().split is None
+    assert monitor.report().examples_per_s > 0  # both replicas' parts counted
+    assert len(counter._concrete_seen) == 1
     report = auditor.report()
     assert report.checks == (3 if kwargs else 6) and set(report.layer_norms) == {"hidden", "out"}
     assert auditor.missing == []
