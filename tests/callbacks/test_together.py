@@ -48,19 +48,26 @@ def test_all_callbacks_together(cls, reverse):
 
 
 @pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
-def test_under_mirrored_strategy(cls):
+def test_under_mirrored_strategy(cls, regression_data):
     import tensorflow as tf
 
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    from conftest import small_model
+
+    # ReductionToOneDevice: TensorFlow keys collective all-reduces
+    # process-wide, and a plain Keras step's collective under a second
+    # MirroredStrategy in the same process can collide with an earlier
+    # test's (a shape mismatch on "collective instance 100"), whatever the
+    # callbacks.
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
+    strategy = tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
     with strategy.scope():
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((4,))
-        h = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
-        model = cls(inputs, keras.layers.Dense(1, name="out")(h))
+        model = small_model(cls)
         kwargs = {"accumulate_steps": 2} if cls is GradBoostModel else {}
         model.compile(optimizer="sgd", loss="mse", **kwargs)
-    x = np.random.default_rng(0).normal(size=(96, 4)).astype("float32")
-    y = np.ones((96, 1), "float32")
+    x, y = regression_data
+    x, y = x[:96], y[:96]
     monitor = StepTimeMonitor(window=3)
     counter = RetraceCounter()
     auditor = GradientAuditor(every_n_steps=2, verbose=0)
@@ -72,5 +79,6 @@ def test_under_mirrored_strategy(cls):
     assert monitor.report().examples_per_s > 0  # both replicas' parts counted
     assert len(counter._concrete_seen) == 1
     report = auditor.report()
-    assert report.checks == (3 if kwargs else 6) and set(report.layer_norms) == {"hidden", "out"}
+    assert report.checks == (3 if kwargs else 6)
+    assert len(report.layer_norms) == 2 and all(n > 0 for n in report.layer_norms.values())
     assert auditor.missing == []
