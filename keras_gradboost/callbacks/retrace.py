@@ -389,6 +389,8 @@ class RetraceCounter(keras.callbacks.Callback):
         self._last_concrete = None
         self._shapes = collections.defaultdict(list)
         self._durations = collections.deque(maxlen=64)
+        self._in_call = False
+        self._outside = False
 
     # ------------------------------------------------------------ set-up
 
@@ -400,9 +402,10 @@ class RetraceCounter(keras.callbacks.Callback):
     def _attach(self):
         if self._tracer is None:
             self._tracer, _ = tracing.step_tracer(self.model)
-        if self._on_trace not in self._tracer.listeners:
-            self._tracer.listeners.append(self._on_trace)
-            self._undo.append(lambda: self._tracer.listeners.remove(self._on_trace))
+        listeners = self._tracer.listeners
+        if self._on_trace not in listeners:
+            listeners.append(self._on_trace)
+            self._undo.append(lambda: listeners.remove(self._on_trace))
 
     def _teardown(self):
         while self._undo:
@@ -445,7 +448,7 @@ class RetraceCounter(keras.callbacks.Callback):
             self._outside = True
 
     def _detach_outside_fit(self):
-        if getattr(self, "_outside", False):
+        if self._outside:
             self._outside = False
             self._teardown()
 
@@ -471,8 +474,6 @@ class RetraceCounter(keras.callbacks.Callback):
             RetraceEvent(kind, "retrace", None, tuple(c.text() for c in changes),
                          diagnosis, fix)
         )
-
-    _in_call = False
 
     def _before_call(self, batches):
         self._in_call = True

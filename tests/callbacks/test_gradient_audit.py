@@ -5,6 +5,7 @@ import warnings
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras
 from keras_gradboost import GradBoostModel
@@ -173,8 +174,6 @@ def test_exploding_and_vanishing_layers():
     # Independently: the gradient norms on the batch of the last check
     # (optimizer step 4: batch 4; the learning rate is 0, so the weights are
     # those of every step).
-    import tensorflow as tf
-
     xb, yb = x[32:40], y[32:40]
     variables = [model.get_layer(n).kernel for n in ("big", "mid", "tiny")]
     with tf.GradientTape() as tape:

@@ -3,6 +3,8 @@ needs (the wrappers stack and come off)."""
 
 import numpy as np
 import pytest
+import tensorflow as tf
+from conftest import small_model
 
 import keras
 from keras_gradboost import GradBoostModel
@@ -49,10 +51,6 @@ def test_all_callbacks_together(cls, reverse):
 
 @pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
 def test_under_mirrored_strategy(cls, regression_data):
-    import tensorflow as tf
-
-    from conftest import small_model
-
     # ReductionToOneDevice: TensorFlow keys collective all-reduces
     # process-wide, and a plain Keras step's collective under a second
     # MirroredStrategy in the same process can collide with an earlier
