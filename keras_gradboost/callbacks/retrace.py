@@ -337,6 +337,8 @@ class RetraceCounter(keras.callbacks.Callback):
         recompiles: XLA compilations of the train step for a new concrete
             shape beyond the first (a retrace under XLA counts here too).
         events: one `RetraceEvent` per retrace/recompile.
+        per_function: `{"train" | "test" | "predict": {"retraces": n,
+            "recompiles": m}}` for the functions that had any.
 
     Raises:
         ValueError: for a bad argument.
@@ -391,6 +393,7 @@ class RetraceCounter(keras.callbacks.Callback):
         self._durations = collections.deque(maxlen=64)
         self._in_call = False
         self._outside = False
+        self._jit = False
 
     # ------------------------------------------------------------ set-up
 
@@ -524,6 +527,19 @@ class RetraceCounter(keras.callbacks.Callback):
         return RetraceEvent(
             "train", kind, self._step, tuple(c.text() for c in changes), diagnosis, fix
         )
+
+    @property
+    def per_function(self):
+        counts = {}
+        for event in self.events:
+            entry = counts.setdefault(event.function, {"retraces": 0, "recompiles": 0})
+            if event.kind == "retrace":
+                entry["retraces"] += 1
+                if event.function == "train" and self._jit:
+                    entry["recompiles"] += 1
+            else:
+                entry["recompiles"] += 1
+        return counts
 
     def _record(self, event):
         self.events.append(event)

@@ -171,6 +171,7 @@ def test_xla_recompiles_are_counted_without_retraces():
     kinds = [e.kind for e in counter.events]
     assert kinds == ["retrace"] + ["recompile"] * (len(LENGTHS) - 2)
     assert counter.events[-1].changes == ("x: shape (4, 13) -> (4, 17), dim 1 varies",)
+    assert counter.per_function == {"train": {"retraces": 1, "recompiles": 3}}
     for event in counter.events:
         assert event.call_seconds > 0 and event.seconds_lost is not None
 
@@ -245,6 +246,7 @@ def test_predict_retraces_are_counted():
     model.predict(np.ones((4, 9), "int32"), verbose=0, callbacks=[counter])
     assert counter.retraces == 1
     assert counter.events[0].function == "predict"
+    assert counter.per_function == {"predict": {"retraces": 1, "recompiles": 0}}
     assert "dim 1 varies" in counter.events[0].changes[0]
 
 

@@ -100,9 +100,34 @@ def _xy(n=104):
     return rng.normal(size=(n, 5)).astype("float32"), rng.normal(size=(n, 3)).astype("float32")
 
 
-@pytest.mark.parametrize("steps_per_execution", [1, 2])
-def test_window_maths_under_a_fake_clock(monkeypatch, steps_per_execution):
-    model = _small()
+class Sub(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def _kind(kind):
+    if kind == "sequential":
+        keras.utils.set_random_seed(0)
+        return keras.Sequential(
+            [keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)]
+        )
+    if kind == "subclassed":
+        keras.utils.set_random_seed(0)
+        return Sub()
+    return _small(GradBoostModel if kind == "gradboost" else keras.Model)
+
+
+@pytest.mark.parametrize(
+    "kind, steps_per_execution",
+    [("functional", 1), ("functional", 2), ("sequential", 1), ("subclassed", 1), ("gradboost", 1)],
+)
+def test_window_maths_under_a_fake_clock(monkeypatch, kind, steps_per_execution):
+    model = _kind(kind)
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=steps_per_execution)
     monkeypatch.setattr(step_time, "time", FakeTime(model))
     monitor = StepTimeMonitor(window=4, split_at=None)
