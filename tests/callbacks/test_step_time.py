@@ -180,8 +180,8 @@ def test_real_split_parts_are_positive_add_up_and_change_nothing(kind, tmp_path)
     cls = GradBoostModel if kind == "gradboost" else keras.Model
     kwargs = {"accumulate_steps": 2} if kind == "gradboost" else {}
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(128 * 12, 256)).astype("float32")
-    y = rng.integers(0, 10, size=(128 * 12,)).astype("int32")
+    x = rng.normal(size=(128 * 8, 256)).astype("float32")
+    y = rng.integers(0, 10, size=(128 * 8,)).astype("int32")
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def run(callbacks):
