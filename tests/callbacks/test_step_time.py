@@ -209,9 +209,10 @@ def test_real_split_parts_are_positive_add_up_and_change_nothing(kind, tmp_path)
         assert part > 0
     assert sum(split.parts().values()) == pytest.approx(split.step_ms)
     # The compiled parts, timed separately, against the step measured over
-    # whole windows: about the same (noise on a shared CPU aside).
+    # whole windows: about the same (typically 0.9-1.1x here; the bounds
+    # leave room for a CPU shared with other jobs).
     compute = split.forward_ms + split.backward_ms + split.optimizer_ms
-    assert 0.3 < compute / report.median_step_ms < 2.0
+    assert 0.2 < compute / report.median_step_ms < 3.0
     assert split.backward_share == pytest.approx(split.backward_ms / split.step_ms)
     assert report.first_step_ms > report.median_step_ms
     assert report.advice and report.probe_seconds > 0
