@@ -180,15 +180,15 @@ def test_real_split_parts_are_positive_add_up_and_change_nothing(kind, tmp_path)
     cls = GradBoostModel if kind == "gradboost" else keras.Model
     kwargs = {"accumulate_steps": 2} if kind == "gradboost" else {}
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(128 * 8, 256)).astype("float32")
-    y = rng.integers(0, 10, size=(128 * 8,)).astype("int32")
+    x = rng.normal(size=(256 * 8, 256)).astype("float32")
+    y = rng.integers(0, 10, size=(256 * 8,)).astype("int32")
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def run(callbacks):
         model = _mlp(cls)
         model.compile(optimizer="adam", loss=loss, metrics=["accuracy"], **kwargs)
         history = model.fit(
-            x, y, batch_size=128, shuffle=False, verbose=0, callbacks=callbacks
+            x, y, batch_size=256, shuffle=False, verbose=0, callbacks=callbacks
         )
         return model, history
 
