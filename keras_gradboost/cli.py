@@ -25,9 +25,11 @@ configurations (compile keyword arguments of GradBoostModel):
                   instructions, mixed_float16 on a GPU, else float32)
   accumulate      accumulate_steps=4 (one update per 4 batches)
   recompute       recompute="auto" (every block, or ~sqrt(n) graph segments)
-  all_on          jit_compile=True, precision="auto", accumulate_steps=4 and
-                  recompute={"budget_mb": half the available memory}: blocks
-                  are recomputed only when activations would not fit
+  all_on          everything, with the "auto" choices: jit_compile="auto"
+                  (Keras: XLA on a GPU, not on a CPU), precision="auto",
+                  accumulate_steps=4, recompute={"budget_mb": half the
+                  available memory} (blocks are recomputed only when the
+                  activations would not fit)
 
 Every row trains on the same batches (--batch-size examples per step; under
 accumulate_steps a step is one micro-batch). Columns: steady step ms (median
@@ -207,7 +209,8 @@ def _setup(row):
     if row["accumulate_steps"] > 1:
         parts.append(f"accumulate {row['accumulate_steps']}")
     if row["kwargs"].get("recompute") is not None:
-        parts.append(f"recompute {row['recomputed']} blocks")
+        count = row["recomputed"]
+        parts.append(f"recompute {count} block{'' if count == 1 else 's'}")
     return ", ".join(parts)
 
 

@@ -14,10 +14,11 @@ What a row holds (all measured in the child):
 - `compile_s`: the first batch's time minus `step_ms`: tracing and (XLA)
   compilation.
 - `examples_per_s`: batch size / `step_ms`.
-- `backward_share`: after training, on one fixed batch, 1 - (median time of
-  a compiled forward-only `tf.function` calling the model with
-  `training=True`) / (median time of the model's own train function): the
-  share of a step spent in the backward pass and the update.
+- `backward_share`: after training, on one fixed batch, 1 - the median over
+  interleaved pairs of (time of a compiled forward-only `tf.function`
+  calling the model with `training=True`) / (time of the model's own train
+  function): the share of a step spent in the backward pass, the loss and
+  the update.
 - `peak_mib`: TensorFlow's allocator peak during `fit` minus its level just
   before (`tf.config.experimental.get_memory_info`): what training adds on
   top of the weights (optimizer slots, activations, gradients). `None`
@@ -49,22 +50,32 @@ CONFIGS = {
     "accumulate": {"jit_compile": False, "accumulate_steps": 4},
     "recompute": {"jit_compile": False, "recompute": "auto"},
     "all_on": {
-        "jit_compile": True,
+        "jit_compile": "auto",
         "precision": "auto",
         "accumulate_steps": 4,
         "recompute": {"budget_mb": "half_available"},
     },
 }
-# all_on recomputes only what it must: the budget is half the memory
-# available when the child starts (see `resolve_kwargs`), so a model whose
-# activations fit pays no extra forward pass.
+# all_on switches everything on with the "auto" choices, so that it is not
+# slower than the baseline (measured on a 2-core CPU; see README):
+# - jit_compile="auto" is Keras' own: XLA on a GPU, not on a CPU, where XLA
+#   made the built-in MLP ~1.2x and the CNN ~3.7x slower per step;
+# - precision="auto" then picks mixed_bfloat16 on a CPU with bfloat16
+#   instructions (~0.66x the float32 step on the MLP), mixed_float16 on a GPU;
+# - recompute only what must be: the budget is half the memory available
+#   when the child starts (see `resolve_kwargs`), so a model whose
+#   activations fit pays no extra forward pass (recompute="auto" cost the
+#   MLP ~1.3x).
 HALF_AVAILABLE = "half_available"
 BUILTIN_MODELS = ("mlp", "cnn", "transformer", "residual_mlp")
+# Sizes of the built-ins under `compare` (zoo defaults otherwise).
+BUILTIN_SIZES = {"residual_mlp": {"width": 256, "blocks": 4}}
 DEFAULT_MODEL = "mlp"
 DEFAULT_BATCH_SIZE = 256
 DEFAULT_STEPS = 30
 WARMUP_STEPS = 2
-# Repetitions of the forward-only and full-step timings (backward share).
+# Forward-only / full-step timing pairs (backward share): at least this
+# many, up to 4x as many while they take under ~2 s.
 SHARE_REPS = 5
 CHILD_TIMEOUT_S = 3600
 
@@ -209,7 +220,7 @@ def build(spec):
     notes = []
     name = spec["model"]
     if name in BUILTIN_MODELS:
-        model = getattr(zoo, name)()
+        model = getattr(zoo, name)(**BUILTIN_SIZES.get(name, {}))
         if name == "cnn":
             x, y = zoo.image_data(samples)
         elif name == "transformer":
@@ -395,8 +406,13 @@ def measure(spec):
     for fn in (forward_once, step_once):
         fn()
         fn()
-    forward_ms = _median_ms(forward_once, SHARE_REPS)
-    full_ms = _median_ms(step_once, SHARE_REPS)
+    # Interleaved pairs, so both timings see the same machine load.
+    reps = max(SHARE_REPS, min(4 * SHARE_REPS, int(2000 / max(step_ms, 1.0))))
+    forward_ms, full_ms, ratios = [], [], []
+    for _ in range(reps):
+        forward_ms.append(_median_ms(forward_once, 1))
+        full_ms.append(_median_ms(step_once, 1))
+        ratios.append(forward_ms[-1] / full_ms[-1])
 
     plan = model.recompute_plan()
     row = {
@@ -407,9 +423,9 @@ def measure(spec):
         "step_ms": step_ms,
         "compile_s": max(0.0, times[0] - step_ms / 1000),
         "examples_per_s": batch_size / (step_ms / 1000),
-        "backward_share": max(0.0, 1 - forward_ms / full_ms),
-        "forward_ms": forward_ms,
-        "full_step_ms": full_ms,
+        "backward_share": max(0.0, 1 - statistics.median(ratios)),
+        "forward_ms": statistics.median(forward_ms),
+        "full_step_ms": statistics.median(full_ms),
         "peak_mib": None if peak is None or before is None else (peak - before) / 2**20,
         "retraces": traces_in_fit - first_traces[0],
         "final_loss": final_loss,
