@@ -16,8 +16,9 @@ Configurations:
   accumulate_steps=4, recompute={"budget_mb": 8000} (nothing to recompute).
 
 Measured (2-core CPU with AMX/avx512_bf16, shared with other jobs; TF 2.21,
-Keras 3.15; 9 rounds of 8 steps): xla_recompute 0.98x, xla 0.86x, auto 0.51x
-the baseline step (22.7 ms).
+Keras 3.15; 8 steps per timing): xla_recompute 0.98x, xla 0.86x, auto 0.51x
+the baseline step (22.7 ms) in 9 rounds; 0.98x, 0.92x, 0.60x (24.8 ms) in a
+second run of 5 rounds.
 
     python benchmarks/bench_all_on.py [--steps 8] [--rounds 9]
 """

@@ -257,6 +257,19 @@ def format_table(rows):
     return "\n".join(lines)
 
 
+def format_notes(rows):
+    """One line per distinct note, naming its configurations unless it
+    holds for every row."""
+    by_note = {}
+    for r in rows:
+        for note in r.get("notes", ()):
+            by_note.setdefault(note, []).append(r["config"])
+    return [
+        f"note: {note}" if len(names) == len(rows) else f"note ({', '.join(names)}): {note}"
+        for note, names in by_note.items()
+    ]
+
+
 def _context(args, rows):
     env = next((r["environment"] for r in rows if "environment" in r), None)
     text = f"model {args.model}, batch size {args.batch_size}, {args.steps} steps"
@@ -300,11 +313,8 @@ def compare(args, parser):
     context, env = _context(args, rows)
     print(context)
     print(format_table(rows))
-    notes = dict.fromkeys(
-        f"{r['config']}: {note}" for r in rows for note in r.get("notes", ())
-    )
-    for note in notes:
-        print(f"note: {note}")
+    for note in format_notes(rows):
+        print(note)
     if args.json is not None:
         with open(args.json, "w") as f:
             json.dump({"spec": spec, "environment": env, "rows": rows}, f, indent=2)

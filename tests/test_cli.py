@@ -108,7 +108,7 @@ def test_saved_model_without_loss_or_data_and_a_failed_row(tmp_path, capsys):
     assert "no saved loss: using 'mse'" in baseline["notes"]
     assert "synthetic data from the input spec" in baseline["notes"]
     assert "optimizer: Adam(1e-3)" in baseline["notes"]
-    assert "note: baseline: no saved loss" in out
+    assert "note (baseline): no saved loss: using 'mse'" in out
     assert "found nothing to recompute" in recompute["error"]
     assert "\n" not in recompute["error"]
     assert _row_line(out, "recompute").startswith("recompute      FAILED: ValueError")
@@ -148,6 +148,30 @@ def test_exit_status_depends_on_the_baseline(monkeypatch, capsys, configs, faile
         assert _row_line(out, name) == f"{name:<15}FAILED: Boom: no"
     if "baseline" in configs and not failed & {"baseline", "jit_compile"}:
         assert "1.25x" in _row_line(out, "jit_compile")  # 10 ms / 8 ms
+
+
+def test_a_child_that_dies_without_a_row_fails_with_its_last_stderr_line(tmp_path, monkeypatch):
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\necho 'some log' >&2\necho 'Fatal Python error: Aborted' >&2\nexit 134\n")
+    fake_python.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake_python))
+    row = compare_lib.run_one({"config": "baseline", "kwargs": {}, "model": "mlp"})
+    assert row == {
+        "config": "baseline",
+        "kwargs": {},
+        "error": "exit code 134: Fatal Python error: Aborted",
+    }
+
+
+def test_notes_name_their_configurations_unless_shared():
+    rows = [
+        {"config": "baseline", "notes": ["synthetic data", "only here"]},
+        {"config": "recompute", "notes": ["synthetic data"]},
+    ]
+    assert cli.format_notes(rows) == [
+        "note: synthetic data",
+        "note (baseline): only here",
+    ]
 
 
 @pytest.fixture
