@@ -326,23 +326,19 @@ def resolve_kwargs(kwargs):
     return kwargs
 
 
-def measure(spec):
-    """Trains one configuration and returns its row (in the child)."""
-    import warnings
+def final_loss(running_means):
+    """The mean loss over the last quarter of the steps (at least one),
+    recovered exactly from Keras' per-batch running means of equal-size
+    batches: the sum of the first i losses is `i * running_means[i - 1]`."""
+    n = len(running_means)
+    k = max(1, n // 4)
+    earlier = running_means[n - k - 1] * (n - k) if n > k else 0.0
+    return (running_means[-1] * n - earlier) / k
 
-    import tensorflow as tf
 
-    import keras
-
-    device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
-    model, x, y, loss, optimizer, notes = build(spec)
-    kwargs = resolve_kwargs(spec["kwargs"])
-    batch_size, steps = spec["batch_size"], spec["steps"]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model.compile(optimizer=optimizer, loss=loss, **kwargs)
-    notes.extend(str(w.message).split(". ")[0] for w in caught[:2])
-
+def count_traces(model):
+    """Wraps `model.train_step` (an instance attribute, read when Keras makes
+    the train function) so each trace increments the returned counter."""
     traces = [0]
     train_step = model.train_step
 
@@ -351,11 +347,21 @@ def measure(spec):
         return train_step(data)
 
     model.train_step = counting_train_step
+    return traces
 
-    data = tf.data.Dataset.from_tensor_slices((x, y))
-    if len(y) < batch_size:
-        data = data.repeat()
-    data = data.batch(batch_size, drop_remainder=True).repeat().prefetch(2)
+
+def timed_fit(model, data, steps, device):
+    """`fit` for `steps` batches, timing each and reading the memory peak.
+
+    Returns:
+        `(seconds per batch, running-mean losses, traces after the first
+        batch, peak bytes above the level before fit or None)`.
+    """
+    import tensorflow as tf
+
+    import keras
+
+    traces = count_traces(model)
     times, losses, first_traces = [], [], []
 
     class Clock(keras.callbacks.Callback):
@@ -375,21 +381,21 @@ def measure(spec):
     except (ValueError, RuntimeError):
         pass
     before = _memory(tf, device, "current")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[Clock()])
+    model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[Clock()])
     peak = _memory(tf, device, "peak")
-    traces_in_fit = traces[0]
+    grown = None if peak is None or before is None else peak - before
+    return times, losses, traces[0] - first_traces[0], grown
 
-    warm = min(WARMUP_STEPS, len(times) - 1)
-    step_ms = statistics.median(times[warm:]) * 1000
-    n = len(losses)
-    k = max(1, n // 4)
-    previous = losses[n - k - 1] * (n - k) if n > k else 0.0
-    final_loss = (losses[-1] * n - previous) / k
 
-    # Backward share: forward-only vs the full train step on one fixed batch.
-    batch = next(iter(data))
+def backward_share(model, batch, step_ms):
+    """1 - forward-only time / train-step time on one batch, with medians
+    over interleaved pairs (so both see the same machine load).
+
+    Returns:
+        `(share, forward ms, train step ms)`.
+    """
+    import tensorflow as tf
+
     forward = tf.function(
         lambda inputs: model(inputs, training=True), jit_compile=bool(model.jit_compile)
     )
@@ -397,25 +403,51 @@ def measure(spec):
 
     def forward_once():
         out = forward(batch[0])
-        float(tf.reduce_sum(tf.cast(out, "float32")))
+        float(tf.reduce_sum(tf.cast(tf.nest.flatten(out)[0], "float32")))
 
     def step_once():
         logs = model.train_function(fixed)
         float(logs["loss"])
 
-    for fn in (forward_once, step_once):
-        fn()
-        fn()
-    # Interleaved pairs, so both timings see the same machine load.
+    for fn in (forward_once, step_once, forward_once, step_once):
+        fn()  # warm-up: traces, compiles
     reps = max(SHARE_REPS, min(4 * SHARE_REPS, int(2000 / max(step_ms, 1.0))))
-    forward_ms, full_ms, ratios = [], [], []
+    forward_ms, full_ms = [], []
     for _ in range(reps):
         forward_ms.append(_median_ms(forward_once, 1))
         full_ms.append(_median_ms(step_once, 1))
-        ratios.append(forward_ms[-1] / full_ms[-1])
+    share = 1 - statistics.median(f / s for f, s in zip(forward_ms, full_ms))
+    return max(0.0, share), statistics.median(forward_ms), statistics.median(full_ms)
+
+
+def measure(spec):
+    """Trains one configuration and returns its row (in the child)."""
+    import warnings
+
+    import tensorflow as tf
+
+    device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+    model, x, y, loss, optimizer, notes = build(spec)
+    kwargs = resolve_kwargs(spec["kwargs"])
+    batch_size, steps = spec["batch_size"], spec["steps"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.compile(optimizer=optimizer, loss=loss, **kwargs)
+    notes.extend(str(w.message).split(". ")[0] for w in caught[:2])
+
+    data = tf.data.Dataset.from_tensor_slices((x, y))
+    if len(y) < batch_size:
+        data = data.repeat()
+    data = data.batch(batch_size, drop_remainder=True).repeat().prefetch(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        times, losses, retraces, grown = timed_fit(model, data, steps, device)
+        warm = min(WARMUP_STEPS, len(times) - 1)
+        step_ms = statistics.median(times[warm:]) * 1000
+        share, forward_ms, full_ms = backward_share(model, next(iter(data)), step_ms)
 
     plan = model.recompute_plan()
-    row = {
+    return {
         "model": spec["model"],
         "compiled_with": kwargs,
         "batch_size": batch_size,
@@ -423,12 +455,12 @@ def measure(spec):
         "step_ms": step_ms,
         "compile_s": max(0.0, times[0] - step_ms / 1000),
         "examples_per_s": batch_size / (step_ms / 1000),
-        "backward_share": max(0.0, 1 - statistics.median(ratios)),
-        "forward_ms": statistics.median(forward_ms),
-        "full_step_ms": statistics.median(full_ms),
-        "peak_mib": None if peak is None or before is None else (peak - before) / 2**20,
-        "retraces": traces_in_fit - first_traces[0],
-        "final_loss": final_loss,
+        "backward_share": share,
+        "forward_ms": forward_ms,
+        "full_step_ms": full_ms,
+        "peak_mib": None if grown is None else grown / 2**20,
+        "retraces": retraces,
+        "final_loss": final_loss(losses),
         "jit_compile": bool(model.jit_compile),
         "policy": model.dtype_policy_applied or model.dtype_policy.name,
         "accumulate_steps": model.gradboost_config.accumulate_steps,
@@ -436,7 +468,6 @@ def measure(spec):
         "notes": notes,
         "environment": environment(),
     }
-    return row
 
 
 def child_main(argv):

@@ -261,3 +261,17 @@ def test_module_entry_point_help():
     assert result.returncode == 0
     for text in ("--model", "--configs", "all_on", "exit status", "1 when the baseline failed"):
         assert text in result.stdout
+
+
+@pytest.mark.parametrize(
+    "per_step, expected",
+    [
+        ([4.0, 3.0, 2.0, 1.0], 1.0),  # 4 steps: the last one
+        ([2.0], 2.0),
+        ([3.0, 1.0], 1.0),
+        ([8.0, 4.0, 3.0, 1.0, 2.0, 0.0, 1.0, 3.0], 2.0),  # 8 steps: the last 2
+    ],
+)
+def test_final_loss_from_running_means(per_step, expected):
+    running = [sum(per_step[: i + 1]) / (i + 1) for i in range(len(per_step))]
+    assert compare_lib.final_loss(running) == pytest.approx(expected)
