@@ -27,7 +27,9 @@ What a row holds (all measured in the child):
   batch, counted by a Python side effect in `model.train_step` (it runs
   only while TensorFlow traces). The first batch may trace twice: a
   `tf.function` whose first call creates variables (optimizer slots) is
-  traced again; that is not a retrace.
+  traced again; that is not a retrace. (The batches come from a tf.data
+  pipeline of fixed-size batches, so a retrace here means the train
+  function was made again, or traced for a new Python value.)
 - `final_loss`: the mean training loss over the last quarter of the batches
   (recovered exactly from the running means Keras logs).
 """
@@ -381,7 +383,9 @@ def timed_fit(model, data, steps, device):
     except (ValueError, RuntimeError):
         pass
     before = _memory(tf, device, "current")
-    model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[Clock()])
+    model.fit(
+        data, steps_per_epoch=steps, epochs=1, shuffle=False, verbose=0, callbacks=[Clock()]
+    )
     peak = _memory(tf, device, "peak")
     grown = None if peak is None or before is None else peak - before
     return times, losses, traces[0] - first_traces[0], grown

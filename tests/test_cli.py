@@ -275,3 +275,35 @@ def test_module_entry_point_help():
 def test_final_loss_from_running_means(per_step, expected):
     running = [sum(per_step[: i + 1]) / (i + 1) for i in range(len(per_step))]
     assert compare_lib.final_loss(running) == pytest.approx(expected)
+
+
+def test_count_traces_counts_each_new_input_shape():
+    from keras_gradboost import zoo
+
+    model = zoo.mlp(input_dim=5, hidden=(4,), classes=3)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    traces = compare_lib.count_traces(model)
+    x, y = zoo.classification_data(4, input_dim=5, classes=3)
+    model.train_on_batch(x, y)
+    first = traces[0]
+    assert first >= 1
+    model.train_on_batch(x, y)
+    assert traces[0] == first  # same shapes: no trace
+    model.train_on_batch(x[:2], y[:2])
+    assert traces[0] == first + 1  # a new batch size: one retrace
+
+
+def test_timed_fit_does_not_count_the_first_batch_traces_as_retraces():
+    import tensorflow as tf
+
+    from keras_gradboost import zoo
+
+    model = zoo.mlp(input_dim=5, hidden=(4,), classes=3)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x, y = zoo.classification_data(12, input_dim=5, classes=3)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(4, drop_remainder=True).repeat()
+    times, losses, retraces, _ = compare_lib.timed_fit(model, data, 5, "CPU:0")
+    assert len(times) == len(losses) == 5
+    # Adam creates its slots in the first step, so TensorFlow traces that
+    # step twice; neither is a retrace.
+    assert retraces == 0
