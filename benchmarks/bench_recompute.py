@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import re
 import resource
 import statistics
 import subprocess
@@ -90,7 +91,8 @@ def worker(args):
             warnings.simplefilter("ignore")
             model.fit(data, steps_per_epoch=2, epochs=1, verbose=0)
     except Exception as error:  # noqa: BLE001 - reported in the table
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))  # Keras' bold markers
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
         telling = [line for line in lines if "gradient" in line] or lines or [""]
         result["error"] = f"{type(error).__name__}: {telling[0][:110]}"
         print(json.dumps(result))

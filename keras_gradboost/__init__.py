@@ -7,12 +7,15 @@ Public API:
     GradBoostConfig: the validated gradboost compile arguments.
     RecomputePlan: what `GradBoostModel.recompute_plan()` returns.
     RecomputeCheckError: raised by `recompute_check=True`.
-    callbacks: drop-in callbacks (NaNWatcher).
+    callbacks: drop-in callbacks (NaNWatcher, StepTimeMonitor,
+        RetraceCounter, GradientAuditor).
+    data: input-pipeline helpers (bucket_by_length).
 """
 
 __version__ = "0.1.0.dev0"
 
 from keras_gradboost import callbacks
+from keras_gradboost import data
 from keras_gradboost.blocks import RecomputePlan
 from keras_gradboost.config import GradBoostConfig
 from keras_gradboost.model import GradBoostModel
@@ -26,5 +29,6 @@ __all__ = [
     "RecomputePlan",
     "boost",
     "callbacks",
+    "data",
     "__version__",
 ]

@@ -157,7 +157,7 @@ def check():
     return True
 
 
-def hold_batches(model, extra_logs=None, before=None):
+def hold_batches(model, extra_logs=None, before_call=None, after_call=None):
     """Wraps `model.train_function` so the batches of the last call stay
     reachable, at no cost (the tensors exist anyway; nothing is copied).
 
@@ -165,21 +165,33 @@ def hold_batches(model, extra_logs=None, before=None):
     its compiled one-step function on each, which is what this wrapper does
     after drawing up to `steps_per_execution` batches itself.
 
+    Wrappers stack: several callbacks may each hold the batches. Undoing a
+    wrapper that another one has since wrapped turns it into a pass-through.
+
     Args:
         model: a Keras model whose train function is made.
         extra_logs: optional callable returning a dict merged into the logs
             of every call (so the progress bar and History show it).
-        before: optional callable, given each call's batches before they run.
+        before_call: optional callable `(batches)`, called before each call
+            with the list of batches it will run (eager tensors: their shapes
+            are concrete, and reading a shape costs no device sync).
+        after_call: optional callable `(batches, logs)` called after each
+            call with its logs (tensors, not yet read); a dict it returns is
+            merged into the logs.
 
     Returns:
         `(held, undo)`: the list that holds the last call's batches, and a
         function that restores the original train function.
     """
-    original = model.train_function
+    cell = [model.train_function]  # what this wrapper calls (see below)
     held = []
+    active = [True]
     tf_iterators = (tf.data.Iterator, tf.distribute.DistributedIterator)
 
     def function(iterator):
+        original = cell[0]
+        if not active[0]:
+            return original(iterator)
         if isinstance(iterator, tf_iterators):
             batches = []
             for _ in range(model.steps_per_execution):
@@ -192,17 +204,66 @@ def hold_batches(model, extra_logs=None, before=None):
         if not batches:
             raise StopIteration
         held[:] = batches
-        if before is not None:
-            before(batches)
+        if before_call is not None:
+            before_call(batches)
         logs = original(batches)
+        if after_call is not None:
+            more = after_call(batches, logs)
+            if more:
+                logs = {**logs, **more}
         if extra_logs is not None:
             logs = {**logs, **extra_logs()}
         return logs
 
+    function._held_original = cell
+    function._held_active = active
     model.train_function = function
 
     def undo():
+        active[0] = False
         if model.train_function is function:
-            model.train_function = original
+            # Drop this wrapper and any pass-through ones below it.
+            model.train_function = _skip_inactive(cell[0])
 
     return held, undo
+
+
+def _skip_inactive(fn):
+    while getattr(fn, "_held_active", [True])[0] is False:
+        fn = fn._held_original[0]
+    return fn
+
+
+def base_train_function(model):
+    """The train function under every `hold_batches` wrapper: the one Keras
+    (or a callback) made."""
+    fn = model.train_function
+    while getattr(fn, "_held_original", None) is not None:
+        fn = fn._held_original[0]
+    return fn
+
+
+def replace_base_train_function(model, new):
+    """Puts `new` in place of `base_train_function(model)`, under the
+    `hold_batches` wrappers of other callbacks (which stay in place).
+
+    Returns:
+        A function that puts the previous base function back.
+    """
+    fn, cell = model.train_function, None
+    while getattr(fn, "_held_original", None) is not None:
+        cell = fn._held_original
+        fn = cell[0]
+    old = fn
+    if cell is None:
+        model.train_function = new
+    else:
+        cell[0] = new
+
+    def undo():
+        if cell is not None and cell[0] is new:
+            cell[0] = old
+        if model.train_function is new:
+            model.train_function = old
+
+    return undo

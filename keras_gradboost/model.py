@@ -286,7 +286,9 @@ class GradBoostModel(keras.Model):
         super().make_train_function(force=force)
         rt = self._gradboost
         if rt.recompute_check_pending and self.train_function is not rt.check_wrapper:
-            _, undo = hooks.hold_batches(self, before=lambda b: self._check(b, undo))
+            _, undo = hooks.hold_batches(
+                self, before_call=lambda b: self._check(b, undo)
+            )
             rt.check_wrapper = self.train_function
         return self.train_function
 

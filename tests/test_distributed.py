@@ -128,9 +128,15 @@ def test_mirrored_recompute_equals_no_recompute():
     rng = np.random.default_rng(2)
     x = rng.normal(size=(64, 5)).astype("float32")
     y = rng.normal(size=(64, 3)).astype("float32")
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
     models = {}
     for setting in (None, "auto"):
-        with _strategy().scope():
+        # ReductionToOneDevice: collective all-reduces of a second strategy in
+        # one process can collide with an earlier one's instance keys.
+        strategy = tf.distribute.MirroredStrategy(
+            devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+        )
+        with strategy.scope():
             model = residual_model()
             model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", recompute=setting)
         model.fit(x, y, batch_size=16, shuffle=False, verbose=0)

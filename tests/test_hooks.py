@@ -101,3 +101,75 @@ def test_hold_batches_keeps_the_last_chunk_and_undoes():
 def test_fit_validation_flag():
     assert hooks.is_fit_validation({"_use_cached_eval_dataset": True})
     assert not hooks.is_fit_validation({})
+
+
+def test_hold_batches_calls_before_and_after_and_merges_logs():
+    import tensorflow as tf
+
+    model = _model()
+    x = np.arange(12, dtype="float32").reshape(4, 3)
+    y = np.zeros((4, 2), "float32")
+    model.fit(x, y, batch_size=2, verbose=0)
+    seen = []
+    held, undo = hooks.hold_batches(
+        model,
+        before_call=lambda batches: seen.append(("before", tuple(batches[0][0].shape))),
+        after_call=lambda batches, logs: seen.append(("after", sorted(logs))) or {"extra": 1.0},
+    )
+    logs = model.train_function(iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(2)))
+    assert seen == [("before", (2, 3)), ("after", ["loss"])]
+    assert logs["extra"] == 1.0 and "loss" in logs
+    undo()
+
+
+def test_stacked_hold_batches_undo_in_any_order():
+    import tensorflow as tf
+
+    model = _model()
+    x = np.arange(12, dtype="float32").reshape(4, 3)
+    y = np.zeros((4, 2), "float32")
+    model.fit(x, y, batch_size=2, verbose=0)
+    original = model.train_function
+    calls = []
+    _, undo_inner = hooks.hold_batches(model, extra_logs=lambda: calls.append("inner") or {})
+    _, undo_outer = hooks.hold_batches(model, extra_logs=lambda: calls.append("outer") or {})
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(2)
+    model.train_function(iter(ds))
+    assert calls == ["inner", "outer"]
+    undo_inner()  # not on top: becomes a pass-through
+    calls.clear()
+    model.train_function(iter(ds))
+    assert calls == ["outer"]
+    undo_outer()  # on top: removes itself and the pass-through below
+    assert model.train_function is original
+    calls.clear()
+    before = model.get_weights()[0].copy()
+    model.fit(x, y, batch_size=2, verbose=0)
+    assert not np.array_equal(before, model.get_weights()[0])
+    assert calls == []
+
+
+def test_replace_base_train_function_goes_under_the_wrappers():
+    import tensorflow as tf
+
+    model = _model()
+    x = np.arange(12, dtype="float32").reshape(4, 3)
+    y = np.zeros((4, 2), "float32")
+    model.fit(x, y, batch_size=2, verbose=0)
+    original = model.train_function
+    _, undo_hold = hooks.hold_batches(model, extra_logs=lambda: {"held": 1.0})
+    seen = []
+
+    def replacement(iterator):
+        seen.append(len(list(iterator)))
+        return original(iterator[:0] or [next(iter(ds))])
+
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(2)
+    undo = hooks.replace_base_train_function(model, replacement)
+    assert hooks.base_train_function(model) is replacement
+    logs = model.train_function(iter(ds))
+    assert seen == [1] and logs["held"] == 1.0  # the wrapper still runs
+    undo()
+    assert hooks.base_train_function(model) is original
+    undo_hold()
+    assert model.train_function is original

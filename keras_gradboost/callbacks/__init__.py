@@ -1,7 +1,31 @@
 """Drop-in Keras callbacks for any model."""
 
+from keras_gradboost.callbacks.gradient_audit import AuditReport
+from keras_gradboost.callbacks.gradient_audit import GradientAuditor
+from keras_gradboost.callbacks.gradient_audit import MissingGradient
+from keras_gradboost.callbacks.gradient_audit import MissingGradientError
 from keras_gradboost.callbacks.nan_watcher import NaNEvent
 from keras_gradboost.callbacks.nan_watcher import NaNWatcher
 from keras_gradboost.callbacks.nan_watcher import NonFiniteError
+from keras_gradboost.callbacks.retrace import RetraceCounter
+from keras_gradboost.callbacks.retrace import RetraceError
+from keras_gradboost.callbacks.retrace import RetraceEvent
+from keras_gradboost.callbacks.step_time import StepSplit
+from keras_gradboost.callbacks.step_time import StepTimeMonitor
+from keras_gradboost.callbacks.step_time import StepTimeReport
 
-__all__ = ["NaNEvent", "NaNWatcher", "NonFiniteError"]
+__all__ = [
+    "AuditReport",
+    "GradientAuditor",
+    "MissingGradient",
+    "MissingGradientError",
+    "NaNEvent",
+    "NaNWatcher",
+    "NonFiniteError",
+    "RetraceCounter",
+    "RetraceError",
+    "RetraceEvent",
+    "StepSplit",
+    "StepTimeMonitor",
+    "StepTimeReport",
+]

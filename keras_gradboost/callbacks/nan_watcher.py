@@ -206,7 +206,9 @@ class NaNWatcher(keras.callbacks.Callback):
         # fit() made the train function before this hook: make one with the
         # checks in (traced once, and kept for later fits of the same compiled
         # model), and give fit() its own function back afterwards.
-        plain = model.train_function
+        # Other callbacks' hold_batches wrappers may be on top already: the
+        # guarded function goes under them.
+        plain = hooks.base_train_function(model)
         key = (model, model.optimizer, plain)
         fresh = self._guarded is None or any(
             a is not b for a, b in zip(self._guarded[0], key)
@@ -239,10 +241,11 @@ class NaNWatcher(keras.callbacks.Callback):
                 counter = self._guarded[2]
             self._undo.append(guard.guard_optimizer(model.optimizer, counter))
         if fresh:
+            top = model.train_function
             model.make_train_function(force=True)
             self._guarded = (key, model.train_function, counter)
-        model.train_function = self._guarded[1]
-        self._undo.append(lambda: setattr(model, "train_function", plain))
+            model.train_function = top
+        self._undo.append(hooks.replace_base_train_function(model, self._guarded[1]))
         # fit() calls make_train_function() first: if a fit() ended in an
         # exception (no on_train_end), the next fit() undoes the watcher here.
         model.make_train_function = lambda force=False: self._teardown() or (

@@ -1,0 +1,120 @@
+"""StepTimeMonitor + RetraceCounter + GradientAuditor overhead: step time with
+all three callbacks vs none, on keras.Model and on GradBoostModel.
+
+MLP 784-1024-1024-10, batch 256, Adam, CPU, `model.fit` (so callback costs
+count). Every configuration is warmed up, then timed in interleaved rounds
+(every configuration once per round, in a shuffled order) in this one
+process; a ratio A/B is the median over rounds of A's time over B's time in
+the same round. One callback set per model, as in one long fit: the models'
+functions are traced once, in the warm-up. The monitor's split probe is
+off in the timed runs; its one-off cost is measured on its own afterwards.
+
+    python benchmarks/bench_callbacks.py [--steps 32] [--rounds 11]
+"""
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+
+import keras  # noqa: E402
+from keras_gradboost import zoo  # noqa: E402
+from keras_gradboost.callbacks import GradientAuditor  # noqa: E402
+from keras_gradboost.callbacks import RetraceCounter  # noqa: E402
+from keras_gradboost.callbacks import StepTimeMonitor  # noqa: E402
+
+BATCH = 256
+
+
+def make(kind):
+    model = zoo.mlp(cls=keras.Model if kind == "keras" else None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
+    return model
+
+
+def three(split_at=None):
+    return [
+        StepTimeMonitor(split_at=split_at),
+        RetraceCounter(),
+        GradientAuditor(verbose=0),
+    ]
+
+
+def time_fit(model, ds, steps, callbacks):
+    start = time.perf_counter()
+    model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=callbacks)
+    return (time.perf_counter() - start) / steps
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=11)
+    args = parser.parse_args(argv)
+    x, y = zoo.classification_data(BATCH * 8)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat().prefetch(2)
+
+    configs = {}  # name: (model, callbacks)
+    for kind in ("keras", "gradboost"):
+        configs[kind] = (make(kind), [])
+        configs[f"{kind}+3"] = (make(kind), three())
+
+    for model, callbacks in configs.values():  # warm-up (traces, compiles)
+        time_fit(model, ds, 4, callbacks)
+    samples = {name: [] for name in configs}
+    order = list(configs)
+    rng = random.Random(0)
+    for _ in range(args.rounds):
+        rng.shuffle(order)
+        for name in order:
+            model, callbacks = configs[name]
+            samples[name].append(time_fit(model, ds, args.steps, callbacks))
+
+    def ratio(a, b):
+        return statistics.median(p / q for p, q in zip(samples[a], samples[b]))
+
+    # The split probe, once per kind, on a warmed-up model.
+    probes = {}
+    for kind in ("keras", "gradboost"):
+        model = configs[kind][0]
+        monitor = StepTimeMonitor(window=10, split_at=10)
+        model.fit(ds, steps_per_epoch=24, epochs=1, verbose=0, callbacks=[monitor])
+        probes[kind] = monitor.report()
+
+    print(
+        f"TF {tf.__version__}, Keras {keras.__version__}; MLP 784-1024-1024-10, "
+        f"batch {BATCH}, Adam, fit; {args.steps} steps x {args.rounds} rounds"
+    )
+    print(f"  {'comparison (+3 = StepTimeMonitor + RetraceCounter + GradientAuditor)':<72} {'ratio':>7}   target")
+    for kind, label in (("keras", "keras.Model"), ("gradboost", "GradBoostModel")):
+        value = ratio(f"{kind}+3", kind)
+        verdict = "ok" if value <= 1.03 else "OVER TARGET"
+        text = f"{label} +3 / {label}"
+        print(f"  {text:<72} {value:6.3f}x   <= 1.03 {verdict}")
+    step_ms = {k: 1000 * statistics.median(v) for k, v in samples.items()}
+    print("  median step (ms, fit time / steps): " + ", ".join(f"{k} {v:.1f}" for k, v in step_ms.items()))
+    print("  split probe (one-off, outside the step windows):")
+    for kind, report in probes.items():
+        split = report.split
+        print(
+            f"    {kind:<10} probe {1000 * report.probe_seconds:7.0f} ms "
+            f"(of which compile {split.compile_ms:6.0f} ms) = "
+            f"{1000 * report.probe_seconds / report.median_step_ms:5.1f} steady steps; "
+            f"step {split.step_ms:.1f} ms: forward {split.forward_ms:.1f}, "
+            f"backward {split.backward_ms:.1f} ({100 * split.backward_share:.0f}%), "
+            f"optimizer {split.optimizer_ms:.1f}, input+overhead {split.input_ms:.1f}"
+        )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

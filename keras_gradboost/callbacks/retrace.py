@@ -1,0 +1,605 @@
+"""RetraceCounter: count tf.function retraces and XLA recompiles of the step
+functions, and say which input changed and how to fix it."""
+
+import collections
+import dataclasses
+import math
+import statistics
+import time
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_gradboost import hooks
+from keras_gradboost import tracing
+
+_ROOTS = ("x", "y", "sample_weight")
+
+
+class RetraceError(RuntimeError):
+    """Raised by `RetraceCounter(strict=True)` past `max_retraces`.
+
+    Attributes:
+        event: the `RetraceEvent` that went past the limit.
+    """
+
+    def __init__(self, message, event):
+        super().__init__(message)
+        self.event = event
+
+
+# ----------------------------------------------------------------- signatures
+
+
+_SCALARS = (bool, int, float, complex, str, bytes)
+
+
+def signature(data, local_results=None):
+    """The input signature of one step's `data`, as a tuple of leaves.
+
+    Each leaf is `(path, kind, shape_or_value, dtype)`: kind "tensor" for
+    anything with a shape and a dtype (tensors, arrays, specs; unknown dims
+    are None), "python" for a Python scalar or string (each new value is a
+    new trace). `None` leaves are left out.
+
+    Args:
+        data: what the step function receives: `x`, or `(x, y)`, or
+            `(x, y, sample_weight)`, nested as Keras allows.
+        local_results: for a distributed batch, a strategy's
+            `experimental_local_results`: the first replica's part stands for
+            a distributed value. Defaults to `None`.
+
+    Returns:
+        A hashable tuple.
+    """
+    leaves = []
+    for path, leaf in keras.tree.flatten_with_path(data):
+        if leaf is None:
+            continue
+        name = _path_name(path, isinstance(data, tuple) and len(data) <= 3)
+        if isinstance(leaf, tf.distribute.DistributedValues) and local_results:
+            leaf = local_results(leaf)[0]
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            shape = leaf.shape
+            if isinstance(shape, tf.TensorShape):
+                dims = None if shape.rank is None else tuple(shape.as_list())
+            else:
+                dims = tuple(shape)
+            if dims is not None:
+                dims = tuple(None if d is None else int(d) for d in dims)
+            leaves.append((name, "tensor", dims, tf.as_dtype(leaf.dtype).name))
+        elif isinstance(leaf, _SCALARS):
+            leaves.append((name, "python", leaf, type(leaf).__name__))
+        else:  # tf.function keys other objects by identity
+            leaves.append((name, "python", f"<{type(leaf).__name__} {id(leaf):#x}>", "object"))
+    return tuple(leaves)
+
+
+def _path_name(path, xy_tuple):
+    if xy_tuple and path:
+        head, rest = _ROOTS[path[0]], path[1:]
+    else:
+        head, rest = "x", path
+    return head + "".join(f"[{p!r}]" if isinstance(p, str) else f"[{p}]" for p in rest)
+
+
+def _shape_text(dims):
+    if dims is None:
+        return "<unknown rank>"
+    inner = ", ".join("None" if d is None else str(d) for d in dims)
+    return f"({inner},)" if len(dims) == 1 else f"({inner})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One input that differs between two signatures.
+
+    Attributes:
+        path: the input, e.g. `x["tokens"]`.
+        kind: "shape", "dtype", "python" (a Python value changed, or a
+            Python value replaced a tensor or the reverse), or "structure"
+            (the input appeared or disappeared).
+        old: the previous shape/dtype/value.
+        new: the new one.
+        dims: for "shape", the indices of the dimensions that changed.
+    """
+
+    path: str
+    kind: str
+    old: object
+    new: object
+    dims: tuple = ()
+
+    def text(self):
+        if self.kind == "shape":
+            if self.old is None or self.new is None or len(self.old) != len(self.new):
+                return (
+                    f"{self.path}: shape {_shape_text(self.old)} -> "
+                    f"{_shape_text(self.new)}, rank changed"
+                )
+            which = ", ".join(str(d) for d in self.dims)
+            return (
+                f"{self.path}: shape {_shape_text(self.old)} -> "
+                f"{_shape_text(self.new)}, dim {which} varies"
+            )
+        if self.kind == "dtype":
+            return f"{self.path}: dtype {self.old} -> {self.new}"
+        if self.kind == "python":
+            return f"{self.path}: Python value {self.old!r} -> {self.new!r}"
+        return f"{self.path}: {self.old} -> {self.new}"
+
+
+def diff_signatures(old, new):
+    """The `Change`s from signature `old` to signature `new`, by input path."""
+    before = {leaf[0]: leaf for leaf in old}
+    after = {leaf[0]: leaf for leaf in new}
+    changes = []
+    for path in list(before) + [p for p in after if p not in before]:
+        a, b = before.get(path), after.get(path)
+        if a is None or b is None:
+            changes.append(
+                Change(path, "structure", "absent" if a is None else "present",
+                       "absent" if b is None else "present")
+            )
+            continue
+        if a[1] == "python" or b[1] == "python":
+            if a[1:] != b[1:]:
+                old_value = a[2] if a[1] == "python" else f"tensor {_shape_text(a[2])}"
+                new_value = b[2] if b[1] == "python" else f"tensor {_shape_text(b[2])}"
+                changes.append(Change(path, "python", old_value, new_value))
+            continue
+        if a[3] != b[3]:
+            changes.append(Change(path, "dtype", a[3], b[3]))
+        if a[2] != b[2]:
+            dims = ()
+            if a[2] is not None and b[2] is not None and len(a[2]) == len(b[2]):
+                dims = tuple(i for i, (p, q) in enumerate(zip(a[2], b[2])) if p != q)
+            changes.append(Change(path, "shape", a[2], b[2], dims))
+    return changes
+
+
+def suggest_buckets(lengths, max_buckets=4, multiple=8):
+    """A few padded lengths that cover `lengths`: quantiles rounded up to a
+    multiple of `multiple`, the last one covering the longest."""
+    values = sorted({int(n) for n in lengths if n is not None})
+    if not values:
+        return []
+
+    def up(n):
+        return int(math.ceil(n / multiple) * multiple)
+
+    rounded = sorted({up(n) for n in values})
+    if len(rounded) <= max_buckets:
+        return rounded
+    qs = [values[min(len(values) - 1, int(round(len(values) * (i + 1) / max_buckets)) - 1)]
+          for i in range(max_buckets)]
+    buckets = sorted({up(q) for q in qs} | {up(values[-1])})
+    return buckets
+
+
+def diagnose(changes, seen_shapes=None):
+    """A named cause and its fix for a list of `Change`s.
+
+    Args:
+        changes: from `diff_signatures`.
+        seen_shapes: optional `{path: [shape, ...]}` of the concrete shapes
+            seen so far (used to propose bucket sizes).
+
+    Returns:
+        `(diagnosis, fix)`, two sentences.
+    """
+    seen_shapes = seen_shapes or {}
+    if any(c.kind == "python" for c in changes):
+        paths = ", ".join(c.path for c in changes if c.kind == "python")
+        return (
+            f"a Python value where a tensor was meant ({paths}): every new "
+            "value is a new trace",
+            "pass it as a tensor (tf.constant, or a column of the dataset), "
+            "or keep the Python value constant",
+        )
+    if any(c.kind == "dtype" for c in changes):
+        paths = ", ".join(c.path for c in changes if c.kind == "dtype")
+        return (
+            f"a new dtype ({paths})",
+            "cast the input to one dtype in the pipeline (dataset.map with "
+            "tf.cast), or set an input_signature",
+        )
+    if any(c.kind == "structure" for c in changes):
+        return (
+            "the structure of the batch changed (an input appeared or went away)",
+            "yield the same structure every step (use a placeholder instead "
+            "of leaving an input out)",
+        )
+    shape_changes = [c for c in changes if c.kind == "shape" and c.dims]
+    if shape_changes and all(c.dims == (0,) for c in shape_changes):
+        if all(c.new[0] is not None and c.old[0] is not None and c.new[0] < c.old[0]
+               for c in shape_changes):
+            return (
+                "the last batch is smaller than the others",
+                "use drop_remainder=True in dataset.batch(), or pad the last "
+                "batch to the full batch size",
+            )
+        return (
+            "the batch size varies",
+            "use a fixed batch size with drop_remainder=True",
+        )
+    if shape_changes:
+        parts, buckets = [], []
+        for c in shape_changes:
+            for d in c.dims:
+                if d == 0:
+                    continue
+                lengths = [s[d] for s in seen_shapes.get(c.path, []) if s and len(s) > d]
+                parts.append(f"dim {d} of {c.path}")
+                if lengths:
+                    buckets = suggest_buckets(lengths)
+        diagnosis = "a varying length: " + ", ".join(parts or ["a dimension"])
+        fix = "pad to a fixed length, or to a few buckets"
+        if buckets:
+            fix += (
+                f" (e.g. keras_gradboost.data.bucket_by_length(ds, "
+                f"boundaries={buckets}, batch_size=...))"
+            )
+        fix += (
+            "; or tf.ensure_shape in the pipeline, an input_signature with None "
+            "for that dimension, or reduce_retracing=True (none of these stops "
+            "XLA from compiling once per length: only padding does)"
+        )
+        return diagnosis, fix
+    return ("the input signature changed", "keep input shapes and dtypes fixed")
+
+
+@dataclasses.dataclass
+class RetraceEvent:
+    """One retrace or XLA recompilation of a step function.
+
+    Attributes:
+        function: "train", "test" or "predict".
+        kind: "retrace" (tf.function traced the step again; under XLA that is
+            a recompilation too) or "recompile" (XLA compiled the traced step
+            for a new concrete shape, without retracing).
+        step: the training step (0-based, counted over the fit) at which it
+            happened, or None outside training.
+        changes: the differences from the previous signature, one string
+            per input, e.g. `x: shape (32, 17) -> (32, 23), dim 1 varies`.
+        diagnosis: the named cause.
+        fix: what to do about it.
+        call_seconds: how long the call that retraced/recompiled took, or
+            None when not measured.
+        seconds_lost: an estimate of the time lost: that call's duration
+            minus the median duration of ordinary calls (None until known).
+    """
+
+    function: str
+    kind: str
+    step: object = None
+    changes: tuple = ()
+    diagnosis: str = ""
+    fix: str = ""
+    call_seconds: object = None
+    seconds_lost: object = None
+
+    def report(self):
+        lost = (
+            ""
+            if self.seconds_lost is None
+            else f" (about {self.seconds_lost * 1000:.0f} ms lost)"
+        )
+        where = "" if self.step is None else f" at step {self.step}"
+        lines = [f"RetraceCounter: {self.function} step {self.kind}{where}{lost}."]
+        lines += [f"  {c}" for c in self.changes]
+        lines.append(f"  cause: {self.diagnosis}.")
+        lines.append(f"  fix: {self.fix}.")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ callback
+
+
+class RetraceCounter(keras.callbacks.Callback):
+    """Counts retraces and XLA recompilations of the step functions, and says
+    which input changed and how to fix it.
+
+    A tf.function traces its Python code again for each new input signature
+    (a shape, a dtype or a Python value it has not seen); with
+    `jit_compile=True`, XLA also compiles again for every new concrete shape,
+    even when the function does not retrace (a tf.data pipeline's unknown
+    dimensions). Both are slow and silent. The counter sees traces of the
+    train, test and predict steps through a trace-time hook (nothing runs per
+    step), and, during `fit`, the concrete shape of every training batch
+    (read from the batch, with no device sync), so it sees XLA
+    recompilations too.
+
+    The first trace of a function is not counted, nor is a second trace with
+    the same signature (TensorFlow traces twice when the first call creates
+    variables; remade functions trace again).
+
+    `logs["retraces"]` and `logs["recompiles"]` show in the progress bar and
+    History. During `fit` the training batches go through
+    `keras_gradboost.hooks.hold_batches`, so each is a separate call of the
+    compiled step: the first new length then makes one retrace (TensorFlow
+    relaxes the dimension to None), and the counter reports it.
+
+    Args:
+        max_retraces: warn once when there are more than this many events
+            (retraces and recompiles; a retrace under XLA is one event), or
+            `None` for no limit. Defaults to `None`.
+        strict: raise `RetraceError` when the count exceeds `max_retraces`
+            (or at the first retrace/recompile when `max_retraces` is None):
+            for CI. Defaults to `False`.
+        verbose: print each event's report. Defaults to `0`.
+
+    Attributes:
+        retraces: retraces of the step functions in the last fit (beyond the
+            first trace of each).
+        recompiles: XLA compilations of the train step for a new concrete
+            shape beyond the first (a retrace under XLA counts here too).
+        events: one `RetraceEvent` per retrace/recompile.
+        per_function: `{"train" | "test" | "predict": {"retraces": n,
+            "recompiles": m}}` for the functions that had any.
+
+    Raises:
+        ValueError: for a bad argument.
+        RetraceError: with `strict=True`, past the limit.
+
+    Example:
+
+    ```python
+    counter = keras_gradboost.callbacks.RetraceCounter(max_retraces=2)
+    model.fit(ds, epochs=2, callbacks=[counter])
+    for event in counter.events:
+        print(event.report())
+    ```
+    """
+
+    async_safe = True  # no batch-end hook: everything runs in the train call
+
+    def __init__(self, max_retraces=None, strict=False, verbose=0):
+        super().__init__()
+        if max_retraces is not None and (
+            isinstance(max_retraces, bool)
+            or not isinstance(max_retraces, int)
+            or max_retraces < 0
+        ):
+            raise ValueError(
+                "Invalid value for argument `max_retraces`. Received: "
+                f"max_retraces={max_retraces!r}. Expected an int >= 0 or None."
+            )
+        if not isinstance(strict, bool):
+            raise TypeError(
+                "Invalid type for argument `strict`. Received: "
+                f"strict={strict!r} of type {type(strict).__name__}. Expected "
+                "a bool."
+            )
+        self.max_retraces = max_retraces
+        self.strict = strict
+        self.verbose = verbose
+        self._tracer = None
+        self._undo = []
+        self._reset()
+
+    def _reset(self):
+        self.retraces = 0
+        self.recompiles = 0
+        self.events = []
+        self._warned = False
+        self._step = 0
+        self._pending = []
+        self._concrete_seen = set()
+        self._last_concrete = None
+        self._shapes = collections.defaultdict(list)
+        self._durations = collections.deque(maxlen=64)
+        self._in_call = False
+        self._outside = False
+        self._jit = False
+
+    # ------------------------------------------------------------ set-up
+
+    def set_model(self, model):
+        super().set_model(model)
+        # Before fit() makes its functions: they are made through the tracer.
+        self._tracer, _ = tracing.step_tracer(model)
+
+    def _attach(self):
+        if self._tracer is None:
+            self._tracer, _ = tracing.step_tracer(self.model)
+        listeners = self._tracer.listeners
+        if self._on_trace not in listeners:
+            listeners.append(self._on_trace)
+            self._undo.append(lambda: listeners.remove(self._on_trace))
+
+    def _teardown(self):
+        while self._undo:
+            self._undo.pop()()
+
+    def on_train_begin(self, logs=None):
+        self._teardown()  # leftovers of a fit() that ended in an exception
+        self._reset()
+        self._attach()
+        self._jit = bool(getattr(self.model, "jit_compile", False))
+        if self.model.train_function is None:
+            self.model.make_train_function()
+        _, undo = hooks.hold_batches(
+            self.model, before_call=self._before_call, after_call=self._after_call
+        )
+        self._undo.append(undo)
+
+    def on_train_end(self, logs=None):
+        self._settle()
+        self._teardown()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._settle()
+
+    def on_test_begin(self, logs=None):
+        self._attach_outside_fit()
+
+    def on_predict_begin(self, logs=None):
+        self._attach_outside_fit()
+
+    def on_test_end(self, logs=None):
+        self._detach_outside_fit()
+
+    def on_predict_end(self, logs=None):
+        self._detach_outside_fit()
+
+    def _attach_outside_fit(self):
+        if not self._undo:  # evaluate()/predict() on their own
+            self._attach()
+            self._outside = True
+
+    def _detach_outside_fit(self):
+        if self._outside:
+            self._outside = False
+            self._teardown()
+
+    # ----------------------------------------------------------- tracing
+
+    def _on_trace(self, kind, data):
+        sig = signature(data)
+        seen = self._tracer.seen.setdefault(kind, [])
+        if sig in seen:
+            return  # the same signature again: not a retrace
+        first = not seen
+        previous = seen[-1] if seen else None
+        seen.append(sig)
+        if first:
+            return
+        if kind == "train" and self._in_call:
+            self._pending.append((previous, sig))
+            return
+        changes = diff_signatures(previous, sig)
+        diagnosis, fix = diagnose(changes)
+        self.retraces += 1
+        self._record(
+            RetraceEvent(kind, "retrace", None, tuple(c.text() for c in changes),
+                         diagnosis, fix)
+        )
+
+    def _before_call(self, batches):
+        self._in_call = True
+        self._pending = []
+        local = self.model.distribute_strategy.experimental_local_results
+        self._call_sigs = [signature(b, local) for b in batches]
+        self._start = time.perf_counter()
+
+    def _after_call(self, batches, logs):
+        self._in_call = False
+        new_sigs = []
+        for sig in self._call_sigs:
+            for name, kind, dims, _ in sig:
+                if kind == "tensor" and len(self._shapes[name]) < 4096:
+                    self._shapes[name].append(dims)
+            if sig not in self._concrete_seen:
+                new_sigs.append((self._last_concrete, sig))
+                self._concrete_seen.add(sig)
+            self._last_concrete = sig
+        events = []
+        retraced = bool(self._pending)
+        if retraced:
+            self.retraces += len(self._pending)
+            if self._jit:
+                self.recompiles += 1
+            old, new = _concrete_pair(new_sigs, self._pending)
+            events.append(self._event("retrace", old, new))
+        elif self._jit and any(old is not None for old, _ in new_sigs):
+            pairs = [(o, n) for o, n in new_sigs if o is not None]
+            self.recompiles += len(pairs)
+            events.append(self._event("recompile", *pairs[0]))
+        if events:
+            # One sync, only for a call that retraced or recompiled.
+            _wait(logs)
+            seconds = time.perf_counter() - self._start
+            for event in events:
+                event.call_seconds = seconds
+                self._record(event)
+        else:
+            self._durations.append((time.perf_counter() - self._start) / len(batches))
+        self._pending = []
+        self._step += len(batches)
+        return {"retraces": self.retraces, "recompiles": self.recompiles}
+
+    def _event(self, kind, old, new):
+        changes = diff_signatures(old, new) if old is not None else []
+        diagnosis, fix = diagnose(changes, self._shapes)
+        return RetraceEvent(
+            "train", kind, self._step, tuple(c.text() for c in changes), diagnosis, fix
+        )
+
+    @property
+    def per_function(self):
+        counts = {}
+        for event in self.events:
+            entry = counts.setdefault(event.function, {"retraces": 0, "recompiles": 0})
+            if event.kind == "retrace":
+                entry["retraces"] += 1
+                if event.function == "train" and self._jit:
+                    entry["recompiles"] += 1
+            else:
+                entry["recompiles"] += 1
+        return counts
+
+    def _record(self, event):
+        self.events.append(event)
+        if self.verbose:
+            print(event.report(), flush=True)
+        count = len(self.events)  # a retrace under XLA is one event
+        limit = self.max_retraces
+        over = count > (limit if limit is not None else 0)
+        if self.strict and over:
+            self._settle()
+            message = (
+                f"RetraceCounter(strict=True): {self.retraces} retraces and "
+                f"{self.recompiles} recompiles, over the limit "
+                f"max_retraces={limit}.\n" + event.report()
+            )
+            raise RetraceError(message, event)
+        if limit is not None and over and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"RetraceCounter: {self.retraces} retraces and {self.recompiles} "
+                f"XLA recompiles, more than max_retraces={limit}.\n"
+                + event.report(),
+                stacklevel=2,
+            )
+
+    def _settle(self):
+        """Fills in `seconds_lost` from the median ordinary call."""
+        if not self._durations:
+            return
+        steady = statistics.median(self._durations)
+        for event in self.events:
+            if event.call_seconds is not None:
+                event.seconds_lost = max(0.0, event.call_seconds - steady)
+
+    def summary(self):
+        """A readable account of the retraces and recompiles."""
+        lines = [
+            f"RetraceCounter: {self.retraces} retraces, {self.recompiles} XLA "
+            "recompiles."
+        ]
+        lost = [e.seconds_lost for e in self.events if e.seconds_lost is not None]
+        if lost:
+            lines.append(f"  time lost (estimate): {sum(lost):.2f} s")
+        for event in self.events:
+            lines.append(event.report())
+        return "\n".join(lines)
+
+
+def _concrete_pair(new_sigs, pending):
+    """The concrete signatures to explain a retrace with: the call's first
+    new concrete signature and the one before it; else the traced ones."""
+    for old, new in new_sigs:
+        if old is not None:
+            return old, new
+    return pending[0]
+
+
+def _wait(logs):
+    """Waits for the call's steps to finish by reading one value."""
+    for value in tf.nest.flatten(logs):
+        if tf.is_tensor(value):
+            np.asarray(value)
+            return

@@ -1,0 +1,115 @@
+"""Input pipelines with few shapes: fewer retraces, fewer XLA recompiles."""
+
+import tensorflow as tf
+
+
+def bucket_by_length(
+    dataset,
+    boundaries,
+    batch_size,
+    length_fn=None,
+    padding_value=0,
+    drop_remainder=True,
+):
+    """Batches a variable-length `tf.data` pipeline into a few fixed shapes.
+
+    Every element goes to the smallest bucket whose length covers it and is
+    padded to exactly that length, so the batches take at most
+    `len(boundaries)` shapes: a `tf.function` or an XLA-compiled train step
+    sees a handful of signatures instead of one per length.
+    (`RetraceCounter` suggests `boundaries` from the lengths it saw.)
+
+    Args:
+        dataset: a `tf.data.Dataset` of unbatched elements: a tensor, or a
+            tuple/dict of tensors (e.g. `(tokens, label)`), whose dimensions
+            of unknown size are padded.
+        boundaries: increasing positive ints, the padded lengths. An element
+            longer than the last boundary is an error.
+        batch_size: int > 0, examples per batch (in every bucket).
+        length_fn: callable taking an element (its components as separate
+            arguments for a tuple) and returning its length as a scalar
+            tensor. Defaults to `None`: the size of the first dimension of
+            the element's first component.
+        padding_value: the value padded with. Defaults to `0`.
+        drop_remainder: drop each bucket's last batch when it is short, so the
+            batch dimension takes a single value too. Defaults to `True`.
+
+    Returns:
+        A batched `tf.data.Dataset`.
+
+    Raises:
+        ValueError: if `boundaries` is not an increasing sequence of positive
+            ints, or `batch_size` is not a positive int.
+        TypeError: if `dataset` is not a `tf.data.Dataset`.
+
+    Example:
+
+    ```python
+    ds = tf.data.Dataset.from_generator(
+        gen, output_signature=(tf.TensorSpec((None,), tf.int32),
+                               tf.TensorSpec((), tf.int32)))
+    ds = keras_gradboost.data.bucket_by_length(ds, [16, 32, 64], batch_size=32)
+    model.fit(ds.repeat(), steps_per_epoch=100)   # at most 3 shapes
+    ```
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(
+            "Invalid value for argument `dataset`. Received: "
+            f"dataset={dataset!r} of type {type(dataset).__name__}. Expected "
+            "a tf.data.Dataset of unbatched elements."
+        )
+    bounds = list(boundaries) if isinstance(boundaries, (list, tuple)) else None
+    if (
+        not bounds
+        or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in bounds)
+        or any(a >= b for a, b in zip(bounds, bounds[1:]))
+    ):
+        raise ValueError(
+            "Invalid value for argument `boundaries`. Received: "
+            f"boundaries={boundaries!r}. Expected a non-empty list of "
+            "increasing positive ints (the padded lengths), e.g. [16, 32, 64]."
+        )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(
+            "Invalid value for argument `batch_size`. Received: "
+            f"batch_size={batch_size!r}. Expected a positive int."
+        )
+    tuple_elements = isinstance(dataset.element_spec, tuple)
+    if length_fn is None:
+
+        def length_fn(*element):
+            first = tf.nest.flatten(element)[0]
+            return tf.shape(first)[0]
+
+    def length(*element):
+        n = length_fn(*element) if tuple_elements else length_fn(element[0])
+        n = tf.cast(n, tf.int32)
+        check = tf.debugging.assert_less_equal(
+            n,
+            bounds[-1],
+            message=(
+                f"bucket_by_length: an element is longer than the last "
+                f"boundary ({bounds[-1]}); add a larger boundary or truncate "
+                "the elements first"
+            ),
+        )
+        with tf.control_dependencies([check]):
+            return tf.identity(n)
+
+    # TensorFlow's bucket i holds lengths < boundary i and pads to
+    # boundary i - 1: shift by one so bucket i pads to exactly bounds[i].
+    # The extra last bucket (lengths > bounds[-1]) is never reached.
+    return dataset.bucket_by_sequence_length(
+        length,
+        [b + 1 for b in bounds],
+        [batch_size] * (len(bounds) + 1),
+        padding_values=None if padding_value == 0 else _padding(dataset, padding_value),
+        pad_to_bucket_boundary=True,
+        drop_remainder=drop_remainder,
+    )
+
+
+def _padding(dataset, value):
+    return tf.nest.map_structure(
+        lambda spec: tf.constant(value, spec.dtype), dataset.element_spec
+    )

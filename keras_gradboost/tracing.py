@@ -1,0 +1,184 @@
+"""Trace-time listeners on a model's step methods and its optimizer.
+
+`RetraceCounter` and `GradientAuditor` learn what they need while TensorFlow
+traces the train step: which input signature it was traced for, and which
+variables got a `None` gradient. Both come from Python code that runs only
+while tracing, so they cost nothing per step.
+
+Keras captures `model.train_step` when it makes the train function, and
+looks `model.optimizer.apply_gradients` up while tracing it. A tracer is
+installed once per model (per optimizer), as an instance attribute through
+the public methods, and stays: without a listener it only forwards the call
+(at trace time), so no train function has to be traced again for the next
+`fit` that listens. Installing one the first time makes the model's step
+functions again (`model.train_function = None`, which Keras remakes), so
+the next trace goes through it.
+"""
+
+import weakref
+
+import tensorflow as tf
+
+from keras_gradboost.state import replica_local_variable
+
+STEP_METHODS = ("train_step", "test_step", "predict_step")
+_MARK = "__keras_gradboost_tracer__"
+_STEP_TRACERS = weakref.WeakKeyDictionary()
+_GRADIENT_TRACERS = weakref.WeakKeyDictionary()
+
+
+def _installed(tracer, owner, name):
+    """Whether `tracer` still sits in `owner.<name>`'s call chain: its
+    wrapper is the instance attribute, or another wrapper was put on top of
+    it (an instance attribute that is not ours). With no instance attribute
+    left, someone removed the chain (e.g. NaNWatcher's optimizer guard,
+    undone after a fit, takes a wrapper installed under it along)."""
+    current = vars(owner).get(name)
+    if current is None:
+        return False
+    marked = getattr(current, _MARK, None)
+    return marked is None or marked is tracer
+
+
+class StepTracer:
+    """Calls `listener(kind, data)` (kind: "train", "test" or "predict")
+    each time a step method is traced, for every registered listener."""
+
+    def __init__(self, model):
+        self.listeners = []
+        # Per kind: every trace-time signature seen on this model, kept across
+        # fits (the traced functions are kept too).
+        self.seen = {}
+        for name in STEP_METHODS:
+            setattr(model, name, self._wrap(name[: -len("_step")], getattr(model, name)))
+
+    def _wrap(self, kind, step):
+        def traced(data):
+            if self.listeners and tf.inside_function():
+                for listener in list(self.listeners):
+                    listener(kind, data)
+            return step(data)
+
+        setattr(traced, _MARK, self)
+        traced.__wrapped__ = step
+        return traced
+
+
+def step_tracer(model):
+    """The model's `StepTracer`, installed on first use.
+
+    Returns:
+        `(tracer, installed)`: `installed` is True when it was installed now,
+        in which case the model's step functions were reset (Keras makes them
+        again, through the tracer, when it next needs them).
+    """
+    tracer = _STEP_TRACERS.get(model)
+    if tracer is not None and _installed(tracer, model, "train_step"):
+        return tracer, False
+    seen = tracer.seen if tracer is not None else {}
+    tracer = StepTracer(model)
+    tracer.seen = seen
+    _STEP_TRACERS[model] = tracer
+    model.train_function = None
+    model.test_function = None
+    model.predict_function = None
+    return tracer, True
+
+
+class GradientTracer:
+    """Wraps `optimizer.apply_gradients`: at trace time it records the paths
+    of variables whose gradient is None; at run time, every `every` optimizer
+    steps (a variable, so listeners change it without a retrace; a huge
+    value turns it off), it stores each variable's gradient sum of squares
+    and max |g| in `stats` (one host read gives both)."""
+
+    OFF = 2**62
+
+    def __init__(self, optimizer, strategy, variables=()):
+        self.optimizer = optimizer
+        self.strategy = strategy
+        self.none_paths = ()
+        self.traced = False
+        # Called at trace time with the paths of variables whose gradient
+        # is None.
+        self.listeners = []
+        with strategy.scope():
+            self.every = tf.Variable(self.OFF, dtype=tf.int64, trainable=False)
+            self.at = replica_local_variable(-1, "gradient_stats_at", tf.int64)
+        self.paths = ()
+        self.stats = None
+        if variables:
+            # Made here, in cross-replica context: under a distribution
+            # strategy the trace runs in replica context, where no variable
+            # can be made.
+            self._make_stats(tuple(_path(v) for v in variables))
+        original = optimizer.apply_gradients
+
+        def apply_gradients(grads_and_vars, *args, **kwargs):
+            pairs = list(grads_and_vars)
+            if tf.inside_function():
+                self._trace(pairs)
+            return original(pairs, *args, **kwargs)
+
+        setattr(apply_gradients, _MARK, self)
+        optimizer.apply_gradients = apply_gradients
+
+    def _make_stats(self, paths):
+        with self.strategy.scope():
+            self.stats = replica_local_variable(tf.zeros((2, len(paths))), "gradient_stats")
+        self.paths = paths
+
+    def _trace(self, pairs):
+        self.traced = True
+        self.none_paths = tuple(_path(v) for g, v in pairs if g is None)
+        for listener in list(self.listeners):
+            listener(self.none_paths)
+        paths = tuple(_path(v) for _, v in pairs)
+        if paths != self.paths:
+            if tf.distribute.has_strategy():
+                return  # variables changed after set-up: no runtime stats
+            with tf.init_scope():
+                self._make_stats(paths)
+        stats, at = self.stats, self.at
+        step = tf.cast(self.optimizer.iterations, tf.int64)
+
+        def record():
+            # Per variable: sum of squares and max |g| (-1: no gradient).
+            sums, maxes = [], []
+            for g, _ in pairs:
+                if g is None:
+                    sums.append(tf.constant(0.0))
+                    maxes.append(tf.constant(-1.0))
+                    continue
+                if isinstance(g, tf.IndexedSlices):
+                    g = g.values
+                g = tf.cast(g, tf.float32)
+                sums.append(tf.reduce_sum(tf.square(g)))
+                maxes.append(tf.reduce_max(tf.abs(g)))
+            stats.assign(tf.stack([tf.stack(sums), tf.stack(maxes)]))
+            at.assign(step)
+
+        tf.cond(tf.equal(step % self.every, 0), record, lambda: None)
+
+
+def gradient_tracer(model):
+    """The `GradientTracer` of `model.optimizer`, installed on first use.
+
+    Returns:
+        `(tracer, installed)`, as `step_tracer`; installing resets the
+        model's train function.
+    """
+    optimizer = model.optimizer
+    tracer = _GRADIENT_TRACERS.get(optimizer)
+    if tracer is not None and _installed(tracer, optimizer, "apply_gradients"):
+        return tracer, False
+    tracer = GradientTracer(
+        optimizer, model.distribute_strategy, model.trainable_variables
+    )
+    _GRADIENT_TRACERS[optimizer] = tracer
+    model.train_function = None
+    return tracer, True
+
+
+def _path(variable):
+    return getattr(variable, "path", None) or variable.name

@@ -1,0 +1,264 @@
+"""RetraceCounter against planted retraces: varying lengths, a Python value,
+a short last batch, a new dtype; fixed shapes count nothing."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+from keras_gradboost import GradBoostModel
+from keras_gradboost.callbacks import RetraceCounter
+from keras_gradboost.callbacks import RetraceError
+from keras_gradboost.callbacks.retrace import diagnose
+from keras_gradboost.callbacks.retrace import diff_signatures
+from keras_gradboost.callbacks.retrace import signature
+from keras_gradboost.callbacks.retrace import suggest_buckets
+
+LENGTHS = (5, 9, 13, 17)
+BATCH = 4
+
+
+# ------------------------------------------------------------ pure parts
+
+
+def test_signature_diff_names_the_input_and_the_dim():
+    old = signature(({"tokens": tf.zeros((32, 17), tf.int32)}, tf.zeros((32,))))
+    new = signature(({"tokens": tf.zeros((32, 23), tf.int32)}, tf.zeros((32,))))
+    changes = diff_signatures(old, new)
+    assert [c.text() for c in changes] == [
+        "x['tokens']: shape (32, 17) -> (32, 23), dim 1 varies"
+    ]
+    assert changes[0].dims == (1,)
+
+
+def test_signature_diff_dtype_and_python_value():
+    a = signature((tf.zeros((2, 3)), tf.zeros((2,)), 0.5))
+    b = signature((tf.zeros((2, 3), tf.float64), tf.zeros((2,)), 0.7))
+    texts = [c.text() for c in diff_signatures(a, b)]
+    assert "x: dtype float32 -> float64" in texts
+    assert "sample_weight: Python value 0.5 -> 0.7" in texts
+    diagnosis, fix = diagnose(diff_signatures(a, b))
+    assert "Python value" in diagnosis and "tf.constant" in fix
+
+
+def test_diagnose_last_batch_smaller():
+    a = signature((tf.zeros((32, 3)), tf.zeros((32,))))
+    b = signature((tf.zeros((8, 3)), tf.zeros((8,))))
+    diagnosis, fix = diagnose(diff_signatures(a, b))
+    assert diagnosis == "the last batch is smaller than the others"
+    assert "drop_remainder=True" in fix
+
+
+def test_diagnose_new_dtype():
+    a = signature(tf.zeros((2, 3), tf.int32))
+    b = signature(tf.zeros((2, 3), tf.int64))
+    diagnosis, _ = diagnose(diff_signatures(a, b))
+    assert diagnosis == "a new dtype (x)"
+
+
+@pytest.mark.parametrize(
+    "lengths, expected",
+    [([5, 9], [8, 16]), ([3, 40, 41, 90, 100, 120, 7], None)],
+)
+def test_suggest_buckets_cover_every_length(lengths, expected):
+    buckets = suggest_buckets(lengths)
+    assert len(buckets) <= 4
+    assert buckets[-1] >= max(lengths)
+    assert all(b % 8 == 0 for b in buckets)
+    if expected is not None:
+        assert buckets == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_retraces": -1}, "max_retraces=-1"),
+        ({"max_retraces": 1.5}, "max_retraces=1.5"),
+        ({"strict": "yes"}, "strict='yes'"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        RetraceCounter(**kwargs)
+
+
+# ------------------------------------------------------------- with fit
+
+
+class Pooler(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.embed = keras.layers.Embedding(30, 4)
+        self.pool = keras.layers.GlobalAveragePooling1D()
+        self.out = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.out(self.pool(self.embed(x)))
+
+
+def _model(kind):
+    keras.utils.set_random_seed(0)
+    layers = [
+        keras.layers.Embedding(30, 4),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(2),
+    ]
+    if kind == "sequential":
+        return keras.Sequential([keras.Input((None,), dtype="int32")] + layers)
+    if kind == "subclassed":
+        return Pooler()
+    inputs = keras.Input((None,), dtype="int32")
+    x = inputs
+    for layer in layers:
+        x = layer(x)
+    cls = GradBoostModel if kind == "gradboost" else keras.Model
+    return cls(inputs, x)
+
+
+def _compile(model, jit=False, **kwargs):
+    model.compile(
+        optimizer="sgd",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=jit,
+        **kwargs,
+    )
+
+
+def _varying(lengths=LENGTHS, batches_per_length=2):
+    """Padded batches whose length (dim 1) changes every few batches."""
+
+    def gen():
+        for length in lengths:
+            for i in range(BATCH * batches_per_length):
+                yield np.full(length, i % 30, "int32"), np.int32(i % 2)
+
+    ds = tf.data.Dataset.from_generator(
+        gen,
+        output_signature=(
+            tf.TensorSpec((None,), tf.int32),
+            tf.TensorSpec((), tf.int32),
+        ),
+    )
+    return ds.padded_batch(BATCH)
+
+
+@pytest.mark.parametrize("kind", ["functional", "sequential", "subclassed", "gradboost"])
+def test_varying_length_retrace_is_counted_and_explained(kind):
+    model = _model(kind)
+    kwargs = {"accumulate_steps": 2} if kind == "gradboost" else {}
+    _compile(model, **kwargs)
+    counter = RetraceCounter()
+    history = model.fit(_varying(), epochs=1, verbose=0, callbacks=[counter])
+    # Each batch is one call of the compiled step: the second length makes
+    # TensorFlow retrace once with dim 1 relaxed to None; then no more.
+    assert counter.retraces == 1
+    assert counter.recompiles == 0
+    (event,) = counter.events
+    assert event.kind == "retrace" and event.function == "train"
+    assert event.changes == ("x: shape (4, 5) -> (4, 9), dim 1 varies",)
+    assert "dim 1 of x" in event.diagnosis
+    assert "bucket_by_length" in event.fix and "[8, 16]" in event.fix
+    assert history.history["retraces"] == [1.0]
+
+
+def test_xla_recompiles_are_counted_without_retraces():
+    model = _model("functional")
+    _compile(model, jit=True)
+    counter = RetraceCounter()
+    model.fit(_varying(), epochs=1, verbose=0, callbacks=[counter])
+    assert counter.retraces == 1  # the relaxation, once
+    assert counter.recompiles == len(LENGTHS) - 1  # one per new length
+    kinds = [e.kind for e in counter.events]
+    assert kinds == ["retrace"] + ["recompile"] * (len(LENGTHS) - 2)
+    assert counter.events[-1].changes == ("x: shape (4, 13) -> (4, 17), dim 1 varies",)
+    assert counter.per_function == {"train": {"retraces": 1, "recompiles": 3}}
+    for event in counter.events:
+        assert event.call_seconds > 0 and event.seconds_lost is not None
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_fixed_shapes_count_nothing(jit):
+    model = _model("functional")
+    _compile(model, jit=jit)
+    counter = RetraceCounter(strict=True)  # would raise at the first one
+    x = np.ones((24, 7), "int32")
+    y = np.zeros((24,), "int32")
+    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[counter])
+    assert counter.retraces == 0 and counter.recompiles == 0 and counter.events == []
+    assert history.history["retraces"] == [0.0, 0.0]
+
+
+def test_short_last_batch_is_named():
+    model = _model("functional")
+    _compile(model)
+    counter = RetraceCounter()
+    x = np.ones((10, 7), "int32")
+    y = np.zeros((10,), "int32")
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[counter])
+    (event,) = counter.events
+    assert event.changes[0] == "x: shape (4, 7) -> (2, 7), dim 0 varies"
+    assert event.diagnosis == "the last batch is smaller than the others"
+
+
+def test_python_float_argument_is_named():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    counter = RetraceCounter()
+    counter.set_model(model)
+    counter.on_train_begin()  # as a custom loop does with callbacks
+    x, y = np.ones((4, 3), "float32"), np.ones((4, 1), "float32")
+    for weight in (0.5, 0.5, 0.7):
+        model.train_on_batch(x, y, sample_weight=weight)
+    counter.on_train_end()
+    assert counter.retraces == 1
+    (event,) = counter.events
+    assert event.changes == ("sample_weight: Python value 0.5 -> 0.7",)
+    assert event.diagnosis.startswith("a Python value where a tensor was meant")
+
+
+def test_strict_raises_and_max_retraces_warns_once():
+    model = _model("functional")
+    _compile(model, jit=True)
+    with pytest.raises(RetraceError, match="max_retraces=1") as info:
+        model.fit(
+            _varying(), epochs=1, verbose=0,
+            callbacks=[RetraceCounter(max_retraces=1, strict=True)],
+        )
+    assert info.value.event.kind == "recompile"
+    model = _model("functional")
+    _compile(model, jit=True)
+    counter = RetraceCounter(max_retraces=1)
+    with pytest.warns(UserWarning, match="more than max_retraces=1") as record:
+        model.fit(_varying(), epochs=1, verbose=0, callbacks=[counter])
+    assert len([w for w in record if "max_retraces" in str(w.message)]) == 1
+    assert counter.recompiles == len(LENGTHS) - 1
+
+
+def test_predict_retraces_are_counted():
+    model = _model("functional")
+    _compile(model)
+    counter = RetraceCounter()
+    model.predict(np.ones((4, 5), "int32"), verbose=0, callbacks=[counter])
+    model.predict(np.ones((4, 5), "int32"), verbose=0, callbacks=[counter])
+    assert counter.retraces == 0
+    model.predict(np.ones((4, 9), "int32"), verbose=0, callbacks=[counter])
+    assert counter.retraces == 1
+    assert counter.events[0].function == "predict"
+    assert counter.per_function == {"predict": {"retraces": 1, "recompiles": 0}}
+    assert "dim 1 varies" in counter.events[0].changes[0]
+
+
+def test_reusable_and_undone():
+    model = _model("functional")
+    _compile(model)
+    counter = RetraceCounter()
+    model.fit(_varying(), epochs=1, verbose=0, callbacks=[counter])
+    assert counter.retraces == 1
+    # The same lengths again: the function is traced for them already.
+    model.fit(_varying(), epochs=1, verbose=0, callbacks=[counter])
+    assert counter.retraces == 0 and counter.events == []
+    # Nothing left in the train function: fit without the counter works.
+    assert not counter._undo
+    model.fit(_varying(), epochs=1, verbose=0)

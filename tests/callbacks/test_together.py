@@ -1,0 +1,82 @@
+"""The four callbacks in one fit, in either order: each still sees what it
+needs (the wrappers stack and come off)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import small_model
+
+import keras
+from keras_gradboost import GradBoostModel
+from keras_gradboost.callbacks import GradientAuditor
+from keras_gradboost.callbacks import NaNWatcher
+from keras_gradboost.callbacks import RetraceCounter
+from keras_gradboost.callbacks import StepTimeMonitor
+
+
+@pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_all_callbacks_together(cls, reverse):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+    model = cls(inputs, keras.layers.Dense(1, name="out")(h))
+    model.compile(optimizer="sgd", loss="mse")
+    unused = keras.layers.Dense(2, name="unused")
+    unused.build((None, 4))
+    model.spare = unused
+    x = np.random.default_rng(0).normal(size=(100, 4)).astype("float32")
+    y = np.ones((100, 1), "float32")
+    watcher = NaNWatcher(verbose=0)
+    monitor = StepTimeMonitor(window=3, split_at=None)
+    counter = RetraceCounter()
+    auditor = GradientAuditor(every_n_steps=2, on_missing="ignore", verbose=0)
+    callbacks = [watcher, monitor, counter, auditor]
+    if reverse:
+        callbacks.reverse()
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=callbacks)
+    # 13 batches (the last one of 4 examples) per epoch.
+    logs = history.history
+    assert {"step_ms", "retraces", "nonfinite_steps", "loss"} <= set(logs)
+    assert monitor.report().steps == 26 and monitor.report().windows >= 6
+    assert counter.retraces == 1  # the short last batch, once
+    assert counter.events[0].diagnosis == "the last batch is smaller than the others"
+    assert [m.variable for m in auditor.missing] == ["unused/kernel", "unused/bias"]
+    assert auditor.report().checks >= 6
+    assert watcher.events == []
+    # Everything came off: a plain fit has none of the extra logs.
+    plain = model.fit(x, y, batch_size=8, verbose=0).history
+    assert set(plain) == {"loss"}
+
+
+@pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
+def test_under_mirrored_strategy(cls, regression_data):
+    # ReductionToOneDevice: TensorFlow keys collective all-reduces
+    # process-wide, and a plain Keras step's collective under a second
+    # MirroredStrategy in the same process can collide with an earlier
+    # test's (a shape mismatch on "collective instance 100"), whatever the
+    # callbacks.
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
+    strategy = tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+    with strategy.scope():
+        model = small_model(cls)
+        kwargs = {"accumulate_steps": 2} if cls is GradBoostModel else {}
+        model.compile(optimizer="sgd", loss="mse", **kwargs)
+    x, y = regression_data
+    x, y = x[:96], y[:96]
+    monitor = StepTimeMonitor(window=3)
+    counter = RetraceCounter()
+    auditor = GradientAuditor(every_n_steps=2, verbose=0)
+    history = model.fit(
+        x, y, batch_size=8, verbose=0, callbacks=[monitor, counter, auditor]
+    )
+    assert history.history["retraces"] == [0.0]
+    assert monitor.report().windows == 3 and monitor.report().split is None
+    assert monitor.report().examples_per_s > 0  # both replicas' parts counted
+    assert len(counter._concrete_seen) == 1
+    report = auditor.report()
+    assert report.checks == (3 if kwargs else 6)
+    assert len(report.layer_norms) == 2 and all(n > 0 for n in report.layer_norms.values())
+    assert auditor.missing == []
