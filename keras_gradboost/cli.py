@@ -1,23 +1,65 @@
 """Command line: `keras-gradboost compare` (also `python -m keras_gradboost`).
 
-For now `compare` trains the built-in MLP on synthetic data under a few
-GradBoostModel configurations and prints, per configuration, what each feature
-did: updates applied, dtype policy chosen, loss scale, final loss and steady
-step time. (The side-by-side table with per-configuration subprocesses comes
-with the "compare" issue.)
+`compare` trains one model under each configuration (baseline, XLA,
+precision "auto", gradient accumulation, recompute, all on), each in a fresh
+subprocess (`keras_gradboost/compare.py`), and prints one side-by-side table.
+Arguments are checked before any TensorFlow process starts: a bad one exits
+with status 2 and a one-line error naming the argument, the value and what
+is accepted.
 """
 
 import argparse
+import importlib.util
+import json
 import os
 import sys
-import time
+import zipfile
 
-CONFIGS = {
-    "baseline": {},
-    "accumulate": {"accumulate_steps": 4},
-    "precision_auto": {"precision": "auto"},
-    "loss_scale": {"loss_scale": "dynamic"},
-}
+from keras_gradboost import compare as compare_lib
+
+EPILOG = """\
+configurations (compile keyword arguments of GradBoostModel):
+  baseline        jit_compile=False
+  jit_compile     jit_compile=True (XLA)
+  precision_auto  precision="auto" (mixed_bfloat16 on a CPU with bfloat16
+                  instructions, mixed_float16 on a GPU, else float32)
+  accumulate      accumulate_steps=4 (one update per 4 batches)
+  recompute       recompute="auto" (every block, or ~sqrt(n) graph segments)
+  all_on          everything, with the "auto" choices: jit_compile="auto"
+                  (Keras: XLA on a GPU, not on a CPU), precision="auto",
+                  accumulate_steps=4, recompute={"budget_mb": half the
+                  available memory} (blocks are recomputed only when the
+                  activations would not fit)
+
+Every row trains on the same batches (--batch-size examples per step; under
+accumulate_steps a step is one micro-batch). Columns: steady step ms (median
+after 2 warm-up steps), speed-up vs baseline, first-step compile s,
+examples/s, backward share (1 - forward-only time / train-step time, on one
+batch after training), peak MiB (TensorFlow allocator peak during fit minus
+the level before it), retraces (traces of the train step after the first
+batch), final loss (mean over the last quarter of the steps).
+
+exit status: 0 when the baseline configuration ran (other rows may show
+FAILED with their reason), 1 when the baseline failed (or, without a baseline,
+when every configuration failed), 2 for a bad argument.
+"""
+
+
+def _int_at_least(minimum):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"invalid value {text!r}; expected an int >= {minimum}"
+            ) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"invalid value {value}; expected an int >= {minimum}"
+            )
+        return value
+
+    return parse
 
 
 def _parser():
@@ -28,91 +70,259 @@ def _parser():
     sub = parser.add_subparsers(dest="command", required=True)
     compare = sub.add_parser(
         "compare",
-        help="train a built-in model under each configuration and report",
+        prog="keras-gradboost compare",
+        help="train a model under each configuration, one table side by side",
+        description=(
+            "Train a model under each configuration, each in a fresh "
+            "process, and print one side-by-side table."
+        ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    compare.add_argument("--batch-size", type=int, default=64)
-    compare.add_argument("--steps", type=int, default=24)
+    compare.add_argument(
+        "--model",
+        default=compare_lib.DEFAULT_MODEL,
+        metavar="{" + ",".join(compare_lib.BUILTIN_MODELS) + "} or PATH.keras",
+        help=f"a built-in model (keras_gradboost.zoo) on synthetic data, or a "
+        f"saved Keras model. Default: {compare_lib.DEFAULT_MODEL}",
+    )
+    compare.add_argument(
+        "--data",
+        metavar="PATH.npz",
+        help="with --model PATH.keras: arrays `x` and `y` to train on "
+        "(default: synthetic data made from the model's input spec)",
+    )
+    compare.add_argument(
+        "--batch-size",
+        type=_int_at_least(1),
+        default=compare_lib.DEFAULT_BATCH_SIZE,
+        help=f"examples per step. Default: {compare_lib.DEFAULT_BATCH_SIZE}",
+    )
+    compare.add_argument(
+        "--steps",
+        type=_int_at_least(2),
+        default=compare_lib.DEFAULT_STEPS,
+        help=f"training steps per configuration. Default: {compare_lib.DEFAULT_STEPS}",
+    )
     compare.add_argument(
         "--configs",
-        default=",".join(CONFIGS),
-        help=f"comma-separated, from: {', '.join(CONFIGS)}",
+        default=",".join(compare_lib.CONFIGS),
+        help="comma-separated configurations, from: "
+        + ", ".join(compare_lib.CONFIGS)
+        + ". Default: all",
+    )
+    compare.add_argument("--json", metavar="OUT.json", help="write all rows and the environment")
+    compare.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        help="plot step time and peak memory per configuration "
+        "(needs matplotlib: pip install 'keras-gradboost[plot]')",
     )
     return parser
 
 
-def _positive(parser, name, value):
-    if value < 1:
-        parser.error(f"argument --{name}: expected an int >= 1, got {value}")
+def _check_output_path(parser, option, path):
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        parser.error(
+            f"argument {option}: the folder of {path!r} does not exist; "
+            "expected a path in an existing folder"
+        )
 
 
-def run_config(name, kwargs, batch_size, steps):
-    import keras
+def check_args(args, parser):
+    """Validates `compare` arguments; exits with status 2 on a bad one.
 
-    from keras_gradboost import zoo
+    Returns:
+        The configuration names to run.
+    """
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in compare_lib.CONFIGS]
+    if unknown or not names:
+        parser.error(
+            f"argument --configs: unknown configuration(s) "
+            f"{','.join(unknown) if unknown else repr(args.configs)}; "
+            f"expected comma-separated names from: {', '.join(compare_lib.CONFIGS)}"
+        )
+    names = list(dict.fromkeys(names))
+    model = args.model
+    is_path = model.endswith(".keras") or os.sep in model or os.path.exists(model)
+    if not is_path and model not in compare_lib.BUILTIN_MODELS:
+        parser.error(
+            f"argument --model: unknown model {model!r}; expected one of "
+            f"{', '.join(compare_lib.BUILTIN_MODELS)} or a path to a .keras file"
+        )
+    if is_path:
+        if not os.path.isfile(model):
+            parser.error(f"argument --model: no such file: {model!r}")
+        if not model.endswith(".keras") or not zipfile.is_zipfile(model):
+            parser.error(
+                f"argument --model: {model!r} is not a .keras file "
+                "(saved with model.save('name.keras'))"
+            )
+    if args.data is not None:
+        if not is_path:
+            parser.error(
+                f"argument --data: only used with --model PATH.keras "
+                f"(got --model {model}, which makes its own data)"
+            )
+        _check_data(parser, args.data)
+    if args.json is not None:
+        _check_output_path(parser, "--json", args.json)
+    if args.plot is not None:
+        _check_output_path(parser, "--plot", args.plot)
+        if importlib.util.find_spec("matplotlib") is None:
+            parser.error(
+                "argument --plot: matplotlib is not installed; "
+                "pip install 'keras-gradboost[plot]' (or matplotlib)"
+            )
+    return names
 
-    x, y = zoo.classification_data(batch_size * steps, input_dim=784)
-    model = zoo.mlp(hidden=(256, 256))
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
-        loss="sparse_categorical_crossentropy",
-        **kwargs,
-    )
-    times = []
 
-    class _Clock(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.t = time.perf_counter()
+def _check_data(parser, path):
+    import numpy as np
 
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.t)
+    if not os.path.isfile(path):
+        parser.error(f"argument --data: no such file: {path!r}")
+    try:
+        with np.load(path) as data:
+            keys = set(data.files)
+            if not {"x", "y"} <= keys:
+                parser.error(
+                    f"argument --data: {path!r} holds {sorted(keys)}; "
+                    "expected arrays named 'x' and 'y'"
+                )
+            if len(data["x"]) != len(data["y"]) or len(data["x"]) == 0:
+                parser.error(
+                    f"argument --data: x has {len(data['x'])} rows and y "
+                    f"{len(data['y'])}; expected the same number, at least 1"
+                )
+    except (OSError, ValueError) as error:
+        parser.error(f"argument --data: cannot read {path!r} as .npz: {error}")
 
-    history = model.fit(
-        x, y, batch_size=batch_size, epochs=1, verbose=0, callbacks=[_Clock()]
-    )
-    steady = sorted(times[2:] or times)[len(times[2:] or times) // 2]
-    facts = model.step_facts.read()
-    return {
-        "config": name,
-        "kwargs": kwargs,
-        "policy": model.dtype_policy_applied or model.dtype_policy.name,
-        "updates": int(model.optimizer.iterations.numpy()),
-        "micro_batches": len(times),
-        "loss_scale": history.history.get("loss_scale", [None])[-1],
-        "skipped": facts["skipped_steps"],
-        "final_loss": history.history["loss"][-1],
-        "step_ms": steady * 1000,
-    }
+
+# ------------------------------------------------------------------ output
+
+
+def _setup(row):
+    parts = ["xla" if row["jit_compile"] else "no xla", row["policy"]]
+    if row["accumulate_steps"] > 1:
+        parts.append(f"accumulate {row['accumulate_steps']}")
+    if row["kwargs"].get("recompute") is not None:
+        count = row["recomputed"]
+        parts.append(f"recompute {count} block{'' if count == 1 else 's'}")
+    return ", ".join(parts)
+
+
+COLUMNS = (
+    ("config", "<", 15),
+    ("step ms", ">", 9),
+    ("speed-up", ">", 9),
+    ("compile s", ">", 10),
+    ("examples/s", ">", 11),
+    ("bwd share", ">", 10),
+    ("peak MiB", ">", 9),
+    ("retraces", ">", 9),
+    ("final loss", ">", 11),
+    ("  setup", "<", 0),
+)
+
+
+def format_table(rows):
+    """The side-by-side table of `compare` rows, as text."""
+    base = next((r for r in rows if r["config"] == "baseline" and "error" not in r), None)
+    header = "".join(f"{name:{align}{width}}" for name, align, width in COLUMNS)
+    lines = [header.rstrip(), "-" * len(header.rstrip())]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['config']:<15}FAILED: {r['error']}")
+            continue
+        speed = f"{base['step_ms'] / r['step_ms']:.2f}x" if base else "-"
+        peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"
+        cells = (
+            r["config"],
+            f"{r['step_ms']:.2f}",
+            speed,
+            f"{r['compile_s']:.2f}",
+            f"{r['examples_per_s']:.0f}",
+            f"{100 * r['backward_share']:.0f}%",
+            peak,
+            str(r["retraces"]),
+            f"{r['final_loss']:.4f}",
+            "  " + _setup(r),
+        )
+        lines.append(
+            "".join(f"{c:{a}{w}}" for c, (_, a, w) in zip(cells, COLUMNS)).rstrip()
+        )
+    return "\n".join(lines)
+
+
+def format_notes(rows):
+    """One line per distinct note, naming its configurations unless it
+    holds for every row."""
+    by_note = {}
+    for r in rows:
+        for note in r.get("notes", ()):
+            by_note.setdefault(note, []).append(r["config"])
+    return [
+        f"note: {note}" if len(names) == len(rows) else f"note ({', '.join(names)}): {note}"
+        for note, names in by_note.items()
+    ]
+
+
+def _context(args, rows):
+    env = next((r["environment"] for r in rows if "environment" in r), None)
+    text = f"model {args.model}, batch size {args.batch_size}, {args.steps} steps"
+    if env:
+        device = ", ".join(env["gpus"]) or f"{env['cpu']} ({env['cpu_count']} CPUs)"
+        text += f"; TensorFlow {env['tensorflow']}, Keras {env['keras']}, {device}"
+    return text, env
+
+
+def plot(rows, path):
+    """Bar charts of steady step time and peak memory per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    good = [r for r in rows if "error" not in r]
+    names = [r["config"] for r in good]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    left.bar(names, [r["step_ms"] for r in good], color="tab:blue")
+    left.set_ylabel("steady step (ms)")
+    right.bar(names, [r["peak_mib"] or 0 for r in good], color="tab:orange")
+    right.set_ylabel("training peak memory (MiB)")
+    for axis in (left, right):
+        axis.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def compare(args, parser):
-    _positive(parser, "batch-size", args.batch_size)
-    _positive(parser, "steps", args.steps)
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown or not names:
-        parser.error(
-            f"argument --configs: unknown configuration(s) {unknown or names}; "
-            f"choose from {', '.join(CONFIGS)}"
-        )
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    rows = []
-    for name in names:
-        print(f"[{len(rows) + 1}/{len(names)}] {name} {CONFIGS[name]}", flush=True)
-        rows.append(run_config(name, CONFIGS[name], args.batch_size, args.steps))
-    header = (
-        f"{'config':<16}{'policy':<16}{'micro-batches':>14}{'updates':>9}"
-        f"{'loss scale':>12}{'skipped':>9}{'final loss':>12}{'step ms':>9}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        scale = "-" if r["loss_scale"] is None else f"{r['loss_scale']:g}"
-        print(
-            f"{r['config']:<16}{r['policy']:<16}{r['micro_batches']:>14}"
-            f"{r['updates']:>9}{scale:>12}{r['skipped']:>9}"
-            f"{r['final_loss']:>12.4f}{r['step_ms']:>9.2f}"
-        )
-    return rows
+    """Runs `keras-gradboost compare`; returns `(rows, exit status)`."""
+    names = check_args(args, parser)
+    spec = {
+        "model": args.model,
+        "data": args.data,
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+    }
+    rows = compare_lib.run_configs(spec, names, progress=sys.stderr)
+    context, env = _context(args, rows)
+    print(context)
+    print(format_table(rows))
+    for note in format_notes(rows):
+        print(note)
+    if args.json is not None:
+        with open(args.json, "w") as f:
+            json.dump({"spec": spec, "environment": env, "rows": rows}, f, indent=2)
+    if args.plot is not None and any("error" not in r for r in rows):
+        plot(rows, args.plot)
+    baseline = [r for r in rows if r["config"] == "baseline"]
+    failed = all("error" in r for r in (baseline or rows))
+    return rows, 1 if failed else 0
 
 
 # The rows of the last `compare` run, for tests and notebooks.
@@ -120,11 +330,19 @@ LAST_ROWS = []
 
 
 def main(argv=None):
+    """Entry point of the `keras-gradboost` console script.
+
+    Returns:
+        The exit status: 0, or 1 when `compare`'s baseline failed. Bad
+        arguments exit with status 2 (`SystemExit`).
+    """
     parser = _parser()
     args = parser.parse_args(argv)
+    status = 0
     if args.command == "compare":
-        LAST_ROWS[:] = compare(args, parser)
-    return 0
+        rows, status = compare(args, parser)
+        LAST_ROWS[:] = rows
+    return status
 
 
 if __name__ == "__main__":

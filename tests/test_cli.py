@@ -1,54 +1,309 @@
-"""The command line, end to end on a tiny configuration."""
+"""`keras-gradboost compare`: end to end on tiny configurations, and its
+argument checks (which run before any TensorFlow subprocess starts)."""
 
+import json
+import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+import keras
 from keras_gradboost import cli
+from keras_gradboost import compare as compare_lib
 
 
-def test_compare_runs_and_reports_each_feature(capsys):
-    code = cli.main(
-        ["compare", "--steps", "8", "--batch-size", "16", "--configs", "baseline,accumulate,loss_scale"]
+def _run(argv, capsys):
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err, list(cli.LAST_ROWS)
+
+
+def _row_line(out, name):
+    return next(line for line in out.splitlines() if line.startswith(name + " "))
+
+
+def test_compare_end_to_end(tmp_path, capsys):
+    out_json = tmp_path / "rows.json"
+    code, out, err, rows = _run(
+        [
+            "compare", "--model", "mlp", "--steps", "3", "--batch-size", "16",
+            "--configs", "baseline,all_on", "--json", str(out_json),
+        ],
+        capsys,
     )
-    assert code == 0
-    rows = cli.LAST_ROWS
-    out = capsys.readouterr().out
-    for name in ("baseline", "accumulate", "loss_scale"):
-        assert f"\n{name} " in out
-    by_name = {r["config"]: r for r in rows}
-    assert by_name["baseline"]["updates"] == 8
-    assert by_name["accumulate"]["updates"] == 2  # 8 micro-batches, k=4
-    assert by_name["loss_scale"]["loss_scale"] == 2.0**15
-    assert by_name["baseline"]["loss_scale"] is None
+    assert code == 0, out + err
+    assert "[1/2] baseline" in err and "[2/2] all_on" in err
+    header = out.splitlines()[1]
+    for column in ("step ms", "speed-up", "compile s", "examples/s", "bwd share",
+                   "peak MiB", "retraces", "final loss"):
+        assert column in header
+    assert "1.00x" in _row_line(out, "baseline")
+    assert "accumulate 4" in _row_line(out, "all_on")
+    assert "recompute 0 blocks" in _row_line(out, "all_on")  # fits the budget
+
+    saved = json.loads(out_json.read_text())
+    assert saved["environment"]["tensorflow"] and saved["environment"]["keras"]
+    assert saved["spec"] == {"model": "mlp", "data": None, "batch_size": 16, "steps": 3}
+    by_name = {r["config"]: r for r in saved["rows"]}
+    assert list(by_name) == ["baseline", "all_on"]
+    for row in by_name.values():
+        assert "error" not in row, row
+        for field in ("step_ms", "compile_s", "examples_per_s", "backward_share",
+                      "peak_mib", "retraces", "final_loss"):
+            assert field in row
+        assert row["retraces"] == 0  # fixed shapes: one trace (or the init pair)
+        assert 0.0 <= row["backward_share"] < 1.0
+        assert math.isfinite(row["final_loss"])
+        assert row["peak_mib"] is None or row["peak_mib"] > 0
+    baseline, all_on = by_name["baseline"], by_name["all_on"]
+    assert (baseline["jit_compile"], baseline["accumulate_steps"]) == (False, 1)
+    assert all_on["accumulate_steps"] == 4
+    assert all_on["recomputed"] == 0
+    assert isinstance(all_on["compiled_with"]["recompute"]["budget_mb"], (int, float))
+    assert rows == saved["rows"]
+
+
+def _tiny_saved_model(path, compiled):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    outputs = keras.layers.Dense(3, name="out")(inputs)
+    model = keras.Model(inputs, outputs)
+    if compiled:
+        model.compile(optimizer="sgd", loss="mean_absolute_error")
+    model.save(path)
+    return path
+
+
+def test_saved_model_with_data(tmp_path, capsys):
+    model_path = _tiny_saved_model(str(tmp_path / "tiny.keras"), compiled=True)
+    data_path = tmp_path / "data.npz"
+    rng = np.random.default_rng(0)
+    np.savez(data_path, x=rng.normal(size=(40, 5)), y=rng.normal(size=(40, 3)))
+    code, out, err, rows = _run(
+        ["compare", "--model", model_path, "--data", str(data_path),
+         "--steps", "3", "--batch-size", "8", "--configs", "baseline"],
+        capsys,
+    )
+    assert code == 0, out + err
+    (row,) = rows
+    assert "error" not in row, row
+    assert row["notes"] == []  # the saved loss and optimizer, the given data
+    assert math.isfinite(row["final_loss"])
+
+
+def test_saved_model_without_loss_or_data_and_a_failed_row(tmp_path, capsys):
+    model_path = _tiny_saved_model(str(tmp_path / "plain.keras"), compiled=False)
+    code, out, err, rows = _run(
+        ["compare", "--model", model_path, "--steps", "2", "--batch-size", "4",
+         "--configs", "baseline,recompute"],
+        capsys,
+    )
+    # A one-layer model has nothing to recompute: that row fails, the
+    # baseline does not, so the exit status is 0.
+    assert code == 0, out + err
+    baseline, recompute = rows
+    assert "error" not in baseline, baseline
+    assert "no saved loss: using 'mse'" in baseline["notes"]
+    assert "synthetic data from the input spec" in baseline["notes"]
+    assert "optimizer: Adam(1e-3)" in baseline["notes"]
+    assert "note (baseline): no saved loss: using 'mse'" in out
+    assert "found nothing to recompute" in recompute["error"]
+    assert "\n" not in recompute["error"]
+    assert _row_line(out, "recompute").startswith("recompute      FAILED: ValueError")
+    assert "recompute ... FAILED" in err
+
+
+def _fake_rows(failed):
+    def run_one(spec):
+        if spec["config"] in failed:
+            return {"config": spec["config"], "kwargs": spec["kwargs"], "error": "Boom: no"}
+        return {
+            "config": spec["config"], "kwargs": spec["kwargs"],
+            "step_ms": 10.0 if spec["config"] == "baseline" else 8.0,
+            "compile_s": 1.0, "examples_per_s": 100.0, "backward_share": 0.6,
+            "peak_mib": 5.0, "retraces": 0, "final_loss": 1.0, "jit_compile": False,
+            "policy": "float32", "accumulate_steps": 1, "recomputed": 0, "notes": [],
+        }
+
+    return run_one
 
 
 @pytest.mark.parametrize(
-    "argv, fragment",
+    "configs, failed, status",
     [
-        (["compare", "--configs", "nope"], "unknown configuration"),
-        (["compare", "--steps", "0"], "--steps: expected an int >= 1"),
-        (["compare", "--batch-size", "-1"], "--batch-size: expected an int >= 1"),
-        (["compare", "--steps", "x"], "invalid int value"),
-        (["frobnicate"], "invalid choice"),
+        ("baseline,jit_compile", {"jit_compile"}, 0),
+        ("baseline,jit_compile", set(), 0),
+        ("baseline,jit_compile", {"baseline"}, 1),
+        ("jit_compile,recompute", {"jit_compile"}, 0),
+        ("jit_compile,recompute", {"jit_compile", "recompute"}, 1),
     ],
 )
-def test_bad_arguments_exit_2_with_one_line_error(argv, fragment, capsys):
+def test_exit_status_depends_on_the_baseline(monkeypatch, capsys, configs, failed, status):
+    monkeypatch.setattr(compare_lib, "run_one", _fake_rows(failed))
+    code, out, _, _ = _run(["compare", "--configs", configs], capsys)
+    assert code == status
+    for name in failed:
+        assert _row_line(out, name) == f"{name:<15}FAILED: Boom: no"
+    if "baseline" in configs and not failed & {"baseline", "jit_compile"}:
+        assert "1.25x" in _row_line(out, "jit_compile")  # 10 ms / 8 ms
+
+
+def test_a_child_that_dies_without_a_row_fails_with_its_last_stderr_line(tmp_path, monkeypatch):
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\necho 'some log' >&2\necho 'Fatal Python error: Aborted' >&2\nexit 134\n")
+    fake_python.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake_python))
+    row = compare_lib.run_one({"config": "baseline", "kwargs": {}, "model": "mlp"})
+    assert row == {
+        "config": "baseline",
+        "kwargs": {},
+        "error": "exit code 134: Fatal Python error: Aborted",
+    }
+
+
+def test_notes_name_their_configurations_unless_shared():
+    rows = [
+        {"config": "baseline", "notes": ["synthetic data", "only here"]},
+        {"config": "recompute", "notes": ["synthetic data"]},
+    ]
+    assert cli.format_notes(rows) == [
+        "note: synthetic data",
+        "note (baseline): only here",
+    ]
+
+
+@pytest.fixture
+def no_subprocess(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a bad argument must not start a configuration")
+
+    monkeypatch.setattr(compare_lib, "run_one", refuse)
+
+
+def _bad_argument_cases(tmp):
+    not_zip = tmp / "broken.keras"
+    not_zip.write_text("not a zip")
+    saved = tmp / "ok.keras"
+    saved.write_bytes(b"")
+    import zipfile
+
+    with zipfile.ZipFile(saved, "w") as archive:
+        archive.writestr("config.json", "{}")
+    no_y = tmp / "no_y.npz"
+    np.savez(no_y, x=np.zeros((4, 5)))
+    uneven = tmp / "uneven.npz"
+    np.savez(uneven, x=np.zeros((4, 5)), y=np.zeros(3))
+    return [
+        (["compare", "--configs", "nope"], "argument --configs: unknown configuration(s) nope"),
+        (["compare", "--configs", "baseline,xla"], "unknown configuration(s) xla; expected"),
+        (["compare", "--configs", ","], "argument --configs: unknown configuration(s) ','"),
+        (["compare", "--steps", "0"], "argument --steps: invalid value 0; expected an int >= 2"),
+        (["compare", "--steps", "x"], "argument --steps: invalid value 'x'; expected an int >= 2"),
+        (["compare", "--batch-size", "-1"], "argument --batch-size: invalid value -1; expected an int >= 1"),
+        (["compare", "--model", "resnet"], "argument --model: unknown model 'resnet'; expected one of mlp"),
+        (["compare", "--model", str(tmp / "missing.keras")], "argument --model: no such file"),
+        (["compare", "--model", str(not_zip)], "is not a .keras file"),
+        (["compare", "--data", str(no_y)], "argument --data: only used with --model PATH.keras"),
+        (["compare", "--model", str(saved), "--data", str(tmp / "none.npz")], "argument --data: no such file"),
+        (["compare", "--model", str(saved), "--data", str(no_y)], "holds ['x']; expected arrays named 'x' and 'y'"),
+        (["compare", "--model", str(saved), "--data", str(uneven)], "x has 4 rows and y 3"),
+        (["compare", "--json", str(tmp / "no" / "out.json")], "argument --json: the folder of"),
+        (["compare", "--plot", str(tmp / "no" / "out.png")], "argument --plot: the folder of"),
+        (["frobnicate"], "invalid choice"),
+    ]
+
+
+def test_bad_arguments_exit_2_with_one_line_error(tmp_path, capsys, no_subprocess):
+    for argv, fragment in _bad_argument_cases(tmp_path):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        assert info.value.code == 2, argv
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("keras-gradboost"), (argv, err)
+        assert fragment in last, (argv, last)
+
+
+def test_plot_without_matplotlib_is_a_clear_error(tmp_path, capsys, no_subprocess, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a)
+    )
     with pytest.raises(SystemExit) as info:
-        cli.main(argv)
+        cli.main(["compare", "--plot", str(tmp_path / "out.png")])
     assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert fragment in err
-    assert err.strip().splitlines()[-1].startswith("keras-gradboost")
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --plot: matplotlib is not installed; pip install 'keras-gradboost[plot]'" in last
+
+
+def test_plot_writes_a_png(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(compare_lib, "run_one", _fake_rows({"recompute"}))
+    path = tmp_path / "out.png"
+    code, _, _, _ = _run(
+        ["compare", "--configs", "baseline,recompute", "--plot", str(path)], capsys
+    )
+    assert code == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_module_entry_point_help():
     result = subprocess.run(
-        [sys.executable, "-m", "keras_gradboost", "--help"],
+        [sys.executable, "-m", "keras_gradboost", "compare", "--help"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 0
-    assert "compare" in result.stdout
+    for text in ("--model", "--configs", "all_on", "exit status", "1 when the baseline failed"):
+        assert text in result.stdout
+
+
+@pytest.mark.parametrize(
+    "per_step, expected",
+    [
+        ([4.0, 3.0, 2.0, 1.0], 1.0),  # 4 steps: the last one
+        ([2.0], 2.0),
+        ([3.0, 1.0], 1.0),
+        ([8.0, 4.0, 3.0, 1.0, 2.0, 0.0, 1.0, 3.0], 2.0),  # 8 steps: the last 2
+    ],
+)
+def test_final_loss_from_running_means(per_step, expected):
+    running = [sum(per_step[: i + 1]) / (i + 1) for i in range(len(per_step))]
+    assert compare_lib.final_loss(running) == pytest.approx(expected)
+
+
+def test_count_traces_counts_each_new_input_shape():
+    from keras_gradboost import zoo
+
+    model = zoo.mlp(input_dim=5, hidden=(4,), classes=3)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    traces = compare_lib.count_traces(model)
+    x, y = zoo.classification_data(4, input_dim=5, classes=3)
+    model.train_on_batch(x, y)
+    first = traces[0]
+    assert first >= 1
+    model.train_on_batch(x, y)
+    assert traces[0] == first  # same shapes: no trace
+    model.train_on_batch(x[:2], y[:2])
+    assert traces[0] == first + 1  # a new batch size: one retrace
+
+
+def test_timed_fit_does_not_count_the_first_batch_traces_as_retraces():
+    import tensorflow as tf
+
+    from keras_gradboost import zoo
+
+    model = zoo.mlp(input_dim=5, hidden=(4,), classes=3)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x, y = zoo.classification_data(12, input_dim=5, classes=3)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(4, drop_remainder=True).repeat()
+    times, losses, retraces, _ = compare_lib.timed_fit(model, data, 5, "CPU:0")
+    assert len(times) == len(losses) == 5
+    # Adam creates its slots in the first step, so TensorFlow traces that
+    # step twice; neither is a retrace.
+    assert retraces == 0

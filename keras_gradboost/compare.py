@@ -1,0 +1,489 @@
+"""`keras-gradboost compare`: one configuration per fresh subprocess.
+
+The parent (`run_configs`) starts `python -m keras_gradboost.compare SPEC`
+once per configuration, so allocator pools, XLA caches and traced functions
+never leak from one row into the next. The child (`measure`) builds the
+model, compiles it with the configuration's keyword arguments, trains
+`steps` batches with `fit`, measures, and prints one JSON line: the row.
+
+What a row holds (all measured in the child):
+- `step_ms`: median wall time of one training batch (one `fit` step, one
+  micro-batch under `accumulate_steps`) after `WARMUP_STEPS` warm-up
+  batches, timed from `on_train_batch_begin` to `on_train_batch_end`
+  (Keras pulls the logs to the host there, so each step is synchronised).
+- `compile_s`: the first batch's time minus `step_ms`: tracing and (XLA)
+  compilation.
+- `examples_per_s`: batch size / `step_ms`.
+- `backward_share`: after training, on one fixed batch, 1 - the median over
+  interleaved pairs of (time of a compiled forward-only `tf.function`
+  calling the model with `training=True`) / (time of the model's own train
+  function): the share of a step spent in the backward pass, the loss and
+  the update.
+- `peak_mib`: TensorFlow's allocator peak during `fit` minus its level just
+  before (`tf.config.experimental.get_memory_info`): what training adds on
+  top of the weights (optimizer slots, activations, gradients). `None`
+  where the device has no allocator statistics.
+- `retraces`: how many times the train step was traced after the first
+  batch, counted by a Python side effect in `model.train_step` (it runs
+  only while TensorFlow traces). The first batch may trace twice: a
+  `tf.function` whose first call creates variables (optimizer slots) is
+  traced again; that is not a retrace. (The batches come from a tf.data
+  pipeline of fixed-size batches, so a retrace here means the train
+  function was made again, or traced for a new Python value.)
+- `final_loss`: the mean training loss over the last quarter of the batches
+  (recovered exactly from the running means Keras logs).
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import zipfile
+
+# Keyword arguments of `GradBoostModel.compile` per configuration. Every
+# configuration sets `jit_compile` explicitly (Keras' "auto" means XLA on a
+# GPU).
+CONFIGS = {
+    "baseline": {"jit_compile": False},
+    "jit_compile": {"jit_compile": True},
+    "precision_auto": {"jit_compile": False, "precision": "auto"},
+    "accumulate": {"jit_compile": False, "accumulate_steps": 4},
+    "recompute": {"jit_compile": False, "recompute": "auto"},
+    "all_on": {
+        "jit_compile": "auto",
+        "precision": "auto",
+        "accumulate_steps": 4,
+        "recompute": {"budget_mb": "half_available"},
+    },
+}
+# all_on switches everything on with the "auto" choices, so that it is not
+# slower than the baseline (measured on a 2-core CPU; see README):
+# - jit_compile="auto" is Keras' own: XLA on a GPU, not on a CPU, where XLA
+#   made the built-in MLP ~1.2x and the CNN ~3.7x slower per step;
+# - precision="auto" then picks mixed_bfloat16 on a CPU with bfloat16
+#   instructions (~0.66x the float32 step on the MLP), mixed_float16 on a GPU;
+# - recompute only what must be: the budget is half the memory available
+#   when the child starts (see `resolve_kwargs`), so a model whose
+#   activations fit pays no extra forward pass (recompute="auto" cost the
+#   MLP ~1.3x).
+HALF_AVAILABLE = "half_available"
+BUILTIN_MODELS = ("mlp", "cnn", "transformer", "residual_mlp")
+# Sizes of the built-ins under `compare` (zoo defaults otherwise).
+BUILTIN_SIZES = {"residual_mlp": {"width": 256, "blocks": 4}}
+DEFAULT_MODEL = "mlp"
+DEFAULT_BATCH_SIZE = 256
+DEFAULT_STEPS = 30
+WARMUP_STEPS = 2
+# Forward-only / full-step timing pairs (backward share): at least this
+# many, up to 4x as many while they take under ~2 s.
+SHARE_REPS = 5
+CHILD_TIMEOUT_S = 3600
+
+
+# --------------------------------------------------------------- the parent
+
+
+def run_configs(spec, names, progress=None):
+    """Runs each configuration in its own subprocess and collects the rows.
+
+    Args:
+        spec: dict with `model` (a built-in name or a `.keras` path), `data`
+            (a `.npz` path or None), `batch_size` and `steps`.
+        names: configuration names, keys of `CONFIGS`.
+        progress: optional stream for one progress line per configuration.
+            Defaults to `None` (silent).
+
+    Returns:
+        A list of row dicts, one per name, in order; a failed configuration's
+        row has `"error"`: a one-line reason.
+    """
+    rows = []
+    for i, name in enumerate(names, 1):
+        if progress is not None:
+            progress.write(f"[{i}/{len(names)}] {name} ... ")
+            progress.flush()
+        start = time.perf_counter()
+        row = run_one({**spec, "config": name, "kwargs": CONFIGS[name]})
+        if progress is not None:
+            elapsed = time.perf_counter() - start
+            if "error" in row:
+                progress.write(f"FAILED in {elapsed:.1f} s: {row['error']}\n")
+            else:
+                progress.write(f"{row['step_ms']:.2f} ms/step ({elapsed:.1f} s)\n")
+            progress.flush()
+        rows.append(row)
+    return rows
+
+
+def run_one(spec):
+    """Runs one configuration in a fresh Python process; returns its row."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+    command = [sys.executable, "-m", "keras_gradboost.compare", json.dumps(spec)]
+    base = {"config": spec["config"], "kwargs": spec["kwargs"]}
+    try:
+        result = subprocess.run(
+            command, capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        return {**base, "error": f"timed out after {CHILD_TIMEOUT_S} s"}
+    for line in reversed(result.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return {**base, **json.loads(line)}
+            except json.JSONDecodeError:
+                break
+    lines = [l.strip() for l in result.stderr.splitlines() if l.strip()]
+    reason = lines[-1] if lines else "no output"
+    return {**base, "error": f"exit code {result.returncode}: {reason}"[:200]}
+
+
+# ---------------------------------------------------------------- the child
+
+
+def _one_line(error):
+    lines = [l.strip() for l in str(error).splitlines() if l.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:200]
+
+
+def saved_compile_config(path):
+    """The `compile_config` stored in a `.keras` archive, or None."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            config = json.loads(archive.read("config.json"))
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+        return None
+    return config.get("compile_config") or None
+
+
+def _synthetic_inputs(model, samples, notes, rng):
+    """Random inputs matching `model.inputs` (unknown dims become 16)."""
+    import keras
+    from keras_gradboost import hooks
+
+    embeddings = [
+        layer
+        for layer in hooks.flatten_layers(model)
+        if isinstance(layer, keras.layers.Embedding)
+    ]
+    xs = []
+    for tensor in model.inputs:
+        shape = [16 if d is None else d for d in tensor.shape[1:]]
+        if None in tensor.shape[1:]:
+            notes.append(f"input {tensor.name}: unknown dims set to 16")
+        if "int" in str(tensor.dtype):
+            high = embeddings[0].input_dim if embeddings else 2
+            xs.append(rng.integers(0, high, size=(samples, *shape)).astype(tensor.dtype))
+        else:
+            xs.append(rng.normal(size=(samples, *shape)).astype("float32"))
+    return xs[0] if len(xs) == 1 else xs
+
+
+def _synthetic_targets(model, x, loss, samples, rng):
+    """Random targets matching the model's output and the loss."""
+    import numpy as np
+
+    probe = x[:1] if not isinstance(x, list) else [a[:1] for a in x]
+    shape = tuple(np.asarray(model(probe)).shape[1:])
+    name = loss if isinstance(loss, str) else str(loss)
+    if "sparse" in name:
+        return rng.integers(0, shape[-1], size=(samples, *shape[:-1])).astype("int32")
+    if "categorical" in name:
+        labels = rng.integers(0, shape[-1], size=(samples, *shape[:-1]))
+        return np.eye(shape[-1], dtype="float32")[labels]
+    if "binary" in name or "hinge" in name:
+        return rng.integers(0, 2, size=(samples, *shape)).astype("float32")
+    return rng.normal(size=(samples, *shape)).astype("float32")
+
+
+def _default_loss(y):
+    import numpy as np
+
+    if y is not None and np.issubdtype(np.asarray(y).dtype, np.integer):
+        return "sparse_categorical_crossentropy"
+    return "mse"
+
+
+def build(spec):
+    """The model, data, loss and optimizer for a spec (in the child).
+
+    Returns:
+        `(model, x, y, loss, optimizer, notes)`.
+    """
+    import numpy as np
+
+    import keras
+    from keras_gradboost import zoo
+    from keras_gradboost.model import GradBoostModel
+    from keras_gradboost.model import boost
+
+    samples = spec["batch_size"] * min(spec["steps"], 16)
+    notes = []
+    name = spec["model"]
+    if name in BUILTIN_MODELS:
+        model = getattr(zoo, name)(**BUILTIN_SIZES.get(name, {}))
+        if name == "cnn":
+            x, y = zoo.image_data(samples)
+        elif name == "transformer":
+            x, y = zoo.sequence_data(samples)
+        else:
+            x, y = zoo.classification_data(samples)
+        return model, x, y, "sparse_categorical_crossentropy", keras.optimizers.Adam(1e-3), notes
+
+    model = keras.saving.load_model(name, compile=False)
+    if not isinstance(model, GradBoostModel):
+        model = boost(model)
+    compile_config = saved_compile_config(name) or {}
+    loss = compile_config.get("loss")
+    optimizer = compile_config.get("optimizer")
+    try:
+        optimizer = keras.optimizers.get(optimizer) if optimizer else None
+    except Exception as error:  # noqa: BLE001 - fall back, with a note
+        notes.append(f"saved optimizer not usable ({_one_line(error)})")
+        optimizer = None
+    if optimizer is None:
+        optimizer = keras.optimizers.Adam(1e-3)
+        notes.append("optimizer: Adam(1e-3)")
+    if isinstance(loss, dict):
+        loss = keras.losses.deserialize(loss)
+    rng = np.random.default_rng(0)
+    if spec.get("data"):
+        with np.load(spec["data"]) as data:
+            x, y = data["x"], data["y"]
+    else:
+        x = _synthetic_inputs(model, samples, notes, rng)
+        y = None
+        notes.append("synthetic data from the input spec")
+    if loss is None:
+        loss = _default_loss(y)
+        notes.append(f"no saved loss: using {loss!r}")
+    if y is None:
+        y = _synthetic_targets(model, x, loss, samples, rng)
+    return model, x, y, loss, optimizer, notes
+
+
+def environment():
+    """TensorFlow/Keras versions and the devices (in the child)."""
+    import platform
+
+    import tensorflow as tf
+
+    import keras
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "gpus": [d.name for d in tf.config.list_physical_devices("GPU")],
+    }
+
+
+def _median_ms(fn, reps):
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+def _memory(tf, device, what):
+    try:
+        return tf.config.experimental.get_memory_info(device)[what]
+    except (ValueError, RuntimeError):
+        return None
+
+
+def available_mib():
+    """Memory available to a new process, in MiB (Linux `MemAvailable`;
+    else physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+
+
+def resolve_kwargs(kwargs):
+    """The compile kwargs with `budget_mb: "half_available"` made a number."""
+    kwargs = dict(kwargs)
+    recompute = kwargs.get("recompute")
+    if isinstance(recompute, dict) and recompute.get("budget_mb") == HALF_AVAILABLE:
+        kwargs["recompute"] = {**recompute, "budget_mb": round(available_mib() / 2)}
+    return kwargs
+
+
+def final_loss(running_means):
+    """The mean loss over the last quarter of the steps (at least one),
+    recovered exactly from Keras' per-batch running means of equal-size
+    batches: the sum of the first i losses is `i * running_means[i - 1]`."""
+    n = len(running_means)
+    k = max(1, n // 4)
+    earlier = running_means[n - k - 1] * (n - k) if n > k else 0.0
+    return (running_means[-1] * n - earlier) / k
+
+
+def count_traces(model):
+    """Wraps `model.train_step` (an instance attribute, read when Keras makes
+    the train function) so each trace increments the returned counter."""
+    traces = [0]
+    train_step = model.train_step
+
+    def counting_train_step(data):
+        traces[0] += 1  # a Python side effect: runs only while tracing
+        return train_step(data)
+
+    model.train_step = counting_train_step
+    return traces
+
+
+def timed_fit(model, data, steps, device):
+    """`fit` for `steps` batches, timing each and reading the memory peak.
+
+    Returns:
+        `(seconds per batch, running-mean losses, traces after the first
+        batch, peak bytes above the level before fit or None)`.
+    """
+    import tensorflow as tf
+
+    import keras
+
+    traces = count_traces(model)
+    times, losses, first_traces = [], [], []
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.perf_counter() - self.start)
+            losses.append(float(logs["loss"]))
+            if batch == 0:
+                # tf.function traces twice on a first call that creates
+                # variables (optimizer slots): both are the first trace.
+                first_traces.append(traces[0])
+
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+    except (ValueError, RuntimeError):
+        pass
+    before = _memory(tf, device, "current")
+    model.fit(
+        data, steps_per_epoch=steps, epochs=1, shuffle=False, verbose=0, callbacks=[Clock()]
+    )
+    peak = _memory(tf, device, "peak")
+    grown = None if peak is None or before is None else peak - before
+    return times, losses, traces[0] - first_traces[0], grown
+
+
+def backward_share(model, batch, step_ms):
+    """1 - forward-only time / train-step time on one batch, with medians
+    over interleaved pairs (so both see the same machine load).
+
+    Returns:
+        `(share, forward ms, train step ms)`.
+    """
+    import tensorflow as tf
+
+    forward = tf.function(
+        lambda inputs: model(inputs, training=True), jit_compile=bool(model.jit_compile)
+    )
+    fixed = iter(tf.data.Dataset.from_tensors(batch).repeat())
+
+    def forward_once():
+        out = forward(batch[0])
+        float(tf.reduce_sum(tf.cast(tf.nest.flatten(out)[0], "float32")))
+
+    def step_once():
+        logs = model.train_function(fixed)
+        float(logs["loss"])
+
+    for fn in (forward_once, step_once, forward_once, step_once):
+        fn()  # warm-up: traces, compiles
+    reps = max(SHARE_REPS, min(4 * SHARE_REPS, int(2000 / max(step_ms, 1.0))))
+    forward_ms, full_ms = [], []
+    for _ in range(reps):
+        forward_ms.append(_median_ms(forward_once, 1))
+        full_ms.append(_median_ms(step_once, 1))
+    share = 1 - statistics.median(f / s for f, s in zip(forward_ms, full_ms))
+    return max(0.0, share), statistics.median(forward_ms), statistics.median(full_ms)
+
+
+def measure(spec):
+    """Trains one configuration and returns its row (in the child)."""
+    import warnings
+
+    import tensorflow as tf
+
+    device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+    model, x, y, loss, optimizer, notes = build(spec)
+    kwargs = resolve_kwargs(spec["kwargs"])
+    batch_size, steps = spec["batch_size"], spec["steps"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.compile(optimizer=optimizer, loss=loss, **kwargs)
+    notes.extend(str(w.message).split(". ")[0] for w in caught[:2])
+
+    data = tf.data.Dataset.from_tensor_slices((x, y))
+    if len(y) < batch_size:
+        data = data.repeat()
+    data = data.batch(batch_size, drop_remainder=True).repeat().prefetch(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        times, losses, retraces, grown = timed_fit(model, data, steps, device)
+        warm = min(WARMUP_STEPS, len(times) - 1)
+        step_ms = statistics.median(times[warm:]) * 1000
+        share, forward_ms, full_ms = backward_share(model, next(iter(data)), step_ms)
+
+    plan = model.recompute_plan()
+    return {
+        "model": spec["model"],
+        "compiled_with": kwargs,
+        "batch_size": batch_size,
+        "steps": steps,
+        "step_ms": step_ms,
+        "compile_s": max(0.0, times[0] - step_ms / 1000),
+        "examples_per_s": batch_size / (step_ms / 1000),
+        "backward_share": share,
+        "forward_ms": forward_ms,
+        "full_step_ms": full_ms,
+        "peak_mib": None if grown is None else grown / 2**20,
+        "retraces": retraces,
+        "final_loss": final_loss(losses),
+        "jit_compile": bool(model.jit_compile),
+        "policy": model.dtype_policy_applied or model.dtype_policy.name,
+        "accumulate_steps": model.gradboost_config.accumulate_steps,
+        "recomputed": len(plan.recomputed) if plan.setting is not None else 0,
+        "notes": notes,
+        "environment": environment(),
+    }
+
+
+def child_main(argv):
+    spec = json.loads(argv[0])
+    try:
+        row = measure(spec)
+    except Exception as error:  # noqa: BLE001 - reported as the row's reason
+        print(json.dumps({"error": _one_line(error)}), flush=True)
+        return 1
+    print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(sys.argv[1:]))
