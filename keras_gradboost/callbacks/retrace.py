@@ -272,9 +272,12 @@ class RetraceEvent:
         diagnosis: the named cause.
         fix: what to do about it.
         call_seconds: how long the call that retraced/recompiled took, or
-            None when not measured.
+            None when not measured. One call runs `steps_per_execution`
+            batches, so several events may share it.
         seconds_lost: an estimate of the time lost: that call's duration
-            minus the median duration of ordinary calls (None until known).
+            minus the median duration of ordinary calls of the same function
+            (per batch, times the call's batches), shared equally among the
+            call's events (None until known).
     """
 
     function: str
@@ -285,6 +288,9 @@ class RetraceEvent:
     fix: str = ""
     call_seconds: object = None
     seconds_lost: object = None
+    # How many batches the call ran, and how many events share it.
+    call_batches: int = dataclasses.field(default=1, repr=False)
+    call_events: int = dataclasses.field(default=1, repr=False)
 
     def report(self):
         lost = (
@@ -560,20 +566,26 @@ class RetraceCounter(keras.callbacks.Callback):
             compiled["last"] = sig
         jit = self._jit()
         events = []
+        pairs = [(o, n) for o, n in new_sigs if o is not None]
         if self._pending:
             self._count(function, retraces=len(self._pending), recompiles=int(jit))
             old, new = _concrete_pair(new_sigs, self._pending)
             events.append(self._event(function, "retrace", old, new))
-        elif jit and any(old is not None for old, _ in new_sigs):
-            pairs = [(o, n) for o, n in new_sigs if o is not None]
+            pairs = [(o, n) for o, n in pairs if n != new]
+        if jit and pairs:
+            # With steps_per_execution > 1, one call may compile several
+            # new shapes: one event each.
             self._count(function, recompiles=len(pairs))
-            events.append(self._event(function, "recompile", *pairs[0]))
+            events += [self._event(function, "recompile", o, n) for o, n in pairs]
         if events:
             # One sync, only for a call that retraced or recompiled.
             _wait(logs)
             seconds = time.perf_counter() - self._start
             for event in events:
                 event.call_seconds = seconds
+                event.call_batches = len(batches)
+                event.call_events = len(events)
+            for event in events:
                 self._record(event)
         elif not new_sigs:  # a first compile is not an ordinary call either
             self._durations[function].append(
@@ -633,8 +645,9 @@ class RetraceCounter(keras.callbacks.Callback):
         for event in self.events:
             durations = self._durations.get(event.function)
             if event.call_seconds is not None and durations:
-                steady = statistics.median(durations)
-                event.seconds_lost = max(0.0, event.call_seconds - steady)
+                steady = statistics.median(durations) * event.call_batches
+                lost = max(0.0, event.call_seconds - steady)
+                event.seconds_lost = lost / event.call_events
 
     def summary(self):
         """A readable account of the retraces and recompiles."""

@@ -227,12 +227,16 @@ def test_strict_raises_and_max_retraces_warns_once():
             callbacks=[RetraceCounter(max_retraces=1, strict=True)],
         )
     assert info.value.event.kind == "recompile"
+    assert "bucket_by_length" in str(info.value)
     model = _model("functional")
     _compile(model, jit=True)
     counter = RetraceCounter(max_retraces=1)
     with pytest.warns(UserWarning, match="more than max_retraces=1") as record:
         model.fit(_varying(), epochs=1, verbose=0, callbacks=[counter])
-    assert len([w for w in record if "max_retraces" in str(w.message)]) == 1
+    (warning,) = [w for w in record if "max_retraces" in str(w.message)]
+    # It names the input, the cause and the fix.
+    assert "x: shape (4, 9) -> (4, 13), dim 1 varies" in str(warning.message)
+    assert "fix: pad to a fixed length, or to a few buckets" in str(warning.message)
     assert counter.recompiles == len(LENGTHS) - 1
 
 
@@ -334,3 +338,21 @@ def test_fixed_shapes_count_nothing_in_evaluate_and_predict(function):
         else:
             model.predict(x, batch_size=4, verbose=0, callbacks=[counter])
     assert counter.retraces == 0 and counter.recompiles == 0 and counter.events == []
+
+
+def test_one_event_per_recompile_with_steps_per_execution():
+    model = _model("functional")
+    _compile(model, jit=True, steps_per_execution=2)
+    counter = RetraceCounter()
+    # One batch per length: each call runs two lengths.
+    model.fit(_varying(batches_per_length=1), epochs=1, verbose=0, callbacks=[counter])
+    assert counter.per_function == {"train": {"retraces": 1, "recompiles": 3}}
+    assert [e.kind for e in counter.events] == ["retrace", "recompile", "recompile"]
+    assert [e.changes for e in counter.events] == [
+        ("x: shape (4, 5) -> (4, 9), dim 1 varies",),
+        ("x: shape (4, 9) -> (4, 13), dim 1 varies",),
+        ("x: shape (4, 13) -> (4, 17), dim 1 varies",),
+    ]
+    assert [e.step for e in counter.events] == [0, 2, 2]
+    second, third = counter.events[1:]
+    assert second.call_seconds == third.call_seconds  # one call, shared
