@@ -157,41 +157,73 @@ def check():
     return True
 
 
-def hold_batches(model, extra_logs=None, before_call=None, after_call=None):
-    """Wraps `model.train_function` so the batches of the last call stay
-    reachable, at no cost (the tensors exist anyway; nothing is copied).
+FUNCTIONS = ("train", "test", "predict")
 
-    Keras' train function takes an iterator; given a list of batches it runs
-    its compiled one-step function on each, which is what this wrapper does
-    after drawing up to `steps_per_execution` batches itself.
+
+def hold_batches(
+    model, extra_logs=None, before_call=None, after_call=None, function="train"
+):
+    """Wraps one of `model.train_function`, `model.test_function` or
+    `model.predict_function` so the batches of the last call stay reachable,
+    at no cost (the tensors exist anyway; nothing is copied).
+
+    Keras' train and test functions take an iterator; given a list of
+    batches they run their compiled one-step function on each, which is what
+    this wrapper does after drawing up to `steps_per_execution` batches
+    itself. Keras' predict function is called with the list of batches
+    already drawn (`predict()` draws them); the wrapper passes it on.
 
     Wrappers stack: several callbacks may each hold the batches. Undoing a
     wrapper that another one has since wrapped turns it into a pass-through.
 
     Args:
-        model: a Keras model whose train function is made.
+        model: a Keras model whose function is made (`make_train_function`,
+            `make_test_function`, `make_predict_function`).
         extra_logs: optional callable returning a dict merged into the logs
-            of every call (so the progress bar and History show it).
+            of every call (so the progress bar and History show it); ignored
+            for `function="predict"`, whose result is the predictions (and
+            note that extra keys in the test logs change what `evaluate()`
+            returns). Defaults to `None`.
         before_call: optional callable `(batches)`, called before each call
             with the list of batches it will run (eager tensors: their shapes
             are concrete, and reading a shape costs no device sync).
+            Defaults to `None`.
         after_call: optional callable `(batches, logs)` called after each
-            call with its logs (tensors, not yet read); a dict it returns is
-            merged into the logs.
+            call with its logs (tensors, not yet read; for predict, the
+            outputs); a dict it returns is merged into the logs, as for
+            `extra_logs`. Defaults to `None`.
+        function: which function to wrap: `"train"`, `"test"` or
+            `"predict"`. Defaults to `"train"`.
 
     Returns:
         `(held, undo)`: the list that holds the last call's batches, and a
-        function that restores the original train function.
+        function that restores the original function.
+
+    Raises:
+        ValueError: for an unknown `function`, or one the model has not made.
     """
-    cell = [model.train_function]  # what this wrapper calls (see below)
+    if function not in FUNCTIONS:
+        raise ValueError(
+            "Invalid value for argument `function`. Received: "
+            f"function={function!r}. Expected one of "
+            f"{', '.join(map(repr, FUNCTIONS))}."
+        )
+    attribute = f"{function}_function"
+    if getattr(model, attribute, None) is None:
+        raise ValueError(
+            f"Invalid value for argument `function`. Received: "
+            f"function={function!r}, but `model.{attribute}` is None. Call "
+            f"`model.make_{function}_function()` first."
+        )
+    cell = [getattr(model, attribute)]  # what this wrapper calls (see below)
     held = []
     active = [True]
     tf_iterators = (tf.data.Iterator, tf.distribute.DistributedIterator)
+    predict = function == "predict"
 
-    def function(iterator):
-        original = cell[0]
-        if not active[0]:
-            return original(iterator)
+    def draw(iterator):
+        if predict:  # predict() hands over the list it drew
+            return list(iterator)
         if isinstance(iterator, tf_iterators):
             batches = []
             for _ in range(model.steps_per_execution):
@@ -199,8 +231,14 @@ def hold_batches(model, extra_logs=None, before_call=None, after_call=None):
                     batches.append(next(iterator))
                 except (StopIteration, tf.errors.OutOfRangeError):
                     break
-        else:
-            batches = list(itertools.islice(iterator, model.steps_per_execution))
+            return batches
+        return list(itertools.islice(iterator, model.steps_per_execution))
+
+    def wrapper(iterator):
+        original = cell[0]
+        if not active[0]:
+            return original(iterator)
+        batches = draw(iterator)
         if not batches:
             raise StopIteration
         held[:] = batches
@@ -209,23 +247,32 @@ def hold_batches(model, extra_logs=None, before_call=None, after_call=None):
         logs = original(batches)
         if after_call is not None:
             more = after_call(batches, logs)
-            if more:
+            if more and not predict:
                 logs = {**logs, **more}
-        if extra_logs is not None:
+        if extra_logs is not None and not predict:
             logs = {**logs, **extra_logs()}
         return logs
 
-    function._held_original = cell
-    function._held_active = active
-    model.train_function = function
+    wrapper._held_original = cell
+    wrapper._held_active = active
+    setattr(model, attribute, wrapper)
 
     def undo():
         active[0] = False
-        if model.train_function is function:
+        if getattr(model, attribute) is wrapper:
             # Drop this wrapper and any pass-through ones below it.
-            model.train_function = _skip_inactive(cell[0])
+            setattr(model, attribute, _skip_inactive(cell[0]))
 
     return held, undo
+
+
+def base_function(model, function="train"):
+    """The train/test/predict function under every `hold_batches` wrapper:
+    the one Keras (or a callback) made; None when it is not made."""
+    fn = getattr(model, f"{function}_function")
+    while getattr(fn, "_held_original", None) is not None:
+        fn = fn._held_original[0]
+    return fn
 
 
 def _skip_inactive(fn):
@@ -237,10 +284,7 @@ def _skip_inactive(fn):
 def base_train_function(model):
     """The train function under every `hold_batches` wrapper: the one Keras
     (or a callback) made."""
-    fn = model.train_function
-    while getattr(fn, "_held_original", None) is not None:
-        fn = fn._held_original[0]
-    return fn
+    return base_function(model, "train")
 
 
 def replace_base_train_function(model, new):

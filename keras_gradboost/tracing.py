@@ -12,7 +12,7 @@ the public methods, and stays: without a listener it only forwards the call
 (at trace time), so no train function has to be traced again for the next
 `fit` that listens. Installing one the first time makes the model's step
 functions again (`model.train_function = None`, which Keras remakes), so
-the next trace goes through it.
+the next trace goes through it. `uninstall(model)` removes them.
 """
 
 import weakref
@@ -23,6 +23,8 @@ from keras_gradboost.state import replica_local_variable
 
 STEP_METHODS = ("train_step", "test_step", "predict_step")
 _MARK = "__keras_gradboost_tracer__"
+_PREVIOUS = "__keras_gradboost_previous__"  # the instance attribute replaced
+_ABSENT = object()
 _STEP_TRACERS = weakref.WeakKeyDictionary()
 _GRADIENT_TRACERS = weakref.WeakKeyDictionary()
 
@@ -50,7 +52,9 @@ class StepTracer:
         # fits (the traced functions are kept too).
         self.seen = {}
         for name in STEP_METHODS:
-            setattr(model, name, self._wrap(name[: -len("_step")], getattr(model, name)))
+            traced = self._wrap(name[: -len("_step")], getattr(model, name))
+            setattr(traced, _PREVIOUS, vars(model).get(name, _ABSENT))
+            setattr(model, name, traced)
 
     def _wrap(self, kind, step):
         def traced(data):
@@ -121,6 +125,7 @@ class GradientTracer:
             return original(pairs, *args, **kwargs)
 
         setattr(apply_gradients, _MARK, self)
+        setattr(apply_gradients, _PREVIOUS, vars(optimizer).get("apply_gradients", _ABSENT))
         optimizer.apply_gradients = apply_gradients
 
     def _make_stats(self, paths):
@@ -178,6 +183,81 @@ def gradient_tracer(model):
     _GRADIENT_TRACERS[optimizer] = tracer
     model.train_function = None
     return tracer, True
+
+
+def uninstall(model):
+    """Removes the trace-time wrappers of `RetraceCounter` and
+    `GradientAuditor` from `model`.
+
+    They stay installed after `fit` by design (installing them again would
+    retrace every step function at the next `fit` that listens); without a
+    listener they only forward the call, at trace time. After `uninstall`,
+    `model.train_step`, `test_step`, `predict_step` and
+    `model.optimizer.apply_gradients` are the class methods again (or what
+    was there before), and the model's train/test/predict functions are
+    reset, so Keras makes them again without the wrappers. A later callback
+    that listens installs them again.
+
+    Args:
+        model: a Keras model.
+
+    Returns:
+        True when something was removed, False when nothing was installed.
+
+    Raises:
+        RuntimeError: while a callback listens (during `fit`, `evaluate` or
+            `predict`: call it after), or when something else wrapped one of
+            these methods after the tracer (remove that wrapper first).
+
+    Example:
+
+    ```python
+    model.fit(x, y, callbacks=[keras_gradboost.callbacks.RetraceCounter()])
+    keras_gradboost.tracing.uninstall(model)
+    ```
+    """
+    targets = []  # (owner, attribute name, tracer)
+    tracer = _STEP_TRACERS.get(model)
+    if tracer is not None:
+        targets += [(model, name, tracer) for name in STEP_METHODS]
+    optimizer = getattr(model, "optimizer", None)
+    gradients = _GRADIENT_TRACERS.get(optimizer) if optimizer is not None else None
+    if gradients is not None:
+        targets.append((optimizer, "apply_gradients", gradients))
+    for owner, name, owner_tracer in targets:
+        if owner_tracer.listeners:
+            raise RuntimeError(
+                "keras_gradboost.tracing.uninstall(model) was called while a "
+                f"callback listens to `{name}` (during fit, evaluate or "
+                "predict). Call it after the call returns (a fit that ended "
+                "in an exception leaves its callbacks listening until they "
+                "run in a fit again)."
+            )
+        current = vars(owner).get(name)
+        if current is not None and getattr(current, _MARK, None) is not owner_tracer:
+            raise RuntimeError(
+                f"Cannot uninstall the keras_gradboost tracer from `{name}`: "
+                f"something else wrapped it since (received {current!r}). "
+                "Remove that wrapper first, then call uninstall(model)."
+            )
+    for owner, name, owner_tracer in targets:
+        current = vars(owner).get(name)
+        if current is None:
+            continue  # already removed along with a wrapper above it
+        previous = getattr(current, _PREVIOUS, _ABSENT)
+        if previous is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, previous)
+    if tracer is not None:
+        del _STEP_TRACERS[model]
+    if gradients is not None:
+        del _GRADIENT_TRACERS[optimizer]
+    if targets:
+        model.train_function = None
+        model.test_function = None
+        model.predict_function = None
+    return bool(targets)
 
 
 def _path(variable):

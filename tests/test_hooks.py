@@ -173,3 +173,51 @@ def test_replace_base_train_function_goes_under_the_wrappers():
     assert hooks.base_train_function(model) is original
     undo_hold()
     assert model.train_function is original
+
+
+def test_hold_batches_on_the_test_and_predict_functions():
+    import pytest
+    import tensorflow as tf
+
+    model = _model()
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    x = np.arange(12, dtype="float32").reshape(4, 3)
+    y = np.zeros((4, 2), "float32")
+    model.evaluate(x, y, batch_size=1, verbose=0)  # makes the test function
+    model.predict(x, batch_size=1, verbose=0)  # and the predict function
+    test_fn, predict_fn = model.test_function, model.predict_function
+    expected = model.predict(x, batch_size=1, verbose=0)
+
+    seen = []
+    held, undo = hooks.hold_batches(
+        model,
+        before_call=lambda b: seen.append(len(b)),
+        after_call=lambda b, logs: {"extra": 1.0},
+        function="test",
+    )
+    assert model.train_function is None or not hasattr(model.train_function, "_held_original")
+    logs = model.test_function(iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(1)))
+    assert seen == [2] and "loss" in logs and logs["extra"] == 1.0
+    np.testing.assert_array_equal(held[1][0].numpy(), x[1:2])
+    model.evaluate(x, y, batch_size=1, verbose=0)  # goes through it: 2 calls
+    assert seen == [2, 2, 2]
+    undo()
+    assert model.test_function is test_fn
+
+    seen.clear()
+    held, undo = hooks.hold_batches(
+        model, before_call=lambda b: seen.append(tuple(tf.nest.flatten(b[0])[0].shape)),
+        function="predict",
+    )
+    np.testing.assert_array_equal(model.predict(x, batch_size=1, verbose=0), expected)
+    assert seen == [(1, 3), (1, 3)]  # two calls of two batches each
+    assert len(held) == 2
+    undo()
+    assert model.predict_function is predict_fn
+    assert hooks.base_function(model, "predict") is predict_fn
+
+    with pytest.raises(ValueError, match="function='eval'"):
+        hooks.hold_batches(model, function="eval")
+    model.train_function = None
+    with pytest.raises(ValueError, match="make_train_function"):
+        hooks.hold_batches(model)

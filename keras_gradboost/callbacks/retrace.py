@@ -7,6 +7,7 @@ import math
 import statistics
 import time
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -16,6 +17,10 @@ from keras_gradboost import hooks
 from keras_gradboost import tracing
 
 _ROOTS = ("x", "y", "sample_weight")
+
+# Per train/test/predict function object (it owns XLA's executables, one per
+# concrete shape): the concrete signatures it has run with, and the last one.
+_COMPILED = weakref.WeakKeyDictionary()
 
 
 class RetraceError(RuntimeError):
@@ -267,9 +272,12 @@ class RetraceEvent:
         diagnosis: the named cause.
         fix: what to do about it.
         call_seconds: how long the call that retraced/recompiled took, or
-            None when not measured.
+            None when not measured. One call runs `steps_per_execution`
+            batches, so several events may share it.
         seconds_lost: an estimate of the time lost: that call's duration
-            minus the median duration of ordinary calls (None until known).
+            minus the median duration of ordinary calls of the same function
+            (per batch, times the call's batches), shared equally among the
+            call's events (None until known).
     """
 
     function: str
@@ -280,6 +288,9 @@ class RetraceEvent:
     fix: str = ""
     call_seconds: object = None
     seconds_lost: object = None
+    # How many batches the call ran, and how many events share it.
+    call_batches: int = dataclasses.field(default=1, repr=False)
+    call_events: int = dataclasses.field(default=1, repr=False)
 
     def report(self):
         lost = (
@@ -308,19 +319,31 @@ class RetraceCounter(keras.callbacks.Callback):
     even when the function does not retrace (a tf.data pipeline's unknown
     dimensions). Both are slow and silent. The counter sees traces of the
     train, test and predict steps through a trace-time hook (nothing runs per
-    step), and, during `fit`, the concrete shape of every training batch
-    (read from the batch, with no device sync), so it sees XLA
-    recompilations too.
+    step), and the concrete shape of every batch of `fit`, `evaluate` (fit's
+    own validation included) and `predict` (read from the batch, with no
+    device sync), so it sees XLA recompilations of each function too. The
+    concrete shapes a function has run with are remembered for as long as
+    that function lives (as XLA keeps its executables), so a second
+    `evaluate` over the same lengths counts nothing.
 
     The first trace of a function is not counted, nor is a second trace with
     the same signature (TensorFlow traces twice when the first call creates
     variables; remade functions trace again).
 
-    `logs["retraces"]` and `logs["recompiles"]` show in the progress bar and
-    History. During `fit` the training batches go through
-    `keras_gradboost.hooks.hold_batches`, so each is a separate call of the
-    compiled step: the first new length then makes one retrace (TensorFlow
-    relaxes the dimension to None), and the counter reports it.
+    `logs["retraces"]` and `logs["recompiles"]` (totals over the three
+    functions) show in the progress bar and History, and so in the epoch
+    scalars of `keras.callbacks.TensorBoard`. While the counter listens (from
+    `on_train_begin`, `on_test_begin` or `on_predict_begin` to the matching
+    end) the batches go through `keras_gradboost.hooks.hold_batches`, so each
+    is a separate call of the compiled step: the first new length then makes
+    one retrace (TensorFlow relaxes the dimension to None), and the counter
+    reports it. Each wrapper is removed at the matching end.
+
+    The trace-time hook (`keras_gradboost.tracing`) stays installed on the
+    model's `train_step`, `test_step` and `predict_step` after `fit`, so the
+    next `fit` that listens does not retrace; without a listener it only
+    forwards the call, at trace time. `keras_gradboost.tracing.uninstall(model)`
+    removes it.
 
     Args:
         max_retraces: warn once when there are more than this many events
@@ -332,9 +355,10 @@ class RetraceCounter(keras.callbacks.Callback):
         verbose: print each event's report. Defaults to `0`.
 
     Attributes:
-        retraces: retraces of the step functions in the last fit (beyond the
-            first trace of each).
-        recompiles: XLA compilations of the train step for a new concrete
+        retraces: retraces of the step functions since the last `fit` began
+            (its validation and later `evaluate`/`predict` calls included;
+            beyond the first trace of each).
+        recompiles: XLA compilations of a step function for a new concrete
             shape beyond the first (a retrace under XLA counts here too).
         events: one `RetraceEvent` per retrace/recompile.
         per_function: `{"train" | "test" | "predict": {"retraces": n,
@@ -378,22 +402,22 @@ class RetraceCounter(keras.callbacks.Callback):
         self.verbose = verbose
         self._tracer = None
         self._undo = []
+        self._call_undo = {}
         self._reset()
 
     def _reset(self):
         self.retraces = 0
         self.recompiles = 0
         self.events = []
+        self._counts = {}
         self._warned = False
         self._step = 0
         self._pending = []
-        self._concrete_seen = set()
-        self._last_concrete = None
-        self._shapes = collections.defaultdict(list)
-        self._durations = collections.deque(maxlen=64)
-        self._in_call = False
+        self._local_compiled = {}
+        self._shapes = collections.defaultdict(lambda: collections.defaultdict(list))
+        self._durations = collections.defaultdict(lambda: collections.deque(maxlen=64))
+        self._in_call = None
         self._outside = False
-        self._jit = False
 
     # ------------------------------------------------------------ set-up
 
@@ -411,20 +435,35 @@ class RetraceCounter(keras.callbacks.Callback):
             self._undo.append(lambda: listeners.remove(self._on_trace))
 
     def _teardown(self):
+        for function in list(self._call_undo):
+            self._unwrap(function)
         while self._undo:
             self._undo.pop()()
+
+    def _wrap(self, function):
+        """Holds the batches of `function`'s calls while the callback listens."""
+        self._unwrap(function)
+        model = self.model
+        if getattr(model, f"{function}_function", None) is None:
+            getattr(model, f"make_{function}_function")()
+        _, undo = hooks.hold_batches(
+            model,
+            before_call=lambda batches: self._before_call(function, batches),
+            after_call=lambda batches, logs: self._after_call(function, batches, logs),
+            function=function,
+        )
+        self._call_undo[function] = undo
+
+    def _unwrap(self, function):
+        undo = self._call_undo.pop(function, None)
+        if undo is not None:
+            undo()
 
     def on_train_begin(self, logs=None):
         self._teardown()  # leftovers of a fit() that ended in an exception
         self._reset()
         self._attach()
-        self._jit = bool(getattr(self.model, "jit_compile", False))
-        if self.model.train_function is None:
-            self.model.make_train_function()
-        _, undo = hooks.hold_batches(
-            self.model, before_call=self._before_call, after_call=self._after_call
-        )
-        self._undo.append(undo)
+        self._wrap("train")
 
     def on_train_end(self, logs=None):
         self._settle()
@@ -435,14 +474,20 @@ class RetraceCounter(keras.callbacks.Callback):
 
     def on_test_begin(self, logs=None):
         self._attach_outside_fit()
+        self._wrap("test")
 
     def on_predict_begin(self, logs=None):
         self._attach_outside_fit()
+        self._wrap("predict")
 
     def on_test_end(self, logs=None):
+        self._unwrap("test")
+        self._settle()
         self._detach_outside_fit()
 
     def on_predict_end(self, logs=None):
+        self._unwrap("predict")
+        self._settle()
         self._detach_outside_fit()
 
     def _attach_outside_fit(self):
@@ -467,79 +512,108 @@ class RetraceCounter(keras.callbacks.Callback):
         seen.append(sig)
         if first:
             return
-        if kind == "train" and self._in_call:
+        if kind == self._in_call:
             self._pending.append((previous, sig))
             return
         changes = diff_signatures(previous, sig)
         diagnosis, fix = diagnose(changes)
-        self.retraces += 1
+        self._count(kind, retraces=1, recompiles=int(self._jit()))
         self._record(
             RetraceEvent(kind, "retrace", None, tuple(c.text() for c in changes),
                          diagnosis, fix)
         )
 
-    def _before_call(self, batches):
-        self._in_call = True
+    def _jit(self):
+        return bool(getattr(self.model, "jit_compile", False))
+
+    def _count(self, function, retraces=0, recompiles=0):
+        self.retraces += retraces
+        self.recompiles += recompiles
+        entry = self._counts.setdefault(function, {"retraces": 0, "recompiles": 0})
+        entry["retraces"] += retraces
+        entry["recompiles"] += recompiles
+
+    def _compiled(self, function):
+        """The concrete signatures the model's current `function` has run
+        with (XLA keeps one executable per concrete shape for as long as the
+        function lives), and the last one."""
+        base = hooks.base_function(self.model, function)
+        try:
+            return _COMPILED.setdefault(base, {"seen": set(), "last": None})
+        except TypeError:  # not weak-referenceable: remember for this fit
+            return self._local_compiled.setdefault(function, {"seen": set(), "last": None})
+
+    def _before_call(self, function, batches):
+        self._in_call = function
         self._pending = []
+        self._call_compiled = self._compiled(function)
         local = self.model.distribute_strategy.experimental_local_results
         self._call_sigs = [signature(b, local) for b in batches]
         self._start = time.perf_counter()
 
-    def _after_call(self, batches, logs):
-        self._in_call = False
+    def _after_call(self, function, batches, logs):
+        self._in_call = None
+        compiled = self._call_compiled
+        shapes = self._shapes[function]
         new_sigs = []
         for sig in self._call_sigs:
             for name, kind, dims, _ in sig:
-                if kind == "tensor" and len(self._shapes[name]) < 4096:
-                    self._shapes[name].append(dims)
-            if sig not in self._concrete_seen:
-                new_sigs.append((self._last_concrete, sig))
-                self._concrete_seen.add(sig)
-            self._last_concrete = sig
+                if kind == "tensor" and len(shapes[name]) < 4096:
+                    shapes[name].append(dims)
+            if sig not in compiled["seen"]:
+                new_sigs.append((compiled["last"], sig))
+                compiled["seen"].add(sig)
+            compiled["last"] = sig
+        jit = self._jit()
         events = []
-        retraced = bool(self._pending)
-        if retraced:
-            self.retraces += len(self._pending)
-            if self._jit:
-                self.recompiles += 1
+        pairs = [(o, n) for o, n in new_sigs if o is not None]
+        if self._pending:
+            self._count(function, retraces=len(self._pending), recompiles=int(jit))
             old, new = _concrete_pair(new_sigs, self._pending)
-            events.append(self._event("retrace", old, new))
-        elif self._jit and any(old is not None for old, _ in new_sigs):
-            pairs = [(o, n) for o, n in new_sigs if o is not None]
-            self.recompiles += len(pairs)
-            events.append(self._event("recompile", *pairs[0]))
+            events.append(self._event(function, "retrace", old, new))
+            pairs = [(o, n) for o, n in pairs if n != new]
+        if jit and pairs:
+            # With steps_per_execution > 1, one call may compile several
+            # new shapes: one event each.
+            self._count(function, recompiles=len(pairs))
+            events += [self._event(function, "recompile", o, n) for o, n in pairs]
         if events:
             # One sync, only for a call that retraced or recompiled.
             _wait(logs)
             seconds = time.perf_counter() - self._start
             for event in events:
                 event.call_seconds = seconds
+                event.call_batches = len(batches)
+                event.call_events = len(events)
+            for event in events:
                 self._record(event)
-        else:
-            self._durations.append((time.perf_counter() - self._start) / len(batches))
+        elif not new_sigs:  # a first compile is not an ordinary call either
+            self._durations[function].append(
+                (time.perf_counter() - self._start) / len(batches)
+            )
         self._pending = []
+        if function != "train":
+            return None
         self._step += len(batches)
         return {"retraces": self.retraces, "recompiles": self.recompiles}
 
-    def _event(self, kind, old, new):
+    def _event(self, function, kind, old, new):
         changes = diff_signatures(old, new) if old is not None else []
-        diagnosis, fix = diagnose(changes, self._shapes)
+        diagnosis, fix = diagnose(changes, self._shapes[function])
+        step = self._step if function == "train" else None
         return RetraceEvent(
-            "train", kind, self._step, tuple(c.text() for c in changes), diagnosis, fix
+            function, kind, step, tuple(c.text() for c in changes), diagnosis, fix
         )
 
     @property
     def per_function(self):
-        counts = {}
-        for event in self.events:
-            entry = counts.setdefault(event.function, {"retraces": 0, "recompiles": 0})
-            if event.kind == "retrace":
-                entry["retraces"] += 1
-                if event.function == "train" and self._jit:
-                    entry["recompiles"] += 1
-            else:
-                entry["recompiles"] += 1
-        return counts
+        """`{"train" | "test" | "predict": {"retraces": n, "recompiles": m}}`
+        for the functions that had any."""
+        return {
+            function: dict(counts)
+            for function, counts in self._counts.items()
+            if counts["retraces"] or counts["recompiles"]
+        }
 
     def _record(self, event):
         self.events.append(event)
@@ -566,13 +640,14 @@ class RetraceCounter(keras.callbacks.Callback):
             )
 
     def _settle(self):
-        """Fills in `seconds_lost` from the median ordinary call."""
-        if not self._durations:
-            return
-        steady = statistics.median(self._durations)
+        """Fills in `seconds_lost` from the median ordinary call of the same
+        function."""
         for event in self.events:
-            if event.call_seconds is not None:
-                event.seconds_lost = max(0.0, event.call_seconds - steady)
+            durations = self._durations.get(event.function)
+            if event.call_seconds is not None and durations:
+                steady = statistics.median(durations) * event.call_batches
+                lost = max(0.0, event.call_seconds - steady)
+                event.seconds_lost = lost / event.call_events
 
     def summary(self):
         """A readable account of the retraces and recompiles."""

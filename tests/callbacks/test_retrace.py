@@ -227,12 +227,16 @@ def test_strict_raises_and_max_retraces_warns_once():
             callbacks=[RetraceCounter(max_retraces=1, strict=True)],
         )
     assert info.value.event.kind == "recompile"
+    assert "bucket_by_length" in str(info.value)
     model = _model("functional")
     _compile(model, jit=True)
     counter = RetraceCounter(max_retraces=1)
     with pytest.warns(UserWarning, match="more than max_retraces=1") as record:
         model.fit(_varying(), epochs=1, verbose=0, callbacks=[counter])
-    assert len([w for w in record if "max_retraces" in str(w.message)]) == 1
+    (warning,) = [w for w in record if "max_retraces" in str(w.message)]
+    # It names the input, the cause and the fix.
+    assert "x: shape (4, 9) -> (4, 13), dim 1 varies" in str(warning.message)
+    assert "fix: pad to a fixed length, or to a few buckets" in str(warning.message)
     assert counter.recompiles == len(LENGTHS) - 1
 
 
@@ -262,3 +266,93 @@ def test_reusable_and_undone():
     # Nothing left in the train function: fit without the counter works.
     assert not counter._undo
     model.fit(_varying(), epochs=1, verbose=0)
+
+
+def _lengths_only(ds):
+    return ds.map(lambda x, y: x)
+
+
+@pytest.mark.parametrize("function", ["test", "predict"])
+def test_xla_recompiles_of_evaluate_and_predict(function):
+    model = _model("functional")
+    _compile(model, jit=True)
+    counter = RetraceCounter()
+    if function == "test":
+        model.evaluate(_varying(), verbose=0, callbacks=[counter])
+    else:
+        model.predict(_lengths_only(_varying()), verbose=0, callbacks=[counter])
+    # As for train: the second length relaxes dim 1 (one retrace, which XLA
+    # compiles), every later length only recompiles.
+    assert counter.per_function == {function: {"retraces": 1, "recompiles": 3}}
+    assert counter.recompiles == len(LENGTHS) - 1
+    assert [(e.function, e.kind) for e in counter.events] == [
+        (function, "retrace"), (function, "recompile"), (function, "recompile")
+    ]
+    assert counter.events[0].changes == ("x: shape (4, 5) -> (4, 9), dim 1 varies",)
+    assert counter.events[-1].changes == ("x: shape (4, 13) -> (4, 17), dim 1 varies",)
+    assert "dim 1 of x" in counter.events[-1].diagnosis
+    assert "[8, 16, 24]" in counter.events[-1].fix  # covers 5..17, seen by it
+    for event in counter.events:
+        assert event.step is None
+        assert event.call_seconds > 0 and event.seconds_lost is not None
+    # Undone after the call; the same lengths again compile nothing new.
+    wrapped = model.test_function if function == "test" else model.predict_function
+    assert not hasattr(wrapped, "_held_original")
+    again = RetraceCounter()
+    if function == "test":
+        model.evaluate(_varying(), verbose=0, callbacks=[again])
+    else:
+        model.predict(_lengths_only(_varying()), verbose=0, callbacks=[again])
+    assert again.events == [] and again.recompiles == 0
+
+
+def test_fit_validation_recompiles_are_counted_as_test():
+    model = _model("functional")
+    _compile(model, jit=True)
+    counter = RetraceCounter()
+    x = np.ones((16, 7), "int32")
+    y = np.zeros((16,), "int32")
+    history = model.fit(
+        x, y, batch_size=4, epochs=2, verbose=0, validation_data=_varying(),
+        callbacks=[counter],
+    )
+    # The validation lengths are compiled in the first epoch only.
+    assert counter.per_function == {"test": {"retraces": 1, "recompiles": 3}}
+    assert {e.function for e in counter.events} == {"test"}
+    assert counter.events[-1].changes == ("x: shape (4, 13) -> (4, 17), dim 1 varies",)
+    assert history.history["retraces"][-1] == 1.0
+    assert "val_retraces" not in history.history  # evaluate()'s logs untouched
+    assert not hasattr(model.test_function, "_held_original")
+
+
+@pytest.mark.parametrize("function", ["test", "predict"])
+def test_fixed_shapes_count_nothing_in_evaluate_and_predict(function):
+    model = _model("functional")
+    _compile(model, jit=True)
+    counter = RetraceCounter(strict=True)
+    x = np.ones((24, 7), "int32")
+    y = np.zeros((24,), "int32")
+    for _ in range(2):
+        if function == "test":
+            model.evaluate(x, y, batch_size=4, verbose=0, callbacks=[counter])
+        else:
+            model.predict(x, batch_size=4, verbose=0, callbacks=[counter])
+    assert counter.retraces == 0 and counter.recompiles == 0 and counter.events == []
+
+
+def test_one_event_per_recompile_with_steps_per_execution():
+    model = _model("functional")
+    _compile(model, jit=True, steps_per_execution=2)
+    counter = RetraceCounter()
+    # One batch per length: each call runs two lengths.
+    model.fit(_varying(batches_per_length=1), epochs=1, verbose=0, callbacks=[counter])
+    assert counter.per_function == {"train": {"retraces": 1, "recompiles": 3}}
+    assert [e.kind for e in counter.events] == ["retrace", "recompile", "recompile"]
+    assert [e.changes for e in counter.events] == [
+        ("x: shape (4, 5) -> (4, 9), dim 1 varies",),
+        ("x: shape (4, 9) -> (4, 13), dim 1 varies",),
+        ("x: shape (4, 13) -> (4, 17), dim 1 varies",),
+    ]
+    assert [e.step for e in counter.events] == [0, 2, 2]
+    second, third = counter.events[1:]
+    assert second.call_seconds == third.call_seconds  # one call, shared

@@ -1,0 +1,92 @@
+"""The trace-time wrappers stay after fit by default; uninstall removes them."""
+
+import numpy as np
+import pytest
+from conftest import max_weight_diff
+from conftest import small_model
+
+import keras
+from keras_gradboost import GradBoostModel
+from keras_gradboost import tracing
+from keras_gradboost.callbacks import GradientAuditor
+from keras_gradboost.callbacks import RetraceCounter
+
+STEPS = ("train_step", "test_step", "predict_step")
+
+
+def _callbacks():
+    return [RetraceCounter(), GradientAuditor(verbose=0)]
+
+
+@pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
+def test_wrappers_stay_by_default_and_uninstall_removes_them(cls, regression_data):
+    x, y = regression_data
+    model, plain = small_model(cls), small_model(cls)
+    for m in (model, plain):
+        m.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=_callbacks())
+    plain.fit(x, y, batch_size=8, verbose=0)
+    # Default: still installed after fit (no retrace at the next listening fit).
+    assert all(name in vars(model) for name in STEPS)
+    assert "apply_gradients" in vars(model.optimizer)
+
+    assert tracing.uninstall(model) is True
+    for name in STEPS:
+        assert name not in vars(model)
+        assert getattr(model, name).__func__ is getattr(type(model), name)
+    assert "apply_gradients" not in vars(model.optimizer)
+    assert model.optimizer.apply_gradients.__func__ is type(model.optimizer).apply_gradients
+    assert model.train_function is None and model.predict_function is None
+    assert tracing.uninstall(model) is False  # nothing left
+
+    # Training goes on exactly like the plain model's.
+    model.fit(x, y, batch_size=8, verbose=0)
+    plain.fit(x, y, batch_size=8, verbose=0)
+    assert max_weight_diff(model, plain) == 0.0
+    np.testing.assert_array_equal(model.predict(x, verbose=0), plain.predict(x, verbose=0))
+    assert all(name not in vars(model) for name in STEPS)
+
+    # A callback that listens installs them again, and still counts.
+    counter = RetraceCounter()
+    model.fit(x, y, batch_size=10, verbose=0, callbacks=[counter])  # 104 = 10 * 10 + 4
+    assert all(name in vars(model) for name in STEPS)
+    assert counter.events[0].diagnosis == "the last batch is smaller than the others"
+
+
+def test_uninstall_keeps_an_instance_attribute_that_was_there_before(regression_data):
+    x, y = regression_data
+    model = small_model()
+    model.compile(optimizer="sgd", loss="mse")
+    calls = []
+
+    def own_test_step(data):
+        calls.append(1)
+        return type(model).test_step(model, data)
+
+    model.test_step = own_test_step
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=_callbacks())
+    tracing.uninstall(model)
+    assert model.test_step is own_test_step
+    model.evaluate(x, y, verbose=0)
+    assert calls  # traced through the user's own step
+
+
+def test_uninstall_refuses_while_listening_or_when_wrapped_over(regression_data):
+    x, y = regression_data
+    model = small_model()
+    model.compile(optimizer="sgd", loss="mse")
+
+    class Uninstall(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            tracing.uninstall(self.model)
+
+    counter = RetraceCounter()
+    with pytest.raises(RuntimeError, match="while a callback listens"):
+        model.fit(x, y, verbose=0, callbacks=[counter, Uninstall()])
+    model.fit(x, y, verbose=0, callbacks=[counter])  # cleans up its leftovers
+    ours = model.train_step
+    model.train_step = lambda data: ours(data)
+    with pytest.raises(RuntimeError, match="something else wrapped it"):
+        tracing.uninstall(model)
+    assert model.predict_step is not type(model).predict_step  # nothing touched
+    assert "predict_step" in vars(model)
