@@ -21,7 +21,8 @@ ADVICE = (
     'float32 (precision="float32") to rule out float16 overflow; guard '
     "log/sqrt/division against 0 in the loss and custom layers (e.g. "
     "log(x + eps), sqrt(max(x, eps))); prefer numerically stable ops "
-    "(log-sum-exp, from_logits=True losses)."
+    "(keras.ops.logsumexp, keras.ops.softplus, keras.ops.log1p, losses with "
+    "from_logits=True)."
 )
 
 
