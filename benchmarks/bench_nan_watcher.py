@@ -79,18 +79,25 @@ def main(argv=None):
     def ratio(a, b):
         return statistics.median(p / q for p, q in zip(samples[a], samples[b]))
 
+    def spread(a, b):
+        q1, _, q3 = statistics.quantiles(
+            [p / q for p, q in zip(samples[a], samples[b])], n=4
+        )
+        return f"[IQR {q1:.3f}-{q3:.3f}]"
+
     print(
         f"TF {tf.__version__}, Keras {keras.__version__}; MLP 784-1024-1024-10, "
         f"batch {BATCH}, Adam, fit; {args.steps} steps x {args.rounds} rounds"
     )
-    rows = [
-        ("GradBoostModel + NaNWatcher / GradBoostModel", ratio("gradboost+watcher", "gradboost"), 1.02),
-        ("keras.Model + NaNWatcher / keras.Model", ratio("keras+watcher", "keras"), 1.03),
-        ("keras.Model + enable_check_numerics / keras.Model", ratio("keras+enable_check_numerics", "keras"), None),
+    pairs = [
+        ("GradBoostModel + NaNWatcher / GradBoostModel", "gradboost+watcher", "gradboost", 1.02),
+        ("keras.Model + NaNWatcher / keras.Model", "keras+watcher", "keras", 1.03),
+        ("keras.Model + enable_check_numerics / keras.Model", "keras+enable_check_numerics", "keras", None),
     ]
-    for label, value, target in rows:
+    for label, a, b, target in pairs:
+        value = ratio(a, b)
         verdict = "" if target is None else (f"  (target <= {target:.2f}) " + ("ok" if value <= target else "OVER TARGET"))
-        print(f"  {label:<52} {value:6.3f}x{verdict}")
+        print(f"  {label:<52} {value:6.3f}x {spread(a, b)}{verdict}")
     sys.stdout.flush()
 
 

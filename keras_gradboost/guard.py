@@ -39,13 +39,14 @@ def local_value(value, strategy):
     return strategy.experimental_local_results(value)[0]
 
 
-def guard_optimizer(optimizer, counter):
+def guard_optimizer(optimizer, counter=None, watch=None):
     """Makes `optimizer.apply_gradients` skip non-finite gradients in-graph.
 
     For models whose train step is Keras' own: the gradients reach the
     optimizer, which is where a non-finite update can still be stopped. Every
-    skipped call adds 1 to `counter` (an int64 variable). Returns a function
-    that undoes the wrapping.
+    skipped call adds 1 to `counter` (an int64 variable), if given. With a
+    `WatchState`, every call is recorded in it, and an update is also
+    dropped while it is halted. Returns a function that undoes the wrapping.
     """
     original = optimizer.apply_gradients
 
@@ -58,7 +59,15 @@ def guard_optimizer(optimizer, counter):
 
         def merge_fn(strategy, bad, present):
             finite = tf.equal(sum_over_replicas(strategy, bad), 0.0)
-            counter.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+            if counter is not None:
+                counter.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+            if watch is not None:
+                finite = local_value(
+                    strategy.extended.call_for_each_replica(
+                        watch.record, args=(tf.logical_not(finite), finite)
+                    ),
+                    strategy,
+                )
 
             def apply_replica(grads):
                 original(zip(with_nones(grads, mask), variables))
@@ -77,3 +86,83 @@ def guard_optimizer(optimizer, counter):
         del optimizer.apply_gradients
 
     return undo
+
+
+class WatchState:
+    """The in-graph state of a `NaNWatcher`: what the step records about
+    non-finite steps, so the callback can read it late without losing
+    anything.
+
+    Every variable is replica-local (see `state.replica_local_variable`);
+    every replica makes the same updates from all-reduced decisions. Create
+    it under the model's distribution strategy scope.
+
+    Attributes:
+        step: int64, steps run since `reset()`.
+        count: int64, non-finite steps since `reset()`.
+        consecutive: int64, non-finite steps in a row (a finite step resets
+            it).
+        halted: bool; while set, every step's update is dropped, finite or
+            not. A non-finite step sets it when `halt_every` is true, or when
+            it makes `max_in_row` non-finite steps in a row.
+        bad_steps: int64 vector (a ring of `ring` entries): the step index of
+            non-finite step number `c` is at `c % ring`.
+        bad_runs: int64 vector: the `consecutive` value of the same step.
+    """
+
+    def __init__(self, ring, halt_every, max_in_row=None):
+        from keras_gradboost.state import replica_local_variable
+
+        self.ring = int(ring)
+        self.halt_every = bool(halt_every)
+        self.max_in_row = max_in_row
+        self.step = replica_local_variable(0, "nan_watch_step", tf.int64)
+        self.count = replica_local_variable(0, "nan_watch_count", tf.int64)
+        self.consecutive = replica_local_variable(0, "nan_watch_in_row", tf.int64)
+        self.halted = replica_local_variable(False, "nan_watch_halted", tf.bool)
+        self.bad_steps = replica_local_variable(
+            tf.fill([self.ring], tf.constant(-1, tf.int64)), "nan_watch_bad_steps"
+        )
+        self.bad_runs = replica_local_variable(
+            tf.zeros([self.ring], tf.int64), "nan_watch_bad_runs"
+        )
+
+    def reset(self):
+        """Zeroes everything (eagerly; once per `fit`)."""
+        self.step.assign(0)
+        self.count.assign(0)
+        self.consecutive.assign(0)
+        self.halted.assign(False)
+        self.bad_steps.assign(tf.fill([self.ring], tf.constant(-1, tf.int64)))
+        self.bad_runs.assign(tf.zeros([self.ring], tf.int64))
+
+    def record(self, bad, finite):
+        """Records one step; returns whether its update may be applied.
+
+        Runs in replica context, once per replica, with the same (all-reduced)
+        `bad` (a non-finite step, a bool) and `finite` (the step's update is
+        finite, a bool; it differs from `not bad` only for a dynamic loss
+        scale's own overflows).
+        """
+        bad = tf.convert_to_tensor(bad)
+        finite = tf.convert_to_tensor(finite)
+        in_row = tf.where(
+            bad,
+            self.consecutive + 1,
+            tf.where(finite, tf.constant(0, tf.int64), self.consecutive.read_value()),
+        )
+        slot = tf.logical_and(
+            bad,
+            tf.equal(tf.range(self.ring, dtype=tf.int64), self.count % self.ring),
+        )
+        self.bad_steps.assign(tf.where(slot, self.step.read_value(), self.bad_steps))
+        self.bad_runs.assign(tf.where(slot, in_row, self.bad_runs))
+        engage = tf.constant(self.halt_every)
+        if self.max_in_row is not None:
+            engage = tf.logical_or(engage, in_row >= self.max_in_row)
+        halted = tf.logical_or(self.halted.read_value(), tf.logical_and(bad, engage))
+        self.halted.assign(halted)
+        self.consecutive.assign(in_row)
+        self.count.assign_add(tf.cast(bad, tf.int64))
+        self.step.assign_add(1)
+        return tf.logical_and(finite, tf.logical_not(halted))

@@ -157,6 +157,40 @@ def check():
     return True
 
 
+def make_train_function_with_logs(model, extra_logs):
+    """Makes a new train function whose step also returns `extra_logs()`.
+
+    `extra_logs` is called inside the traced step (after the model's own
+    `train_step`) and returns a dict of tensors, which the train function
+    returns with the step's logs: the callback that reads them late reads a
+    value the step already computed, with no extra op. Keras'
+    `make_train_function` binds `model.train_step` when it makes the
+    function: the wrapped step is in place only while it is made.
+    `model.train_function` is left as it was.
+
+    Returns:
+        The new train function (not yet traced).
+    """
+    top = model.train_function
+    own = vars(model).get("train_step")
+    step = model.train_step
+
+    def train_step(data):
+        return {**step(data), **extra_logs()}
+
+    model.train_step = train_step
+    try:
+        model.make_train_function(force=True)
+        made = model.train_function
+    finally:
+        if own is None:
+            del model.train_step
+        else:
+            model.train_step = own
+        model.train_function = top
+    return made
+
+
 FUNCTIONS = ("train", "test", "predict")
 
 
@@ -309,5 +343,13 @@ def replace_base_train_function(model, new):
             cell[0] = old
         if model.train_function is new:
             model.train_function = old
+            return
+        # Wrappers put on top since: find `new` under them.
+        fn = model.train_function
+        while getattr(fn, "_held_original", None) is not None:
+            if fn._held_original[0] is new:
+                fn._held_original[0] = old
+                return
+            fn = fn._held_original[0]
 
     return undo

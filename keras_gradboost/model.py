@@ -429,7 +429,11 @@ class GradBoostModel(keras.Model):
         if bad is not None:
             finite = tf.equal(guard.sum_over_replicas(strategy, bad), 0.0)
             loss_finite = tf.equal(guard.sum_over_replicas(strategy, loss_bad), 0.0)
-            each(self._record_finiteness, args=(finite, loss_finite))
+            # The update goes in when the step is finite and a NaNWatcher
+            # (if any) has not halted updates.
+            finite = guard.local_value(
+                each(self._record_finiteness, args=(finite, loss_finite)), strategy
+            )
 
         def when_finite(fn, *args):
             def run():
@@ -477,6 +481,9 @@ class GradBoostModel(keras.Model):
         rt.facts.last_step_finite.assign(finite)
         rt.facts.skipped_steps.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
         rt.facts.checked_steps.assign_add(1)
+        if rt.facts.watch is None:
+            return finite
+        return rt.facts.watch.record(genuine, finite)
 
     def _apply_accumulated(self, strategy, variables):
         """Cross-replica: one update from the accumulated gradients, if any

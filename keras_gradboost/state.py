@@ -51,6 +51,9 @@ class StepFacts:
             non-finite values (it does when loss scaling is on; set it to `True`
             before training to ask for it without loss scaling, which also
             makes the step skip non-finite updates).
+        watch: a `guard.WatchState` the step records each checked step in
+            (and whose halt flag drops updates), or `None`. `NaNWatcher` sets
+            it for the duration of `fit`.
     """
 
     def __init__(self):
@@ -62,6 +65,7 @@ class StepFacts:
         self.nonfinite_steps = replica_local_variable(0, "nonfinite_steps", tf.int64)
         self.none_gradient_variables = ()
         self.checks_gradients = False
+        self.watch = None
 
     def read(self):
         """A plain-Python snapshot (one host sync)."""

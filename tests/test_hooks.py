@@ -221,3 +221,39 @@ def test_hold_batches_on_the_test_and_predict_functions():
     model.train_function = None
     with pytest.raises(ValueError, match="make_train_function"):
         hooks.hold_batches(model)
+
+
+def test_replace_base_train_function_undo_under_later_wrappers():
+    # Replaced with no wrapper on top, then wrapped by a later callback: the
+    # undo must still put the original back under that wrapper.
+    model = _model()
+    model.make_train_function()
+    original = model.train_function
+
+    def replacement(iterator):
+        raise AssertionError("not called")
+
+    undo = hooks.replace_base_train_function(model, replacement)
+    _, undo_hold = hooks.hold_batches(model)
+    undo()
+    assert hooks.base_train_function(model) is original
+    undo_hold()
+    assert model.train_function is original
+
+
+def test_make_train_function_with_logs_binds_the_wrapped_step():
+    # Keras binds `train_step` when it makes the train function: if it looked
+    # it up at trace time instead, the extra key would be missing here.
+    import tensorflow as tf
+
+    model = _model()
+    model.make_train_function()
+    top = model.train_function
+    made = hooks.make_train_function_with_logs(
+        model, lambda: {"extra": tf.constant(7.0)}
+    )
+    assert model.train_function is top and "train_step" not in vars(model)
+    batch = (tf.ones((2, 3)), tf.ones((2, 2)))
+    logs = made([batch])
+    assert float(logs["extra"]) == 7.0 and "loss" in logs
+    assert "extra" not in top([batch])

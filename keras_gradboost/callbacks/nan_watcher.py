@@ -21,7 +21,8 @@ ADVICE = (
     'float32 (precision="float32") to rule out float16 overflow; guard '
     "log/sqrt/division against 0 in the loss and custom layers (e.g. "
     "log(x + eps), sqrt(max(x, eps))); prefer numerically stable ops "
-    "(log-sum-exp, from_logits=True losses)."
+    "(keras.ops.logsumexp, keras.ops.softplus, keras.ops.log1p, losses with "
+    "from_logits=True)."
 )
 
 
@@ -107,15 +108,24 @@ class NaNWatcher(keras.callbacks.Callback):
 
     The check runs inside the compiled train step (with `jit_compile` too): a
     step whose gradients (or loss) are not finite is never applied to the
-    weights. The callback reads one scalar per batch (Keras reads the logs
-    anyway) and, only when a step went bad, replays that batch eagerly to
-    find the layer that produced the first non-finite value.
+    weights, and the step records its index in-graph. The callback adds no
+    host sync of its own on good steps: it reads the count of non-finite
+    steps that the train function already returned, one call late (when
+    that value is long computed), and at the epoch's end. Only when a step
+    went bad does it read more, and replay that batch eagerly to find the
+    layer that produced the first non-finite value.
 
-    With `steps_per_execution > 1` it sees one chunk of steps at a time: the
-    bad step's update is skipped, the chunk's later steps are applied, the
-    event names the first bad step of the chunk, and `max_skips` counts bad
-    chunks in a row. With a dynamic loss scale (GradBoostModel), the scale's
-    own overflows are not events.
+    Reading late loses nothing where it matters: with `"stop"` and
+    `"restore"`, the non-finite step halts training in-graph (every later
+    step's update is dropped too) until the callback has acted, so the
+    weights it stops with or rolls back from are those before the bad step,
+    also when the bad step is followed by good ones in the same
+    `steps_per_execution` chunk or the next. With `"skip"` and `"warn"` only
+    the bad steps are dropped; the good steps after them are applied, and
+    the replay uses the weights of up to one chunk later. The event names
+    the exact bad step; with `steps_per_execution > 1` there is one event
+    per chunk with bad steps, naming the first. With a dynamic loss scale
+    (GradBoostModel), the scale's own overflows are not events.
 
     `logs["nonfinite_steps"]` (bad steps in this `fit`) shows in the progress
     bar and History.
@@ -140,7 +150,8 @@ class NaNWatcher(keras.callbacks.Callback):
         dump_dir: a directory to save the bad batch to (`.npz`), or `None`.
             Defaults to `None`.
         max_skips: consecutive bad steps tolerated by `"skip"` and
-            `"restore"`. Defaults to `10`.
+            `"restore"` (counted in-graph, step by step, also within a
+            `steps_per_execution` chunk). Defaults to `10`.
         lr_factor: learning-rate factor of `"restore"`. Defaults to `0.5`.
         verbose: print each event's report. Defaults to `1`.
 
@@ -155,6 +166,10 @@ class NaNWatcher(keras.callbacks.Callback):
     print(watcher.events)
     ```
     """
+
+    # No batch-end hook: everything runs in the train call (hold_batches),
+    # so Keras keeps dispatching batches asynchronously.
+    async_safe = True
 
     def __init__(
         self,
@@ -189,7 +204,8 @@ class NaNWatcher(keras.callbacks.Callback):
         self.verbose = verbose
         self.events = []
         self._undo = []
-        # (model/optimizer/function key, guarded train function, counter)
+        # (model/optimizer/function/steps_per_execution key, guarded train
+        # function, WatchState)
         self._guarded = None
 
     # ------------------------------------------------------------ set-up
@@ -197,9 +213,7 @@ class NaNWatcher(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._teardown()  # leftovers of a fit() that ended in an exception
         self.events = []
-        self._consecutive = 0
         self._epoch = 0
-        self._begin = 0
         model = self.model
         from keras_gradboost.model import GradBoostModel
 
@@ -209,9 +223,9 @@ class NaNWatcher(keras.callbacks.Callback):
         # Other callbacks' hold_batches wrappers may be on top already: the
         # guarded function goes under them.
         plain = hooks.base_train_function(model)
-        key = (model, model.optimizer, plain)
+        key = (model, model.optimizer, plain, model.steps_per_execution)
         fresh = self._guarded is None or any(
-            a is not b for a, b in zip(self._guarded[0], key)
+            a is not b and a != b for a, b in zip(self._guarded[0], key)
         )
         lr = model.optimizer.get_config().get("learning_rate")
         if self.action == "restore" and not isinstance(lr, (int, float)):
@@ -220,31 +234,46 @@ class NaNWatcher(keras.callbacks.Callback):
                 f"rate; this optimizer's is {type(lr).__name__} (a schedule). "
                 'Use action="skip" or "stop" with a schedule.'
             )
-        if isinstance(model, GradBoostModel):
-            facts = model.step_facts
-            previous = facts.checks_gradients
-            facts.checks_gradients = True
-            self._undo.append(lambda: setattr(facts, "checks_gradients", previous))
-            counter = facts.nonfinite_steps
-        else:
-            if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
-                raise ValueError(
-                    "NaNWatcher cannot guard a LossScaleOptimizer (it already "
-                    "skips non-finite steps, without saying where they came "
-                    "from). Use keras_gradboost.GradBoostModel with "
-                    'loss_scale="dynamic" instead.'
-                )
-            if fresh:
-                with model.distribute_strategy.scope():
-                    counter = tf.Variable(0, dtype=tf.int64, trainable=False)
-            else:
-                counter = self._guarded[2]
-            self._undo.append(guard.guard_optimizer(model.optimizer, counter))
+        gradboost = isinstance(model, GradBoostModel)
+        if not gradboost and isinstance(
+            model.optimizer, keras.optimizers.LossScaleOptimizer
+        ):
+            raise ValueError(
+                "NaNWatcher cannot guard a LossScaleOptimizer (it already "
+                "skips non-finite steps, without saying where they came "
+                "from). Use keras_gradboost.GradBoostModel with "
+                'loss_scale="dynamic" instead.'
+            )
         if fresh:
-            top = model.train_function
-            model.make_train_function(force=True)
-            self._guarded = (key, model.train_function, counter)
-            model.train_function = top
+            with model.distribute_strategy.scope():
+                watch = guard.WatchState(
+                    # Bad steps of the chunk read late and of the one after.
+                    ring=2 * model.steps_per_execution + 2,
+                    halt_every=self.action in ("stop", "restore"),
+                    max_in_row=None if self.action == "warn" else self.max_skips,
+                )
+        else:
+            watch = self._guarded[2]
+        if gradboost:
+            facts = model.step_facts
+            previous = (facts.checks_gradients, facts.watch)
+            facts.checks_gradients = True
+            facts.watch = watch
+
+            def undo_facts():
+                facts.checks_gradients, facts.watch = previous
+
+            self._undo.append(undo_facts)
+        else:
+            self._undo.append(guard.guard_optimizer(model.optimizer, watch=watch))
+        if fresh:
+            guarded = hooks.make_train_function_with_logs(
+                model,
+                lambda: {
+                    "nonfinite_steps": tf.cast(watch.count.read_value(), tf.float32)
+                },
+            )
+            self._guarded = (key, guarded, watch)
         self._undo.append(hooks.replace_base_train_function(model, self._guarded[1]))
         # fit() calls make_train_function() first: if a fit() ended in an
         # exception (no on_train_end), the next fit() undoes the watcher here.
@@ -252,13 +281,15 @@ class NaNWatcher(keras.callbacks.Callback):
             type(model).make_train_function(model, force=force)
         )
         self._undo.append(lambda: vars(model).pop("make_train_function", None))
-        self._counter = counter
-        self._seen = int(self._counter.numpy())
-        self._start = self._seen
-        start = tf.constant(self._start, tf.int64)
-        self._held, undo_hold = hooks.hold_batches(
-            model,
-            extra_logs=lambda: {"nonfinite_steps": counter.read_value() - start},
+        self._watch = watch
+        watch.reset()  # one host round trip per fit
+        self._seen = 0  # bad steps handled
+        self._done = 0  # steps run in this fit (as the in-graph watch.step)
+        self._epoch_first = 0  # index of the epoch's first step
+        self._batches = {}  # step index -> batch, for the last few calls
+        self._pending = None  # the last call's (count tensor, first, end step)
+        _, undo_hold = hooks.hold_batches(
+            model, before_call=self._before_call, after_call=self._after_call
         )
         self._undo.append(undo_hold)
         if self.action == "restore":
@@ -272,31 +303,74 @@ class NaNWatcher(keras.callbacks.Callback):
         self._teardown()
 
     def on_epoch_begin(self, epoch, logs=None):
+        self._check_pending()
         self._epoch = epoch
+        self._epoch_first = self._done
         if self.action == "restore":
             self._snapshot()
 
-    def on_train_batch_begin(self, batch, logs=None):
-        self._begin = batch
+    def on_epoch_end(self, epoch, logs=None):
+        # Usually done after the epoch's last call already (see _after_call);
+        # this covers epochs of unknown length and early stops.
+        self._check_pending()
 
     # ------------------------------------------------------------- events
 
-    def on_train_batch_end(self, batch, logs=None):
-        count = int(self._counter.numpy())
+    def _before_call(self, batches):
+        # References to batches that exist anyway; kept for 3 calls, long
+        # enough for a late read.
+        keep = 3 * self.model.steps_per_execution
+        for i, batch in enumerate(batches):
+            self._batches[self._done + i] = batch
+        for step in [s for s in self._batches if s < self._done - keep]:
+            del self._batches[step]
+        self._call_first = self._done
+        self._done += len(batches)
+
+    def _after_call(self, batches, logs):
+        previous = self._pending
+        self._pending = (logs["nonfinite_steps"], self._call_first, self._done)
+        if previous is not None:
+            # The previous call's value: computed by now (on an accelerator,
+            # the read waits at most for that call, never for this one).
+            self._check(previous)
+        steps = (self.params or {}).get("steps")
+        if steps and self._done - self._epoch_first >= steps:
+            self._check_pending()  # the epoch's last call: Keras syncs next
+
+    def _check_pending(self):
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._check(pending)
+
+    def _check(self, pending):
+        """Acts on the bad steps of one call (`pending`), if it had any."""
+        count_tensor, _, _ = pending
+        count = int(round(float(np.asarray(count_tensor))))
         if count == self._seen:
-            self._consecutive = 0
             return
+        # Bad steps number self._seen .. count - 1 happened in that call. The
+        # watch recorded each one's step index and run length in a ring.
+        watch = self._watch
+        ring = watch.ring
+        bad_steps = np.asarray(watch.bad_steps.numpy())
+        bad_runs = np.asarray(watch.bad_runs.numpy())
+        slots = [c % ring for c in range(self._seen, count)]
+        first = int(bad_steps[slots[0]])
+        in_row = int(bad_runs[slots].max())
         self._seen = count
-        self._consecutive += 1  # bad chunks in a row
-        event = self._event(batch)
+        event = self._event(first)
         self.events.append(event)
         stop = self.action == "stop" or (
-            self.action in ("skip", "restore") and self._consecutive >= self.max_skips
+            self.action in ("skip", "restore") and in_row >= self.max_skips
         )
         if stop:
             event.action_taken = "stopped"
         elif self.action == "restore":
             self._restore()
+            # Go on, unless a later step went bad too (its own check comes).
+            if int(watch.count.numpy()) == count:
+                watch.halted.assign(False)
             event.action_taken = "restored"
         else:
             event.action_taken = "skipped" if self.action == "skip" else "warned"
@@ -307,26 +381,28 @@ class NaNWatcher(keras.callbacks.Callback):
             self._teardown()
             raise NonFiniteError(message, event)
 
-    def _event(self, end_batch):
-        """Locates the first bad batch of the last chunk, if asked."""
-        event = NaNEvent(epoch=self._epoch, step=end_batch)
+    def _event(self, step):
+        """The event of the bad step with in-fit index `step`, located if
+        asked."""
+        event = NaNEvent(epoch=self._epoch, step=step - self._epoch_first)
         if not self.locate:
             event.detail = "not located (locate=False)"
             return event
-        for i, data in enumerate(self._held):
-            finding = locate_nonfinite(self.model, data)
-            if finding.phase is None:
-                continue
-            event.step = self._begin + i
-            event.phase, event.layer = finding.phase, finding.layer
-            event.variables, event.detail = finding.variables, finding.detail
-            if computes_in_float16(self.model):
-                with _float32_policies(self.model):
-                    event.float32_finite = locate_nonfinite(self.model, data).phase is None
-            if self.dump_dir:
-                event.dump_path = _dump(self.dump_dir, data, event, self.model)
+        data = self._batches.get(step)
+        if data is None:
+            event.detail = "not located (the batch is no longer held)"
             return event
-        event.detail = "the replay of the batch was finite (a random layer?)"
+        finding = locate_nonfinite(self.model, data)
+        if self.dump_dir:
+            event.dump_path = _dump(self.dump_dir, data, event, self.model)
+        if finding.phase is None:
+            event.detail = "the replay of the batch was finite (a random layer?)"
+            return event
+        event.phase, event.layer = finding.phase, finding.layer
+        event.variables, event.detail = finding.variables, finding.detail
+        if computes_in_float16(self.model):
+            with _float32_policies(self.model):
+                event.float32_finite = locate_nonfinite(self.model, data).phase is None
         return event
 
     # ----------------------------------------------------------- restore

@@ -381,3 +381,145 @@ def test_steps_per_execution_names_the_first_bad_step_of_the_chunk():
     model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
     assert [(e.step, e.layer) for e in watcher.events] == [(BAD_STEP, "fault")]
     assert int(model.optimizer.iterations.numpy()) == 7
+
+
+# ---------------------------------------------------------------- late read
+# The watcher reads the count of bad steps one train call late (and at the
+# epoch's end). These tests put good steps after the bad one, in its own
+# steps_per_execution chunk and in the next, which run before it acts.
+
+
+def _long_data(bad_steps, batches=16):
+    x = np.abs(np.random.default_rng(1).normal(size=(batches * 5, 3))).astype("float32") + 1.0
+    for step in bad_steps:
+        x[step * 5 + 2] = -100.0
+    return x, np.ones((batches * 5, 2), "float32")
+
+
+def _reference(build, x, y, batches, lr=0.01):
+    ref = build()
+    ref.compile(optimizer=keras.optimizers.SGD(lr), loss="mse")
+    for b in batches:
+        ref.train_on_batch(x[b * 5 : b * 5 + 5], y[b * 5 : b * 5 + 5])
+    return ref.get_weights()
+
+
+def test_no_batch_end_hook_so_keras_dispatch_stays_asynchronous():
+    watcher = NaNWatcher()
+    assert watcher.async_safe is True
+    assert type(watcher).on_train_batch_end is keras.callbacks.Callback.on_train_batch_end
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 2, 4])
+@pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
+def test_stop_after_a_late_read_keeps_the_weights_before_the_bad_step(cls, steps_per_execution):
+    # Bad step 5. spe=1: step 6 runs before the read; spe=2: chunk (4, 5)
+    # is read after chunk (6, 7); spe=4: steps 6, 7 share the bad step's
+    # chunk and chunk (8..11) runs before the read.
+    x, y = _long_data([BAD_STEP])
+    build = lambda: _functional(cls)  # noqa: E731
+    model = build()
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01), loss="mse",
+        steps_per_execution=steps_per_execution,
+    )
+    watcher = NaNWatcher(verbose=0)
+    with pytest.raises(NonFiniteError) as info:
+        model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    event = info.value.event
+    assert (event.epoch, event.step, event.phase, event.layer) == (0, BAD_STEP, "forward", "fault")
+    assert int(model.optimizer.iterations.numpy()) == BAD_STEP
+    _assert_weights(model, _reference(_functional, x, y, range(BAD_STEP)))
+
+
+@pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
+def test_restore_after_a_late_read_rolls_back_and_goes_on(cls):
+    # Bad step 1 in chunk (0, 1); chunk (2, 3) runs (halted) before the
+    # read; then the rollback to the epoch's start, and steps 4..15 at half
+    # the learning rate.
+    x, y = _long_data([1])
+    model = _functional(cls)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", steps_per_execution=2)
+    watcher = NaNWatcher(action="restore", verbose=0)
+    model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    assert [(e.step, e.layer, e.action_taken) for e in watcher.events] == [(1, "fault", "restored")]
+    np.testing.assert_allclose(float(model.optimizer.learning_rate.numpy()), 0.005)
+    _assert_weights(model, _reference(_functional, x, y, range(4, 16), lr=0.005))
+
+
+@pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
+def test_skip_with_steps_per_execution_drops_only_the_bad_steps(cls):
+    x, y = _long_data([5, 6, 13])  # two in chunk (4..7), one in (12..15)
+    model = _functional(cls)
+    # A small learning rate: training keeps log's input positive elsewhere.
+    model.compile(optimizer=keras.optimizers.SGD(0.001), loss="mse", steps_per_execution=4)
+    watcher = NaNWatcher(action="skip", verbose=0)
+    history = model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    assert [(e.step, e.action_taken) for e in watcher.events] == [(5, "skipped"), (13, "skipped")]
+    assert history.history["nonfinite_steps"] == [3.0]
+    good = [b for b in range(16) if b not in (5, 6, 13)]
+    assert int(model.optimizer.iterations.numpy()) == len(good)
+    _assert_weights(model, _reference(_functional, x, y, good, lr=0.001))
+
+
+def test_max_skips_counts_steps_in_a_row_within_a_chunk():
+    x, y = _long_data([4, 5, 6])  # three in a row, all in chunk (4..7)
+    model = _functional()
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", steps_per_execution=4)
+    watcher = NaNWatcher(action="skip", max_skips=3, verbose=0)
+    with pytest.raises(NonFiniteError):
+        model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    assert [(e.step, e.action_taken) for e in watcher.events] == [(4, "stopped")]
+    # Step 7 (good, after the third bad one) and chunk (8..11) were halted.
+    assert int(model.optimizer.iterations.numpy()) == 4
+    _assert_weights(model, _reference(_functional, x, y, range(4)))
+
+
+def test_events_name_epoch_and_step_across_epochs_and_chunks():
+    x, y = _data()  # 8 batches: chunks (0, 1, 2), (3, 4, 5), (6, 7)
+    model = _functional()
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", steps_per_execution=3)  # only the planted fault
+    watcher = NaNWatcher(action="warn", verbose=0)
+    model.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0, callbacks=[watcher])
+    assert [(e.epoch, e.step, e.layer) for e in watcher.events] == [
+        (0, BAD_STEP, "fault"), (1, BAD_STEP, "fault")
+    ]
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+def test_stop_with_accumulation_applies_nothing_after_the_bad_micro_batch():
+    x, y = _long_data([BAD_STEP])
+    model = _functional(GradBoostModel)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", accumulate_steps=4)
+    watcher = NaNWatcher(verbose=0)
+    with pytest.raises(NonFiniteError) as info:
+        model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    assert info.value.event.step == BAD_STEP
+    # One update (micro-batches 0-3); 4 was accumulated, 5 bad, 6, 7 halted.
+    assert int(model.optimizer.iterations.numpy()) == 1
+    ref = _functional()
+    ref.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    ref.train_on_batch(x[:20], y[:20])
+    _assert_weights(model, ref.get_weights())
+
+
+@pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
+def test_mirrored_strategy_stop_after_a_late_read(cls):
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
+    strategy = tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+    x, y = _long_data([BAD_STEP], batches=16)  # batch 10: bad step 2
+    with strategy.scope():
+        model = _functional(cls)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", steps_per_execution=2)
+    watcher = NaNWatcher(verbose=0)
+    with pytest.raises(NonFiniteError) as info:
+        model.fit(x, y, batch_size=10, shuffle=False, verbose=0, callbacks=[watcher])
+    assert (info.value.event.step, info.value.event.layer) == (2, "fault")
+    assert int(model.optimizer.iterations.numpy()) == 2
+    ref = _functional()
+    ref.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    for b in range(2):
+        ref.train_on_batch(x[b * 10 : b * 10 + 10], y[b * 10 : b * 10 + 10])
+    _assert_weights(model, ref.get_weights())
