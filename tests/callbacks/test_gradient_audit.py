@@ -198,9 +198,11 @@ def test_reused_auditor_and_second_fit_without_retrace():
     # recorded in the first.
     assert sorted(m.variable for m in second.missing) == sorted(m.variable for m in first.missing)
     assert len(second.missing) == 4 and second.checks == 2
-    # After fit the in-graph check is off and nothing is left to undo.
-    assert not auditor._undo
+    # After fit nothing is left wrapped, and a plain fit trains as before.
+    assert not hasattr(model.train_function, "_held_original")
+    before = model.get_weights()
     model.fit(x, y, batch_size=8, verbose=0)
+    assert any(np.any(a != b) for a, b in zip(before, model.get_weights()))
 
 
 @pytest.mark.parametrize(

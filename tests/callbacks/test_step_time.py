@@ -205,14 +205,10 @@ def test_real_split_parts_are_positive_add_up_and_change_nothing(kind, tmp_path)
     report = monitor.report()
     split = report.split
     assert split is not None and split.at_step == 4
-    for part in (split.forward_ms, split.backward_ms, split.optimizer_ms):
-        assert part > 0
-    assert sum(split.parts().values()) == pytest.approx(split.step_ms)
-    # The compiled parts, timed separately, against the step measured over
-    # whole windows: about the same (typically 0.9-1.1x here; the bounds
-    # leave room for a CPU shared with other jobs).
-    compute = split.forward_ms + split.backward_ms + split.optimizer_ms
-    assert 0.2 < compute / report.median_step_ms < 3.0
+    # Timings themselves are not asserted (a shared CPU); the split's
+    # arithmetic is checked with stubbed probe times below.
+    assert split.forward_ms > 0
+    assert min(split.parts().values()) >= 0
     assert split.backward_share == pytest.approx(split.backward_ms / split.step_ms)
     assert report.first_step_ms > report.median_step_ms
     assert report.advice and report.probe_seconds > 0
@@ -233,3 +229,35 @@ def test_profile_steps_write_a_trace(tmp_path):
     model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
     found = [root for root, _, files in os.walk(tmp_path) if root.endswith(os.path.join("plugins", "profile")) or any(f.endswith(".xplane.pb") for f in files)]
     assert found, list(os.walk(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "window_ms, probe, expected",
+    [
+        # The step is longer than the compiled parts: the rest is input wait.
+        (10.0, {"forward": 0.002, "forward_backward": 0.005, "full": 0.006},
+         {"input": 4.0, "forward": 2.0, "backward": 3.0, "optimizer": 1.0, "step": 10.0}),
+        # The compiled parts add up to more than the window's step (noise):
+        # no negative input wait, the total is the parts' sum.
+        (5.0, {"forward": 0.002, "forward_backward": 0.005, "full": 0.006},
+         {"input": 0.0, "forward": 2.0, "backward": 3.0, "optimizer": 1.0, "step": 6.0}),
+    ],
+)
+def test_split_arithmetic_with_stubbed_probe_times(monkeypatch, window_ms, probe, expected):
+    from keras_gradboost.callbacks import step_time
+
+    monkeypatch.setattr(step_time, "split_times", lambda model, batch: (probe, 0.25))
+    monitor = StepTimeMonitor(window=4)
+    monitor._timer = step_time.WindowTimer(4)
+    monkeypatch.setattr(monitor._timer, "median", lambda: window_ms)
+    monitor._steps, monitor._logs, monitor._writer = 8, {}, None
+    monitor._measure_split(batch=None)
+    split = monitor._split
+    assert split.input_ms == pytest.approx(expected["input"])
+    assert split.forward_ms == pytest.approx(expected["forward"])
+    assert split.backward_ms == pytest.approx(expected["backward"])
+    assert split.optimizer_ms == pytest.approx(expected["optimizer"])
+    assert split.step_ms == pytest.approx(expected["step"])
+    assert split.backward_share == pytest.approx(expected["backward"] / expected["step"])
+    assert split.compile_ms == pytest.approx(250.0) and split.at_step == 7
+    assert monitor._logs["split_backward_ms"] == pytest.approx(expected["backward"])
