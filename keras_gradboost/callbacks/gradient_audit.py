@@ -301,6 +301,9 @@ class GradientAuditor(keras.callbacks.Callback):
                 f"gradient; the optimizer silently skips them.\n{text}"
             )
             if self.on_missing == "raise":
+                # Keras calls no on_train_end when fit() raises: undo now,
+                # so the model trains as before without the auditor.
+                self._teardown()
                 raise MissingGradientError(message, missing)
             warnings.warn(message, stacklevel=2)
 

@@ -629,6 +629,9 @@ class RetraceCounter(keras.callbacks.Callback):
                 f"{self.recompiles} recompiles, over the limit "
                 f"max_retraces={limit}.\n" + event.report()
             )
+            # Keras calls no on_train_end when fit() raises: undo now, so
+            # the model trains as before without the counter.
+            self._teardown()
             raise RetraceError(message, event)
         if limit is not None and over and not self._warned:
             self._warned = True

@@ -114,6 +114,11 @@ def test_raise_stops_before_any_update():
     assert {m.reason for m in info.value.missing} == {"cut", "unused"}
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)
+    # Keras calls no on_train_end after the error: the auditor undid itself,
+    # so a plain fit trains without it.
+    assert not hasattr(model.train_function, "_held_original")
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert any(np.any(a != b) for a, b in zip(before, model.get_weights()))
 
 
 def test_a_healthy_model_reports_nothing_and_stays_quiet():

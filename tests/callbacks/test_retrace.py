@@ -228,6 +228,11 @@ def test_strict_raises_and_max_retraces_warns_once():
         )
     assert info.value.event.kind == "recompile"
     assert "bucket_by_length" in str(info.value)
+    # Keras calls no on_train_end after the error: the counter undid itself,
+    # so a plain fit trains without it (no error, no counter logs).
+    assert not hasattr(model.train_function, "_held_original")
+    history = model.fit(_varying(), epochs=1, verbose=0)
+    assert "retraces" not in history.history
     model = _model("functional")
     _compile(model, jit=True)
     counter = RetraceCounter(max_retraces=1)
