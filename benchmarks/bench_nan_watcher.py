@@ -13,35 +13,22 @@ model's graph only).
 
 import argparse
 import os
-import random
 import statistics
 import sys
-import time
-import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
 import keras  # noqa: E402
-from keras_gradboost import zoo  # noqa: E402
+from fit_rounds import BATCH  # noqa: E402
+from fit_rounds import dataset  # noqa: E402
+from fit_rounds import interleaved  # noqa: E402
+from fit_rounds import make  # noqa: E402
+from fit_rounds import ratio as median_ratio  # noqa: E402
+from fit_rounds import ratios  # noqa: E402
+from fit_rounds import time_fit  # noqa: E402
 from keras_gradboost.callbacks import NaNWatcher  # noqa: E402
-
-BATCH = 256
-
-
-def make(kind):
-    model = zoo.mlp(cls=keras.Model if kind == "keras" else None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
-    return model
-
-
-def time_fit(model, ds, steps, callbacks):
-    start = time.perf_counter()
-    model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=callbacks)
-    return (time.perf_counter() - start) / steps
 
 
 def main(argv=None):
@@ -49,8 +36,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=11)
     args = parser.parse_args(argv)
-    x, y = zoo.classification_data(BATCH * 8)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat().prefetch(2)
+    ds = dataset()
 
     # name: (model, callbacks)
     configs = {}
@@ -65,24 +51,13 @@ def main(argv=None):
     tf.debugging.disable_check_numerics()
     configs["keras+enable_check_numerics"] = (checked, [])
 
-    for model, callbacks in configs.values():  # warm-up
-        time_fit(model, ds, 4, callbacks)
-    samples = {name: [] for name in configs}
-    order = list(configs)
-    rng = random.Random(0)
-    for _ in range(args.rounds):
-        rng.shuffle(order)
-        for name in order:
-            model, callbacks = configs[name]
-            samples[name].append(time_fit(model, ds, args.steps, callbacks))
+    samples = interleaved(configs, ds, args.steps, args.rounds)
 
     def ratio(a, b):
-        return statistics.median(p / q for p, q in zip(samples[a], samples[b]))
+        return median_ratio(samples, a, b)
 
     def spread(a, b):
-        q1, _, q3 = statistics.quantiles(
-            [p / q for p, q in zip(samples[a], samples[b])], n=4
-        )
+        q1, _, q3 = statistics.quantiles(ratios(samples, a, b), n=4)
         return f"[IQR {q1:.3f}-{q3:.3f}]"
 
     print(
