@@ -72,6 +72,16 @@ def state_variables(layer):
     return [v for v in layer.variables if not v.trainable]
 
 
+def snapshot(variables):
+    """`(variable, value now)` pairs for a `keras.StatelessScope`.
+
+    Read without autocasting; `tf.identity` copies each read into the graph
+    at this point, so later assignments do not change the values.
+    """
+    with hooks.autocast(None):
+        return [(v, tf.identity(v.value)) for v in variables]
+
+
 def recomputed(fn, state, name="block"):
     """`fn` with the same forward, whose backward recomputes `fn`'s forward.
 
@@ -108,10 +118,7 @@ def recomputed(fn, state, name="block"):
                 values[i] = tensor
             return tf.nest.pack_sequence_as((args, kwargs), values)
 
-        # Read the state as the forward finds it (no autocasting), before the
-        # forward updates it. tf.identity copies the read into the graph now.
-        with hooks.autocast(None):
-            saved = [(v, tf.identity(v.value)) for v in state]
+        saved = snapshot(state)  # as the forward finds it, before it updates it
         dtype = hooks.current_autocast()
         structure = []
 

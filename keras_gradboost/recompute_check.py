@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gradboost import hooks
+from keras_gradboost import recompute
 
 
 class RecomputeCheckError(RuntimeError):
@@ -45,9 +46,7 @@ def check(model, setup, batch, rtol=None):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
     if rtol is None:
         rtol = 1e-5 if model.dtype_policy.compute_dtype == "float32" else 1e-2
-    with hooks.autocast(None):
-        state = [(v, tf.identity(v.value)) for v in model.non_trainable_variables]
-        state += [(v, tf.identity(v.value)) for v in model.metrics_variables]
+    state = recompute.snapshot(model.non_trainable_variables + model.metrics_variables)
     variables = model.trainable_variables
 
     def gradients(only):
