@@ -202,10 +202,14 @@ def hold_batches(
     at no cost (the tensors exist anyway; nothing is copied).
 
     Keras' train and test functions take an iterator; given a list of
-    batches they run their compiled one-step function on each, which is what
-    this wrapper does after drawing up to `steps_per_execution` batches
-    itself. Keras' predict function is called with the list of batches
-    already drawn (`predict()` draws them); the wrapper passes it on.
+    batches they run their compiled one-step function on each. This wrapper
+    draws up to `steps_per_execution` batches itself and runs that list path
+    inside one `tf.function` traced for the iterator's `element_spec`, so the
+    step is traced as Keras traces it (the batch dimension stays `None`: a
+    short last batch is no retrace) and a chunk of `steps_per_execution`
+    steps is still one call. Keras' predict function is called with the list
+    of batches already drawn (`predict()` draws them); the wrapper passes it
+    on.
 
     Wrappers stack: several callbacks may each hold the batches. Undoing a
     wrapper that another one has since wrapped turns it into a pass-through.
@@ -258,8 +262,10 @@ def hold_batches(
     def draw(iterator):
         if predict:  # predict() hands over the list it drew
             return list(iterator)
+        if isinstance(iterator, _Chunk):  # drawn by a wrapper above this one
+            return iterator
         if isinstance(iterator, tf_iterators):
-            batches = []
+            batches = _Chunk(iterator.element_spec)
             for _ in range(model.steps_per_execution):
                 try:
                     batches.append(next(iterator))
@@ -278,7 +284,7 @@ def hold_batches(
         held[:] = batches
         if before_call is not None:
             before_call(batches)
-        logs = original(batches)
+        logs = _run_chunk(model, original, batches)
         if after_call is not None:
             more = after_call(batches, logs)
             if more and not predict:
@@ -298,6 +304,48 @@ def hold_batches(
             setattr(model, attribute, _skip_inactive(cell[0]))
 
     return held, undo
+
+
+class _Chunk(list):
+    """The batches one call runs, drawn from a `tf.data` iterator whose
+    `element_spec` they keep (wrappers below the drawing one pass it on)."""
+
+    def __init__(self, spec):
+        super().__init__()
+        self.spec = spec
+
+
+def _run_chunk(model, function, batches):
+    """Calls `function` (a wrapper, or Keras' function at the bottom) on
+    `batches`. Keras' function is run in a `tf.function` traced once per
+    chunk length for the drawn iterator's `element_spec`: called eagerly with
+    the batches it would trace its step for their concrete shapes, then
+    again for the short last batch, and would run a chunk of
+    `steps_per_execution` steps as that many calls."""
+    if (
+        getattr(function, "_held_original", None) is not None
+        or not isinstance(batches, _Chunk)
+        or model.run_eagerly
+    ):
+        return function(batches)
+    runner = getattr(function, "_chunk_runner", None)
+    if runner is None:  # kept on the function, so it goes when that goes
+        runner = function._chunk_runner = _ChunkRunner(function)
+    return runner(batches)
+
+
+class _ChunkRunner:
+    def __init__(self, function):
+        self.traced = set()
+        self.run = tf.function(function, autograph=False)
+
+    def __call__(self, batches):
+        key = (len(batches), tuple(tf.nest.flatten(batches.spec)))
+        if key not in self.traced:
+            # Traced for the spec, eager calls dispatch to it (a supertype).
+            self.run.get_concrete_function([batches.spec] * len(batches))
+            self.traced.add(key)
+        return self.run(list(batches))
 
 
 def base_function(model, function="train"):

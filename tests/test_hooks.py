@@ -257,3 +257,41 @@ def test_make_train_function_with_logs_binds_the_wrapped_step():
     logs = made([batch])
     assert float(logs["extra"]) == 7.0 and "loss" in logs
     assert "extra" not in top([batch])
+
+
+def test_hold_batches_runs_a_chunk_in_one_call_traced_for_the_spec():
+    # Keras' function, called with the drawn batches, would run each as a
+    # call of its own and trace the step for their concrete shapes. Through
+    # the wrapper it is traced once per chunk length, for the dataset's spec.
+    import tensorflow as tf
+
+    model = _model()
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=3)
+    x = np.arange(30, dtype="float32").reshape(10, 3) / 30
+    y = np.zeros((10, 2), "float32")
+    model.fit(x, y, batch_size=1, verbose=0)
+    calls = []
+    keras_function = hooks.base_train_function(model)
+
+    def recorder(batches):
+        calls.append((tf.executing_eagerly(), len(batches), batches[0][0].shape.as_list()))
+        return keras_function(batches)
+
+    undo_base = hooks.replace_base_train_function(model, recorder)
+    held, undo = hooks.hold_batches(model)
+    before = model.get_weights()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(1)
+    for _ in range(2):  # two epochs: 3 + 3 + 3 + 1 batches each
+        iterator = iter(ds)
+        for _ in range(4):
+            model.train_function(iterator)
+    # Python ran `recorder` only while tracing: once for chunks of 3, once
+    # for the last chunk of 1, both with the batch dim of the spec (None).
+    assert calls == [(False, 3, [None, 3]), (False, 1, [None, 3])]
+    assert len(held) == 1  # the last call's batch
+    # And the 20 steps did train (the graph is not a no-op).
+    after = model.get_weights()
+    assert all(np.isfinite(w).all() for w in after)
+    assert any(np.abs(a - b).max() > 0 for a, b in zip(before, after))
+    undo()
+    undo_base()

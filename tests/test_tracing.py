@@ -48,8 +48,13 @@ def test_wrappers_stay_by_default_and_uninstall_removes_them(cls, regression_dat
 
     # A callback that listens installs them again, and still counts.
     counter = RetraceCounter()
-    model.fit(x, y, batch_size=10, verbose=0, callbacks=[counter])  # 104 = 10 * 10 + 4
+    counter.set_model(model)
+    counter.on_train_begin()  # as a custom loop does
     assert all(name in vars(model) for name in STEPS)
+    model.train_on_batch(x[:10], y[:10])  # traced for (10, 5)
+    model.train_on_batch(x[:4], y[:4])  # retraced
+    counter.on_train_end()
+    assert counter.retraces == 1
     assert counter.events[0].diagnosis == "the last batch is smaller than the others"
 
 

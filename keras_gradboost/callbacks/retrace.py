@@ -334,10 +334,10 @@ class RetraceCounter(keras.callbacks.Callback):
     functions) show in the progress bar and History, and so in the epoch
     scalars of `keras.callbacks.TensorBoard`. While the counter listens (from
     `on_train_begin`, `on_test_begin` or `on_predict_begin` to the matching
-    end) the batches go through `keras_gradboost.hooks.hold_batches`, so each
-    is a separate call of the compiled step: the first new length then makes
-    one retrace (TensorFlow relaxes the dimension to None), and the counter
-    reports it. Each wrapper is removed at the matching end.
+    end) the batches go through `keras_gradboost.hooks.hold_batches`, which
+    traces the step for the dataset's `element_spec` as Keras does, so the
+    counter adds no trace of its own. Each wrapper is removed at the matching
+    end.
 
     The trace-time hook (`keras_gradboost.tracing`) stays installed on the
     model's `train_step`, `test_step` and `predict_step` after `fit`, so the

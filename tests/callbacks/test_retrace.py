@@ -143,22 +143,53 @@ def _varying(lengths=LENGTHS, batches_per_length=2):
 
 
 @pytest.mark.parametrize("kind", ["functional", "sequential", "subclassed", "gradboost"])
-def test_varying_length_retrace_is_counted_and_explained(kind):
+def test_varying_length_under_xla_is_counted_and_explained(kind):
     model = _model(kind)
     kwargs = {"accumulate_steps": 2} if kind == "gradboost" else {}
-    _compile(model, **kwargs)
+    _compile(model, jit=True, **kwargs)
     counter = RetraceCounter()
     history = model.fit(_varying(), epochs=1, verbose=0, callbacks=[counter])
-    # Each batch is one call of the compiled step: the second length makes
-    # TensorFlow retrace once with dim 1 relaxed to None; then no more.
+    # The padded dataset's length dim is None: the step is traced once, and
+    # XLA compiles it again for every new length, silently.
+    assert counter.retraces == 0
+    assert counter.recompiles == len(LENGTHS) - 1
+    first = counter.events[0]
+    assert first.kind == "recompile" and first.function == "train"
+    assert first.changes == ("x: shape (4, 5) -> (4, 9), dim 1 varies",)
+    assert "dim 1 of x" in first.diagnosis
+    assert "bucket_by_length" in first.fix and "[8, 16]" in first.fix
+    assert history.history["recompiles"] == [3.0]
+    assert history.history["retraces"] == [0.0]
+
+
+@pytest.mark.parametrize("kind", ["functional", "gradboost"])
+def test_varying_length_without_xla_counts_nothing(kind):
+    # As in Keras alone: the dataset's spec leaves dim 1 None, so the step is
+    # traced once for every length (the callback's own wrapper adds no trace).
+    model = _model(kind)
+    _compile(model)
+    counter = RetraceCounter(strict=True)
+    history = model.fit(_varying(), epochs=1, verbose=0, callbacks=[counter])
+    assert counter.retraces == 0 and counter.recompiles == 0
+    assert history.history["retraces"] == [0.0]
+
+
+def test_varying_length_retrace_of_train_on_batch_is_explained():
+    model = _model("functional")
+    _compile(model)
+    counter = RetraceCounter()
+    counter.set_model(model)
+    counter.on_train_begin()
+    for length in LENGTHS:  # each call traces for its concrete shapes
+        model.train_on_batch(np.ones((BATCH, length), "int32"), np.zeros((BATCH,), "int32"))
+    counter.on_train_end()
+    # The second length makes TensorFlow retrace with dim 1 relaxed to None.
     assert counter.retraces == 1
-    assert counter.recompiles == 0
     (event,) = counter.events
     assert event.kind == "retrace" and event.function == "train"
     assert event.changes == ("x: shape (4, 5) -> (4, 9), dim 1 varies",)
     assert "dim 1 of x" in event.diagnosis
-    assert "bucket_by_length" in event.fix and "[8, 16]" in event.fix
-    assert history.history["retraces"] == [1.0]
+    assert "bucket_by_length" in event.fix
 
 
 def test_xla_recompiles_are_counted_without_retraces():
@@ -166,12 +197,11 @@ def test_xla_recompiles_are_counted_without_retraces():
     _compile(model, jit=True)
     counter = RetraceCounter()
     model.fit(_varying(), epochs=1, verbose=0, callbacks=[counter])
-    assert counter.retraces == 1  # the relaxation, once
+    assert counter.retraces == 0
     assert counter.recompiles == len(LENGTHS) - 1  # one per new length
-    kinds = [e.kind for e in counter.events]
-    assert kinds == ["retrace"] + ["recompile"] * (len(LENGTHS) - 2)
+    assert [e.kind for e in counter.events] == ["recompile"] * (len(LENGTHS) - 1)
     assert counter.events[-1].changes == ("x: shape (4, 13) -> (4, 17), dim 1 varies",)
-    assert counter.per_function == {"train": {"retraces": 1, "recompiles": 3}}
+    assert counter.per_function == {"train": {"retraces": 0, "recompiles": 3}}
     for event in counter.events:
         assert event.call_seconds > 0 and event.seconds_lost is not None
 
@@ -190,12 +220,13 @@ def test_fixed_shapes_count_nothing(jit):
 
 def test_short_last_batch_is_named():
     model = _model("functional")
-    _compile(model)
+    _compile(model, jit=True)  # without XLA, Keras' batch dim is None already
     counter = RetraceCounter()
     x = np.ones((10, 7), "int32")
     y = np.zeros((10,), "int32")
     model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[counter])
     (event,) = counter.events
+    assert event.kind == "recompile"
     assert event.changes[0] == "x: shape (4, 7) -> (2, 7), dim 0 varies"
     assert event.diagnosis == "the last batch is smaller than the others"
 
@@ -261,13 +292,13 @@ def test_predict_retraces_are_counted():
 
 def test_reusable_and_undone():
     model = _model("functional")
-    _compile(model)
+    _compile(model, jit=True)
     counter = RetraceCounter()
     model.fit(_varying(), epochs=1, verbose=0, callbacks=[counter])
-    assert counter.retraces == 1
-    # The same lengths again: the function is traced for them already.
+    assert counter.recompiles == 3
+    # The same lengths again: XLA has compiled them already.
     model.fit(_varying(), epochs=1, verbose=0, callbacks=[counter])
-    assert counter.retraces == 0 and counter.events == []
+    assert counter.recompiles == 0 and counter.events == []
     # Nothing left in the train function: no wrapper, and a fit without the
     # counter logs no counter keys.
     assert not hasattr(model.train_function, "_held_original")
@@ -288,12 +319,16 @@ def test_xla_recompiles_of_evaluate_and_predict(function):
         model.evaluate(_varying(), verbose=0, callbacks=[counter])
     else:
         model.predict(_lengths_only(_varying()), verbose=0, callbacks=[counter])
-    # As for train: the second length relaxes dim 1 (one retrace, which XLA
-    # compiles), every later length only recompiles.
-    assert counter.per_function == {function: {"retraces": 1, "recompiles": 3}}
+    # evaluate() traces for the dataset's spec (dim 1 None) and recompiles
+    # for every new length; predict() calls its function with the batches,
+    # so the second length relaxes dim 1 (one retrace, which XLA compiles),
+    # every later length only recompiles.
+    retraces = 0 if function == "test" else 1
+    assert counter.per_function == {function: {"retraces": retraces, "recompiles": 3}}
     assert counter.recompiles == len(LENGTHS) - 1
+    first = "recompile" if function == "test" else "retrace"
     assert [(e.function, e.kind) for e in counter.events] == [
-        (function, "retrace"), (function, "recompile"), (function, "recompile")
+        (function, first), (function, "recompile"), (function, "recompile")
     ]
     assert counter.events[0].changes == ("x: shape (4, 5) -> (4, 9), dim 1 varies",)
     assert counter.events[-1].changes == ("x: shape (4, 13) -> (4, 17), dim 1 varies",)
@@ -324,10 +359,10 @@ def test_fit_validation_recompiles_are_counted_as_test():
         callbacks=[counter],
     )
     # The validation lengths are compiled in the first epoch only.
-    assert counter.per_function == {"test": {"retraces": 1, "recompiles": 3}}
+    assert counter.per_function == {"test": {"retraces": 0, "recompiles": 3}}
     assert {e.function for e in counter.events} == {"test"}
     assert counter.events[-1].changes == ("x: shape (4, 13) -> (4, 17), dim 1 varies",)
-    assert history.history["retraces"][-1] == 1.0
+    assert history.history["recompiles"][-1] == 3.0
     assert "val_retraces" not in history.history  # evaluate()'s logs untouched
     assert not hasattr(model.test_function, "_held_original")
 
@@ -353,8 +388,8 @@ def test_one_event_per_recompile_with_steps_per_execution():
     counter = RetraceCounter()
     # One batch per length: each call runs two lengths.
     model.fit(_varying(batches_per_length=1), epochs=1, verbose=0, callbacks=[counter])
-    assert counter.per_function == {"train": {"retraces": 1, "recompiles": 3}}
-    assert [e.kind for e in counter.events] == ["retrace", "recompile", "recompile"]
+    assert counter.per_function == {"train": {"retraces": 0, "recompiles": 3}}
+    assert [e.kind for e in counter.events] == ["recompile"] * 3
     assert [e.changes for e in counter.events] == [
         ("x: shape (4, 5) -> (4, 9), dim 1 varies",),
         ("x: shape (4, 9) -> (4, 13), dim 1 varies",),
