@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from keras_gradboost import hooks
 from keras_gradboost import tracing
+from keras_gradboost.callbacks.gate import RunGate
 
 ON_MISSING = ("warn", "raise", "ignore")
 
@@ -112,7 +113,7 @@ class AuditReport:
         return "\n".join(lines)
 
 
-class GradientAuditor(keras.callbacks.Callback):
+class GradientAuditor(RunGate):
     """Names the variables that get no gradient, and why; watches per-layer
     gradient norms for dead, vanishing and exploding layers.
 
@@ -259,7 +260,11 @@ class GradientAuditor(keras.callbacks.Callback):
         self._last_at = int(tracer.at.numpy())
         self._owners = _variable_owners(model)
         _, undo = hooks.hold_batches(
-            model, before_call=self._before_call, after_call=self._after_call
+            model,
+            before_call=self._before_call,
+            after_call=self._after_call,
+            is_current=lambda: self._in_run("train"),
+            teardown=self._teardown,
         )
         self._undo.append(undo)
 

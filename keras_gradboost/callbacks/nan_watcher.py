@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from keras_gradboost import guard
 from keras_gradboost import hooks
+from keras_gradboost.callbacks.gate import RunGate
 from keras_gradboost.locate import as_local_batch
 from keras_gradboost.precision import computes_in_float16
 from keras_gradboost.locate import locate_nonfinite
@@ -102,7 +103,7 @@ class NaNEvent:
         return "\n".join(lines)
 
 
-class NaNWatcher(keras.callbacks.Callback):
+class NaNWatcher(RunGate):
     """Stops, skips or rolls back a non-finite training step, and says where
     it came from.
 
@@ -289,7 +290,11 @@ class NaNWatcher(keras.callbacks.Callback):
         self._batches = {}  # step index -> batch, for the last few calls
         self._pending = None  # the last call's (count tensor, first, end step)
         _, undo_hold = hooks.hold_batches(
-            model, before_call=self._before_call, after_call=self._after_call
+            model,
+            before_call=self._before_call,
+            after_call=self._after_call,
+            is_current=lambda: self._in_run("train"),
+            teardown=self._teardown,
         )
         self._undo.append(undo_hold)
         if self.action == "restore":

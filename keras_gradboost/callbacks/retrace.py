@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from keras_gradboost import hooks
 from keras_gradboost import tracing
+from keras_gradboost.callbacks.gate import RunGate
 
 _ROOTS = ("x", "y", "sample_weight")
 
@@ -309,7 +310,7 @@ class RetraceEvent:
 # ------------------------------------------------------------------ callback
 
 
-class RetraceCounter(keras.callbacks.Callback):
+class RetraceCounter(RunGate):
     """Counts retraces and XLA recompilations of the step functions, and says
     which input changed and how to fix it.
 
@@ -451,6 +452,9 @@ class RetraceCounter(keras.callbacks.Callback):
             before_call=lambda batches: self._before_call(function, batches),
             after_call=lambda batches, logs: self._after_call(function, batches, logs),
             function=function,
+            # predict_on_batch calls the predict function unannounced.
+            is_current=None if function == "predict" else lambda: self._in_run(function),
+            teardown=self._teardown,
         )
         self._call_undo[function] = undo
 

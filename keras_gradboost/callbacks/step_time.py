@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gradboost import hooks
+from keras_gradboost.callbacks.gate import RunGate
 
 SPLIT_REPEATS = 7
 
@@ -218,7 +219,7 @@ class StepTimeReport:
 # -------------------------------------------------------------- callback
 
 
-class StepTimeMonitor(keras.callbacks.Callback):
+class StepTimeMonitor(RunGate):
     """Measures the training step: steady-state time, the first step's
     trace/compile cost, examples/s, and, once, the split of one step into
     input wait, forward, backward and optimizer update.
@@ -332,7 +333,11 @@ class StepTimeMonitor(keras.callbacks.Callback):
         if self.log_dir is not None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
         _, undo = hooks.hold_batches(
-            self.model, before_call=self._before_call, after_call=self._after_call
+            self.model,
+            before_call=self._before_call,
+            after_call=self._after_call,
+            is_current=lambda: self._in_run("train"),
+            teardown=self._teardown,
         )
         self._undo.append(undo)
 
