@@ -48,6 +48,12 @@ def loss_tracker(model):
     return model._loss_tracker
 
 
+def optimizer_trainable_variables(optimizer):
+    """The variables a built optimizer updates, in the order of
+    `optimizer.apply(grads)` without `trainable_variables`."""
+    return list(optimizer._trainable_variables)
+
+
 def compute_loss(model, x, y, y_pred, sample_weight, training=True):
     """`model.compute_loss`, also for overrides that lack `training=`.
 
@@ -140,6 +146,10 @@ def check():
     (layer, ins, outs), = functional_nodes(model)
     assert layer is model.layers[1] and ins[0] is inputs and outs == model.outputs
     assert isinstance(loss_tracker(model), keras.metrics.Mean)
+    model.optimizer.build(model.trainable_variables)
+    assert optimizer_trainable_variables(model.optimizer) == list(
+        model.trainable_variables
+    )
     assert call_has_training_arg(model) in (True, False)
     assert is_functional(model)
     assert functional_init_arguments((inputs, inputs), {})

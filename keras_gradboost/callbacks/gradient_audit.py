@@ -134,14 +134,15 @@ class GradientAuditor(RunGate):
 
     Works with any compiled Keras model (functional, Sequential, subclassed)
     and with `GradBoostModel` (with accumulation it sees the accumulated
-    update). It hooks `optimizer.apply_gradients` through a trace-time
+    update), and with custom train steps that call
+    `optimizer.apply_gradients` or `optimizer.apply`. It hooks
+    `optimizer.apply` (which `apply_gradients` calls) through a trace-time
     wrapper (`keras_gradboost.tracing`), installed once per optimizer; after
     `fit` the in-graph check is switched off (a `tf.cond` per step remains).
     The wrapper stays installed after `fit` by design, so the next `fit`
     that listens does not retrace the train step;
     `keras_gradboost.tracing.uninstall(model)` removes it (and the
-    `tf.cond`), after which `apply_gradients` is the optimizer's own method
-    again.
+    `tf.cond`), after which `apply` is the optimizer's own method again.
 
     Args:
         on_missing: what to do when some trainable variable has no gradient:

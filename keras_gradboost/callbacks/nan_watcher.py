@@ -132,8 +132,9 @@ class NaNWatcher(RunGate):
     bar and History.
 
     Works with any compiled Keras model: with a `GradBoostModel` the skip is
-    part of its train step; with a plain model the optimizer's
-    `apply_gradients` is wrapped for the duration of `fit` (a model whose
+    part of its train step; with a plain model the optimizer's `apply`
+    (which `apply_gradients` calls, as may a custom train step) is wrapped
+    for the duration of `fit` (a model whose
     optimizer is a `LossScaleOptimizer` already skips non-finite steps, and
     is refused: use `GradBoostModel` with `loss_scale=`).
 
