@@ -49,9 +49,6 @@ class StepTracer:
 
     def __init__(self, model):
         self.listeners = []
-        # Per kind: every trace-time signature seen on this model, kept across
-        # fits (the traced functions are kept too).
-        self.seen = {}
         for name in STEP_METHODS:
             traced = self._wrap(name[: -len("_step")], getattr(model, name))
             setattr(traced, _PREVIOUS, vars(model).get(name, _ABSENT))
@@ -80,9 +77,7 @@ def step_tracer(model):
     tracer = _STEP_TRACERS.get(model)
     if tracer is not None and _installed(tracer, model, "train_step"):
         return tracer, False
-    seen = tracer.seen if tracer is not None else {}
     tracer = StepTracer(model)
-    tracer.seen = seen
     _STEP_TRACERS[model] = tracer
     model.train_function = None
     model.test_function = None

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from keras_gradboost import hooks
 from keras_gradboost import tracing
+from keras_gradboost.callbacks import args
 from keras_gradboost.callbacks.gate import RunGate
 
 ON_MISSING = ("warn", "raise", "ignore")
@@ -165,7 +166,8 @@ class GradientAuditor(RunGate):
         missing: the `MissingGradient` records of the last fit.
 
     Raises:
-        ValueError: for a bad argument.
+        ValueError: for a bad argument value.
+        TypeError: for an argument of the wrong type.
         MissingGradientError: with `on_missing="raise"`.
 
     Example:
@@ -217,8 +219,8 @@ class GradientAuditor(RunGate):
         self.zero_checks = zero_checks
         self.vanishing_ratio = float(vanishing_ratio)
         self.exploding_ratio = float(exploding_ratio)
-        self.show_non_trainable = show_non_trainable
-        self.verbose = verbose
+        self.show_non_trainable = args.check_bool("show_non_trainable", show_non_trainable)
+        self.verbose = args.check_verbose(verbose)
         self._undo = []
         self._tracer = None
         self._reset()

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from keras_gradboost import guard
 from keras_gradboost import hooks
+from keras_gradboost.callbacks import args
 from keras_gradboost.callbacks.gate import RunGate
 from keras_gradboost.locate import as_local_batch
 from keras_gradboost.precision import computes_in_float16
@@ -158,7 +159,8 @@ class NaNWatcher(RunGate):
         verbose: print each event's report. Defaults to `1`.
 
     Raises:
-        ValueError: for a bad argument.
+        ValueError: for a bad argument value.
+        TypeError: for an argument of the wrong type.
 
     Example:
 
@@ -199,11 +201,11 @@ class NaNWatcher(RunGate):
                 f"lr_factor={lr_factor!r}. Expected a float in (0, 1)."
             )
         self.action = action
-        self.locate = locate
-        self.dump_dir = dump_dir
+        self.locate = args.check_bool("locate", locate)
+        self.dump_dir = args.check_directory("dump_dir", dump_dir)
         self.max_skips = max_skips
         self.lr_factor = lr_factor
-        self.verbose = verbose
+        self.verbose = args.check_verbose(verbose)
         self.events = []
         self._undo = []
         # (model/optimizer/function/steps_per_execution key, guarded train

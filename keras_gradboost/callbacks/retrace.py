@@ -15,12 +15,15 @@ import tensorflow as tf
 
 from keras_gradboost import hooks
 from keras_gradboost import tracing
+from keras_gradboost.callbacks import args
 from keras_gradboost.callbacks.gate import RunGate
 
 _ROOTS = ("x", "y", "sample_weight")
 
-# Per train/test/predict function object (it owns XLA's executables, one per
-# concrete shape): the concrete signatures it has run with, and the last one.
+# Per train/test/predict function object (it owns its traces, and XLA's
+# executables, one per concrete shape): the signatures it was traced for, the
+# concrete signatures it has run with, and the last one. A function made
+# anew (after `compile()`) starts empty: its first trace is no retrace.
 _COMPILED = weakref.WeakKeyDictionary()
 
 
@@ -366,7 +369,8 @@ class RetraceCounter(RunGate):
             "recompiles": m}}` for the functions that had any.
 
     Raises:
-        ValueError: for a bad argument.
+        ValueError: for a bad argument value.
+        TypeError: for an argument of the wrong type.
         RetraceError: with `strict=True`, past the limit.
 
     Example:
@@ -400,7 +404,7 @@ class RetraceCounter(RunGate):
             )
         self.max_retraces = max_retraces
         self.strict = strict
-        self.verbose = verbose
+        self.verbose = args.check_verbose(verbose)
         self._tracer = None
         self._undo = []
         self._call_undo = {}
@@ -508,7 +512,7 @@ class RetraceCounter(RunGate):
 
     def _on_trace(self, kind, data):
         sig = signature(data)
-        seen = self._tracer.seen.setdefault(kind, [])
+        seen = self._compiled(kind)["traced"]
         if sig in seen:
             return  # the same signature again: not a retrace
         first = not seen
@@ -542,10 +546,11 @@ class RetraceCounter(RunGate):
         with (XLA keeps one executable per concrete shape for as long as the
         function lives), and the last one."""
         base = hooks.base_function(self.model, function)
+        fresh = {"traced": [], "seen": set(), "last": None}
         try:
-            return _COMPILED.setdefault(base, {"seen": set(), "last": None})
+            return _COMPILED.setdefault(base, fresh)
         except TypeError:  # not weak-referenceable: remember for this fit
-            return self._local_compiled.setdefault(function, {"seen": set(), "last": None})
+            return self._local_compiled.setdefault(function, fresh)
 
     def _before_call(self, function, batches):
         self._in_call = function

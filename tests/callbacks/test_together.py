@@ -76,6 +76,7 @@ def test_under_mirrored_strategy(cls, regression_data):
     )
     assert history.history["retraces"] == [0.0]
     assert monitor.report().windows == 3 and monitor.report().split is None
+    assert "under a distribution strategy" in monitor.report().split_note
     # Both replicas' parts counted: 8 examples a step (each window's
     # examples/s times its ms/step), not one replica's 4.
     report = monitor.report()
@@ -218,3 +219,22 @@ def test_exception_inside_the_step_tears_down_at_once(tmp_path):
     # Torn down by the failed call itself, before any other fit.
     assert not hasattr(model.train_function, "_held_original")
     assert _profiler_free(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: NaNWatcher(verbose=2), ValueError, "verbose=2"),
+        (lambda: NaNWatcher(locate="yes"), TypeError, "locate='yes'"),
+        (lambda: NaNWatcher(dump_dir=3), TypeError, "dump_dir=3"),
+        (lambda: StepTimeMonitor(verbose="loud"), ValueError, "verbose='loud'"),
+        (lambda: StepTimeMonitor(log_dir=["logs"]), TypeError, r"log_dir=\['logs'\]"),
+        (lambda: StepTimeMonitor(log_dir=""), ValueError, "log_dir=''"),
+        (lambda: RetraceCounter(verbose=-1), ValueError, "verbose=-1"),
+        (lambda: GradientAuditor(show_non_trainable=1), TypeError, "show_non_trainable=1"),
+        (lambda: GradientAuditor(verbose=None), ValueError, "verbose=None"),
+    ],
+)
+def test_common_arguments_are_checked(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
