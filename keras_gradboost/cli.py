@@ -34,7 +34,9 @@ configurations (compile keyword arguments of GradBoostModel):
 With --repeat N, every configuration runs once per round (a fresh process
 each time), in a shuffled order per round (seeded), and each figure is the
 median over the rounds; the speed-up is the median of the per-round ratios
-(baseline and configuration from the same round).
+(baseline and configuration from the same round). A configuration that
+failed in some rounds only is shown with a note; it fails (and for the
+baseline, the exit status is 1) only when it failed in every round.
 
 Every row trains on the same batches (--batch-size examples per step; under
 accumulate_steps a step is one micro-batch). Columns: steady step ms (median

@@ -262,6 +262,27 @@ def test_repeat_runs_every_configuration_once_per_round(monkeypatch, capsys, tmp
     assert [r["speed_up"] for r in rows] == [1.0, 2.0]
 
 
+@pytest.mark.parametrize("baseline_failures, status", [(1, 0), (2, 1)])
+def test_repeat_fails_the_baseline_only_when_every_round_failed(
+    monkeypatch, capsys, baseline_failures, status
+):
+    calls = []
+
+    def run_one(spec):
+        calls.append(spec["config"])
+        if calls.count("baseline") <= baseline_failures and spec["config"] == "baseline":
+            return {"config": "baseline", "kwargs": spec["kwargs"], "error": "Boom: no"}
+        return _fake_rows(set())(spec)
+
+    monkeypatch.setattr(compare_lib, "run_one", run_one)
+    code, out, _, _ = _run(["compare", "--configs", "baseline,accumulate", "--repeat", "2"], capsys)
+    assert code == status
+    if status == 0:
+        assert "note (baseline): failed in 1 of 2 rounds: Boom: no" in out
+    else:
+        assert _row_line(out, "baseline") == f"{'baseline':<15}FAILED: Boom: no"
+
+
 def test_a_child_that_dies_without_a_row_fails_with_its_last_stderr_line(tmp_path, monkeypatch):
     fake_python = tmp_path / "python"
     fake_python.write_text("#!/bin/sh\necho 'some log' >&2\necho 'Fatal Python error: Aborted' >&2\nexit 134\n")
