@@ -183,6 +183,17 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
+def _figures(row, baseline):
+    """A round's figures of a row, or its error; `speed_up` is the ratio to
+    the baseline row of the same round (None without one)."""
+    if "error" in row:
+        return {"error": row["error"]}
+    figures = {field: row.get(field) for field in (*MEDIAN_FIELDS, "retraces")}
+    ok = baseline is not None and "error" not in baseline
+    figures["speed_up"] = baseline["step_ms"] / row["step_ms"] if ok else None
+    return figures
+
+
 def aggregate(rounds, names):
     """One row per configuration from the rows of several rounds.
 
@@ -204,17 +215,7 @@ def aggregate(rounds, names):
     rows = []
     for name in names:
         runs = [round_[name] for round_ in rounds]
-        per_round = []
-        for round_, run in zip(rounds, runs):
-            if "error" in run:
-                per_round.append({"error": run["error"]})
-                continue
-            figures = {field: run.get(field) for field in (*MEDIAN_FIELDS, "retraces")}
-            base = round_.get("baseline")
-            figures["speed_up"] = (
-                None if base is None or "error" in base else base["step_ms"] / run["step_ms"]
-            )
-            per_round.append(figures)
+        per_round = [_figures(run, round_.get("baseline")) for round_, run in zip(rounds, runs)]
         good = [figures for figures in per_round if "error" not in figures]
         first = next((run for run in runs if "error" not in run), runs[0])
         row = {**first, "per_round": per_round}
