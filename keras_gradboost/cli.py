@@ -31,6 +31,13 @@ configurations (compile keyword arguments of GradBoostModel):
                   available memory} (blocks are recomputed only when the
                   activations would not fit)
 
+With --repeat N, every configuration runs once per round (a fresh process
+each time), in a shuffled order per round (seeded), and each figure is the
+median over the rounds; the speed-up is the median of the per-round ratios
+(baseline and configuration from the same round). A configuration that
+failed in some rounds only is shown with a note; it fails (and for the
+baseline, the exit status is 1) only when it failed in every round.
+
 Every row trains on the same batches (--batch-size examples per step; under
 accumulate_steps a step is one micro-batch). Columns: steady step ms (median
 after 2 warm-up steps), speed-up vs baseline, first-step compile s,
@@ -111,7 +118,19 @@ def _parser():
         + ", ".join(compare_lib.CONFIGS)
         + ". Default: all",
     )
-    compare.add_argument("--json", metavar="OUT.json", help="write all rows and the environment")
+    compare.add_argument(
+        "--repeat",
+        type=_int_at_least(1),
+        default=1,
+        metavar="N",
+        help="rounds of all configurations, shuffled per round; the table "
+        "shows medians over the rounds. Default: 1",
+    )
+    compare.add_argument(
+        "--json",
+        metavar="OUT.json",
+        help="write all rows (with their per-round values) and the environment",
+    )
     compare.add_argument(
         "--plot",
         metavar="OUT.png",
@@ -237,7 +256,10 @@ def format_table(rows):
         if "error" in r:
             lines.append(f"{r['config']:<15}FAILED: {r['error']}")
             continue
-        speed = f"{base['step_ms'] / r['step_ms']:.2f}x" if base else "-"
+        if "speed_up" in r:  # median of per-round ratios (`compare.aggregate`)
+            speed = "-" if r["speed_up"] is None else f"{r['speed_up']:.2f}x"
+        else:
+            speed = f"{base['step_ms'] / r['step_ms']:.2f}x" if base else "-"
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"
         cells = (
             r["config"],
@@ -273,6 +295,10 @@ def format_notes(rows):
 def _context(args, rows):
     env = next((r["environment"] for r in rows if "environment" in r), None)
     text = f"model {args.model}, batch size {args.batch_size}, {args.steps} steps"
+    if args.repeat > 1:
+        text += f", medians of {args.repeat} rounds"
+    else:
+        text += ", 1 round"
     if env:
         device = ", ".join(env["gpus"]) or f"{env['cpu']} ({env['cpu_count']} CPUs)"
         text += f"; TensorFlow {env['tensorflow']}, Keras {env['keras']}, {device}"
@@ -309,7 +335,7 @@ def compare(args, parser):
         "batch_size": args.batch_size,
         "steps": args.steps,
     }
-    rows = compare_lib.run_configs(spec, names, progress=sys.stderr)
+    rows, orders = compare_lib.run_rounds(spec, names, args.repeat, progress=sys.stderr)
     context, env = _context(args, rows)
     print(context)
     print(format_table(rows))
@@ -317,7 +343,8 @@ def compare(args, parser):
         print(note)
     if args.json is not None:
         with open(args.json, "w") as f:
-            json.dump({"spec": spec, "environment": env, "rows": rows}, f, indent=2)
+            saved = {"spec": spec, "environment": env, "repeat": args.repeat, "orders": orders}
+            json.dump({**saved, "rows": rows}, f, indent=2)
     if args.plot is not None and any("error" not in r for r in rows):
         plot(rows, args.plot)
     baseline = [r for r in rows if r["config"] == "baseline"]

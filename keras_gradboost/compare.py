@@ -2,7 +2,10 @@
 
 The parent (`run_configs`) starts `python -m keras_gradboost.compare SPEC`
 once per configuration, so allocator pools, XLA caches and traced functions
-never leak from one row into the next. The child (`measure`) builds the
+never leak from one row into the next. `run_rounds` repeats that for
+`repeat` rounds, each in a seeded shuffled order, and `aggregate` reduces the
+rounds to one row per configuration (medians, and the speed-up as the median
+of the per-round ratios to the baseline). The child (`measure`) builds the
 model, compiles it with the configuration's keyword arguments, trains
 `steps` batches with `fit`, measures, and prints one JSON line: the row.
 
@@ -36,6 +39,7 @@ What a row holds (all measured in the child):
 
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -80,20 +84,34 @@ WARMUP_STEPS = 2
 # many, up to 4x as many while they take under ~2 s.
 SHARE_REPS = 5
 CHILD_TIMEOUT_S = 3600
+# Seed of the per-round shuffles of `run_rounds` (the same orders each run).
+ROUND_SEED = 0
+# Row fields reduced to their median over the rounds by `aggregate`.
+MEDIAN_FIELDS = (
+    "step_ms",
+    "compile_s",
+    "examples_per_s",
+    "backward_share",
+    "forward_ms",
+    "full_step_ms",
+    "peak_mib",
+    "final_loss",
+)
 
 
 # --------------------------------------------------------------- the parent
 
 
-def run_configs(spec, names, progress=None):
+def run_configs(spec, names, progress=None, label=""):
     """Runs each configuration in its own subprocess and collects the rows.
 
     Args:
         spec: dict with `model` (a built-in name or a `.keras` path), `data`
             (a `.npz` path or None), `batch_size` and `steps`.
-        names: configuration names, keys of `CONFIGS`.
+        names: configuration names, keys of `CONFIGS`, in the order to run.
         progress: optional stream for one progress line per configuration.
             Defaults to `None` (silent).
+        label: text starting each progress line. Defaults to `""`.
 
     Returns:
         A list of row dicts, one per name, in order; a failed configuration's
@@ -102,7 +120,7 @@ def run_configs(spec, names, progress=None):
     rows = []
     for i, name in enumerate(names, 1):
         if progress is not None:
-            progress.write(f"[{i}/{len(names)}] {name} ... ")
+            progress.write(f"{label}[{i}/{len(names)}] {name} ... ")
             progress.flush()
         start = time.perf_counter()
         row = run_one({**spec, "config": name, "kwargs": CONFIGS[name]})
@@ -113,6 +131,104 @@ def run_configs(spec, names, progress=None):
             else:
                 progress.write(f"{row['step_ms']:.2f} ms/step ({elapsed:.1f} s)\n")
             progress.flush()
+        rows.append(row)
+    return rows
+
+
+def round_orders(names, repeat, seed=ROUND_SEED):
+    """The order of the configurations in each of `repeat` rounds.
+
+    One round keeps the given order; more rounds are each shuffled, with
+    `random.Random(seed)`, so that a slow phase of the machine does not
+    always hit the same configuration.
+    """
+    if repeat == 1:
+        return [list(names)]
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(repeat):
+        order = list(names)
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
+
+
+def run_rounds(spec, names, repeat=1, progress=None, seed=ROUND_SEED):
+    """Runs every configuration once per round, each in a fresh subprocess.
+
+    Args:
+        spec: as for `run_configs`.
+        names: configuration names, keys of `CONFIGS`.
+        repeat: the number of rounds. Defaults to `1`.
+        progress: optional stream for one progress line per configuration
+            and round. Defaults to `None` (silent).
+        seed: seed of the per-round shuffles (see `round_orders`).
+            Defaults to `ROUND_SEED`.
+
+    Returns:
+        `(rows, orders)`: one row per name, in order, from `aggregate`; and
+        the configuration order of each round.
+    """
+    orders = round_orders(names, repeat, seed)
+    rounds = []
+    for r, order in enumerate(orders, 1):
+        label = f"round {r}/{repeat} " if repeat > 1 else ""
+        rows = run_configs(spec, order, progress=progress, label=label)
+        rounds.append({row["config"]: row for row in rows})
+    return aggregate(rounds, names), orders
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _figures(row, baseline):
+    """A round's figures of a row, or its error; `speed_up` is the ratio to
+    the baseline row of the same round (None without one)."""
+    if "error" in row:
+        return {"error": row["error"]}
+    figures = {field: row.get(field) for field in (*MEDIAN_FIELDS, "retraces")}
+    ok = baseline is not None and "error" not in baseline
+    figures["speed_up"] = baseline["step_ms"] / row["step_ms"] if ok else None
+    return figures
+
+
+def aggregate(rounds, names):
+    """One row per configuration from the rows of several rounds.
+
+    A row's `MEDIAN_FIELDS` are medians over its successful rounds,
+    `retraces` is the maximum, and the other fields come from its first
+    successful round. `speed_up` is the median over the rounds where both
+    ran of the baseline's `step_ms` over the row's, in that same round (None
+    without a baseline). `per_round` lists, per round, those figures or the
+    round's `error`. A configuration that failed in some rounds gets a note;
+    one that failed in all of them keeps its first round's `error`.
+
+    Args:
+        rounds: one dict per round, configuration name -> row.
+        names: configuration names, in the order of the returned rows.
+
+    Returns:
+        A list of rows.
+    """
+    rows = []
+    for name in names:
+        runs = [round_[name] for round_ in rounds]
+        per_round = [_figures(run, round_.get("baseline")) for round_, run in zip(rounds, runs)]
+        good = [figures for figures in per_round if "error" not in figures]
+        first = next((run for run in runs if "error" not in run), runs[0])
+        row = {**first, "per_round": per_round}
+        if good:
+            for field in MEDIAN_FIELDS:
+                row[field] = _median(figures[field] for figures in good)
+            retraces = [f["retraces"] for f in good if f["retraces"] is not None]
+            row["retraces"] = max(retraces, default=None)
+            row["speed_up"] = _median(figures["speed_up"] for figures in good)
+            errors = [figures["error"] for figures in per_round if "error" in figures]
+            if errors:
+                note = f"failed in {len(errors)} of {len(runs)} rounds: {errors[0]}"
+                row["notes"] = [*row.get("notes", ()), note]
         rows.append(row)
     return rows
 

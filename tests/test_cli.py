@@ -150,6 +150,139 @@ def test_exit_status_depends_on_the_baseline(monkeypatch, capsys, configs, faile
         assert "1.25x" in _row_line(out, "jit_compile")  # 10 ms / 8 ms
 
 
+def test_compare_repeat_end_to_end(tmp_path, capsys):
+    out_json = tmp_path / "rows.json"
+    code, out, err, rows = _run(
+        [
+            "compare", "--model", "mlp", "--steps", "2", "--batch-size", "8",
+            "--configs", "baseline,accumulate", "--repeat", "2", "--json", str(out_json),
+        ],
+        capsys,
+    )
+    assert code == 0, out + err
+    assert "medians of 2 rounds" in out.splitlines()[0]
+    assert err.count("round 1/2 [") == 2 and err.count("round 2/2 [") == 2
+    saved = json.loads(out_json.read_text())
+    assert saved["repeat"] == 2
+    assert [sorted(order) for order in saved["orders"]] == [["accumulate", "baseline"]] * 2
+    assert [r["config"] for r in saved["rows"]] == ["baseline", "accumulate"]
+    for row in saved["rows"]:
+        assert "error" not in row, row
+        assert len(row["per_round"]) == 2
+        steps = [figures["step_ms"] for figures in row["per_round"]]
+        assert row["step_ms"] == pytest.approx(sum(steps) / 2)  # median of two
+        ratios = [figures["speed_up"] for figures in row["per_round"]]
+        assert row["speed_up"] == pytest.approx(sum(ratios) / 2)
+    assert saved["rows"][0]["speed_up"] == 1.0
+    assert rows == saved["rows"]
+
+
+def _timed_row(name, step_ms, **extra):
+    return {
+        "config": name, "kwargs": compare_lib.CONFIGS[name], "step_ms": step_ms,
+        "compile_s": 1.0, "examples_per_s": 256 / step_ms, "backward_share": 0.5,
+        "forward_ms": 1.0, "full_step_ms": 2.0, "peak_mib": 5.0, "retraces": 0,
+        "final_loss": 1.0, "notes": ["shared"], **extra,
+    }
+
+
+def test_aggregate_takes_medians_and_the_median_of_per_round_speed_ups():
+    rounds = [
+        {"baseline": _timed_row("baseline", 10.0), "accumulate": _timed_row("accumulate", 5.0, compile_s=3.0)},
+        {"baseline": _timed_row("baseline", 30.0), "accumulate": _timed_row("accumulate", 10.0, retraces=2)},
+        {"baseline": _timed_row("baseline", 12.0), "accumulate": _timed_row("accumulate", 12.0, peak_mib=None)},
+    ]
+    baseline, accumulate = compare_lib.aggregate(rounds, ["baseline", "accumulate"])
+    assert baseline["step_ms"] == 12.0 and baseline["speed_up"] == 1.0
+    assert accumulate["step_ms"] == 10.0
+    # Per-round ratios 2, 3 and 1: median 2, not 12 ms / 10 ms.
+    assert accumulate["speed_up"] == 2.0
+    assert [f["speed_up"] for f in accumulate["per_round"]] == [2.0, 3.0, 1.0]
+    assert accumulate["compile_s"] == 1.0
+    assert accumulate["examples_per_s"] == pytest.approx(25.6)
+    assert accumulate["peak_mib"] == 5.0  # the rounds that measured it
+    assert accumulate["retraces"] == 2  # any retrace shows
+    assert accumulate["notes"] == ["shared"]
+    assert accumulate["per_round"][0]["step_ms"] == 5.0
+
+
+def test_aggregate_with_failed_rounds_and_without_a_baseline():
+    failed = {"config": "accumulate", "kwargs": {}, "error": "Boom: no"}
+    rounds = [
+        {"baseline": _timed_row("baseline", 10.0), "accumulate": failed},
+        {"baseline": {**failed, "config": "baseline"}, "accumulate": _timed_row("accumulate", 4.0)},
+        {"baseline": _timed_row("baseline", 9.0), "accumulate": _timed_row("accumulate", 3.0)},
+    ]
+    baseline, accumulate = compare_lib.aggregate(rounds, ["baseline", "accumulate"])
+    assert "error" not in baseline and baseline["step_ms"] == 9.5
+    assert baseline["notes"] == ["shared", "failed in 1 of 3 rounds: Boom: no"]
+    # Round 2 has no baseline to compare with: only round 3 counts.
+    assert accumulate["speed_up"] == 3.0
+    assert accumulate["step_ms"] == 3.5
+    assert accumulate["per_round"][0] == {"error": "Boom: no"}
+    assert accumulate["per_round"][1]["speed_up"] is None
+
+    (always,) = compare_lib.aggregate([{"recompute": failed}] * 2, ["recompute"])
+    assert always["error"] == "Boom: no" and "step_ms" not in always
+    (alone,) = compare_lib.aggregate([{"accumulate": _timed_row("accumulate", 4.0)}], ["accumulate"])
+    assert alone["speed_up"] is None
+
+
+def test_round_orders_are_shuffled_per_round_and_seeded():
+    names = list(compare_lib.CONFIGS)
+    assert compare_lib.round_orders(names, 1) == [names]
+    orders = compare_lib.round_orders(names, 4)
+    assert len(orders) == 4 and all(sorted(o) == sorted(names) for o in orders)
+    assert len({tuple(o) for o in orders}) > 1
+    assert compare_lib.round_orders(names, 4) == orders
+    assert compare_lib.round_orders(names, 4, seed=1) != orders
+
+
+def test_repeat_runs_every_configuration_once_per_round(monkeypatch, capsys, tmp_path):
+    calls = []
+    step_ms = {"baseline": [10.0, 30.0, 12.0], "accumulate": [5.0, 10.0, 12.0]}
+
+    def run_one(spec):
+        calls.append(spec["config"])
+        r = sum(c == spec["config"] for c in calls) - 1
+        return _timed_row(spec["config"], step_ms[spec["config"]][r], jit_compile=False,
+                          policy="float32", accumulate_steps=1, recomputed=0)
+
+    monkeypatch.setattr(compare_lib, "run_one", run_one)
+    out_json = tmp_path / "rows.json"
+    code, out, _, rows = _run(
+        ["compare", "--configs", "baseline,accumulate", "--repeat", "3", "--json", str(out_json)],
+        capsys,
+    )
+    assert code == 0
+    saved = json.loads(out_json.read_text())
+    assert calls == [name for order in saved["orders"] for name in order]
+    assert "medians of 3 rounds" in out.splitlines()[0]
+    assert "2.00x" in _row_line(out, "accumulate")
+    assert [r["speed_up"] for r in rows] == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("baseline_failures, status", [(1, 0), (2, 1)])
+def test_repeat_fails_the_baseline_only_when_every_round_failed(
+    monkeypatch, capsys, baseline_failures, status
+):
+    calls = []
+
+    def run_one(spec):
+        calls.append(spec["config"])
+        if calls.count("baseline") <= baseline_failures and spec["config"] == "baseline":
+            return {"config": "baseline", "kwargs": spec["kwargs"], "error": "Boom: no"}
+        return _fake_rows(set())(spec)
+
+    monkeypatch.setattr(compare_lib, "run_one", run_one)
+    code, out, _, _ = _run(["compare", "--configs", "baseline,accumulate", "--repeat", "2"], capsys)
+    assert code == status
+    if status == 0:
+        assert "note (baseline): failed in 1 of 2 rounds: Boom: no" in out
+    else:
+        assert _row_line(out, "baseline") == f"{'baseline':<15}FAILED: Boom: no"
+
+
 def test_a_child_that_dies_without_a_row_fails_with_its_last_stderr_line(tmp_path, monkeypatch):
     fake_python = tmp_path / "python"
     fake_python.write_text("#!/bin/sh\necho 'some log' >&2\necho 'Fatal Python error: Aborted' >&2\nexit 134\n")
@@ -202,6 +335,8 @@ def _bad_argument_cases(tmp):
         (["compare", "--steps", "0"], "argument --steps: invalid value 0; expected an int >= 2"),
         (["compare", "--steps", "x"], "argument --steps: invalid value 'x'; expected an int >= 2"),
         (["compare", "--batch-size", "-1"], "argument --batch-size: invalid value -1; expected an int >= 1"),
+        (["compare", "--repeat", "0"], "argument --repeat: invalid value 0; expected an int >= 1"),
+        (["compare", "--repeat", "2.5"], "argument --repeat: invalid value '2.5'; expected an int >= 1"),
         (["compare", "--model", "resnet"], "argument --model: unknown model 'resnet'; expected one of mlp"),
         (["compare", "--model", str(tmp / "missing.keras")], "argument --model: no such file"),
         (["compare", "--model", str(not_zip)], "is not a .keras file"),
@@ -241,7 +376,7 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path, capsys, no_subproces
 
 
 def test_plot_writes_a_png(tmp_path, monkeypatch, capsys):
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401 - in the test extra: a missing one fails
     monkeypatch.setattr(compare_lib, "run_one", _fake_rows({"recompute"}))
     path = tmp_path / "out.png"
     code, _, _, _ = _run(

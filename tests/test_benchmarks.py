@@ -1,0 +1,85 @@
+"""`benchmarks/run_all.py`: its entries and argument handling, with the
+benchmark subprocesses stubbed out (no benchmark runs here)."""
+
+import glob
+import importlib.util
+import os
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+@pytest.fixture
+def run_all():
+    spec = importlib.util.spec_from_file_location("run_all", os.path.join(BENCHMARKS, "run_all.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_benchmark_script_has_an_entry(run_all):
+    scripts = {
+        os.path.join("benchmarks", os.path.basename(path))
+        for path in glob.glob(os.path.join(BENCHMARKS, "bench_*.py"))
+    }
+    listed = {args[0] for _, args, _ in run_all.ENTRIES.values() if args[0].endswith(".py")}
+    assert listed == scripts
+    assert run_all.command("compare", quick=False) == ["-m", "keras_gradboost", "compare"]
+    assert run_all.shown(run_all.command("compare", quick=True)) == "keras-gradboost compare --steps 6"
+    assert run_all.shown(run_all.command("foundation", quick=True)) == (
+        "python benchmarks/bench_foundation.py --quick"
+    )
+
+
+@pytest.mark.parametrize("only", ["nope", "foundation,nope", ","])
+def test_an_unknown_only_name_exits_2_listing_the_names(run_all, capsys, monkeypatch, only):
+    monkeypatch.setattr(run_all, "run", lambda *a: pytest.fail("must not run a benchmark"))
+    with pytest.raises(SystemExit) as info:
+        run_all.main(["--only", only])
+    assert info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --only: unknown benchmark(s)" in last
+    assert "expected comma-separated names from: " + ", ".join(run_all.ENTRIES) in last
+
+
+def test_only_runs_the_named_entries_in_order_and_writes_the_markdown(
+    run_all, tmp_path, monkeypatch, capsys
+):
+    ran = []
+
+    def fake_run(args):
+        ran.append(run_all.shown(args))
+        if "compare" in args:
+            return 1, "half a table\n", ["Traceback", "ValueError: boom"]
+        return 0, "ratio 1.00x\n", []
+
+    monkeypatch.setattr(run_all, "run", fake_run)
+    output = tmp_path / "RESULTS.md"
+    status = run_all.main(["--only", "compare,all_on", "--quick", "--output", str(output)])
+    assert status == 1  # compare failed
+    assert ran == [
+        "python benchmarks/bench_all_on.py --steps 4 --rounds 3",
+        "keras-gradboost compare --steps 6",
+    ]
+    text = output.read_text()
+    assert text.startswith("# Benchmark results\n")
+    assert "`python benchmarks/run_all.py --only compare,all_on --quick --output" in text
+    assert "load average (1, 5, 15 min): " in text and "TensorFlow " in text
+    assert "```text\nratio 1.00x\n```" in text
+    assert "(0 s, ok)" in text and "FAILED, exit status 1" in text
+    assert "```text\nTraceback\nValueError: boom\n```" in text
+    assert text.index("## all_on") < text.index("## compare")
+    assert "=== compare: FAILED (exit status 1)" in capsys.readouterr().out
+
+
+def test_run_returns_status_output_and_stderr_tail(run_all, tmp_path, capsys):
+    script = tmp_path / "noisy.py"
+    script.write_text(
+        "import sys\nprint('table')\n"
+        "for i in range(8): print(f'log {i}', file=sys.stderr)\nsys.exit(3)\n"
+    )
+    status, out, tail = run_all.run([str(script)])
+    assert (status, out) == (3, "table\n")
+    assert tail == [f"log {i}" for i in range(3, 8)]
+    assert "log 0" in capsys.readouterr().err  # passed through as it came
