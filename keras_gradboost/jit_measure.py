@@ -173,6 +173,12 @@ def unsupported_op_error(description):
     )
 
 
+def perf_counter():
+    """The clock `MeasuringTrainFunction` reads by default (looked up at each
+    call, so a test can replace it)."""
+    return time.perf_counter()
+
+
 def _sync(logs):
     """Waits for the call to finish by reading one value of its logs."""
     values = tf.nest.flatten(logs)
@@ -190,13 +196,13 @@ class MeasuringTrainFunction:
             made by Keras for the same model and optimizer.
         on_decided: callable `(measurement, function)` called once, with the
             `JitMeasurement` and the chosen function.
-        clock: callable returning seconds. Defaults to
-            `time.perf_counter`.
+        clock: callable returning seconds. Defaults to `None`: this
+            module's `perf_counter`.
         measurer: the `Measurer`. Defaults to a new one with the default
             schedule.
     """
 
-    def __init__(self, model, functions, on_decided, clock=time.perf_counter, measurer=None):
+    def __init__(self, model, functions, on_decided, clock=None, measurer=None):
         self.model = model
         self.functions = functions
         self.on_decided = on_decided
@@ -220,7 +226,8 @@ class MeasuringTrainFunction:
         if not batches:
             raise StopIteration
         jit, _ = self.measurer.next_call()
-        start = self.clock()
+        clock = self.clock or perf_counter
+        start = clock()
         try:
             logs = hooks.run_batches(self.model, self.functions[jit], batches)
             _sync(logs)
@@ -231,7 +238,7 @@ class MeasuringTrainFunction:
             self.measurer.fail_xla(f"XLA cannot compile the step: {found}")
             logs = hooks.run_batches(self.model, self.functions[False], batches)
         else:
-            self.measurer.record(self.clock() - start)
+            self.measurer.record(clock() - start)
         if self.result is not None:
             self.on_decided(self.result, self.functions[self.result.jit_compile])
         return logs
