@@ -71,6 +71,11 @@ CONFIGS = {
 # slower than the baseline (measured on a 2-core CPU; see README):
 # - jit_compile="auto" is Keras' own: XLA on a GPU, not on a CPU, where XLA
 #   made the built-in MLP ~1.2x and the CNN ~3.7x slower per step;
+#   jit_compile="measure" picks the same on this CPU under all_on's
+#   mixed_bfloat16 (no XLA: MLP 22.0 vs 34.1 ms, CNN 88.5 vs 256.0 ms per
+#   call) but adds 2-7 s of first steps (XLA compilation and XLA calls), and
+#   with 3 timed calls a loaded machine could tip it the wrong way: it is
+#   not worth it for all_on;
 # - precision="auto" then picks mixed_bfloat16 on a CPU with bfloat16
 #   instructions (~0.66x the float32 step on the MLP), mixed_float16 on a GPU;
 # - recompute only what must be: the budget is half the memory available
