@@ -19,12 +19,16 @@ from keras_gradboost import zoo
 BATCH = 256
 
 
-def make(kind):
+def make(kind, steps_per_execution=1):
     """The MLP 784-1024-1024-10 as `keras.Model` ("keras") or GradBoostModel."""
     model = zoo.mlp(cls=keras.Model if kind == "keras" else None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss="sparse_categorical_crossentropy",
+            steps_per_execution=steps_per_execution,
+        )
     return model
 
 

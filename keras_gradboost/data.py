@@ -29,7 +29,9 @@ def bucket_by_length(
         length_fn: callable taking an element (its components as separate
             arguments for a tuple) and returning its length as a scalar
             tensor. Defaults to `None`: the size of the first dimension of
-            the element's first component.
+            the first component whose first dimension has unknown size (the
+            components in `tf.nest.flatten` order: a dict's by sorted key),
+            so `{"label": ..., "tokens": ...}` is measured by its tokens.
         padding_value: the value padded with. Defaults to `0`.
         drop_remainder: drop each bucket's last batch when it is short, so the
             batch dimension takes a single value too. Defaults to `True`.
@@ -39,7 +41,8 @@ def bucket_by_length(
 
     Raises:
         ValueError: if `boundaries` is not an increasing sequence of positive
-            ints, or `batch_size` is not a positive int.
+            ints, or `batch_size` is not a positive int, or, without
+            `length_fn`, no component has a first dimension of unknown size.
         TypeError: if `dataset` is not a `tf.data.Dataset`.
 
     Example:
@@ -76,10 +79,21 @@ def bucket_by_length(
         )
     tuple_elements = isinstance(dataset.element_spec, tuple)
     if length_fn is None:
+        specs = tf.nest.flatten(dataset.element_spec)
+        varying = [
+            i for i, spec in enumerate(specs) if spec.shape.rank and spec.shape[0] is None
+        ]
+        if not varying:
+            raise ValueError(
+                "bucket_by_length: no component of the dataset's elements has "
+                "a first dimension of unknown size to measure (element_spec="
+                f"{dataset.element_spec!r}). Pass `length_fn`, e.g. "
+                "`length_fn=lambda x, y: tf.shape(x)[0]`."
+            )
+        index = varying[0]
 
         def length_fn(*element):
-            first = tf.nest.flatten(element)[0]
-            return tf.shape(first)[0]
+            return tf.shape(tf.nest.flatten(element)[index])[0]
 
     def length(*element):
         n = length_fn(*element) if tuple_elements else length_fn(element[0])

@@ -8,6 +8,8 @@ forbids inside a `tf.cond` branch in replica context.
 
 import tensorflow as tf
 
+from keras_gradboost import hooks
+
 
 def nonfinite_indicator(loss, grads):
     """1.0 if the loss or any gradient has a non-finite value, else 0.0."""
@@ -40,21 +42,28 @@ def local_value(value, strategy):
 
 
 def guard_optimizer(optimizer, counter=None, watch=None):
-    """Makes `optimizer.apply_gradients` skip non-finite gradients in-graph.
+    """Makes `optimizer.apply` skip non-finite gradients in-graph.
 
-    For models whose train step is Keras' own: the gradients reach the
-    optimizer, which is where a non-finite update can still be stopped. Every
+    For models whose train step is Keras' own, or a custom one that calls
+    `optimizer.apply_gradients` or `optimizer.apply`: the gradients reach
+    `apply`, which is where a non-finite update can still be stopped. Every
     skipped call adds 1 to `counter` (an int64 variable), if given. With a
     `WatchState`, every call is recorded in it, and an update is also
-    dropped while it is halted. Returns a function that undoes the wrapping.
+    dropped while it is halted. Returns a function that undoes the wrapping
+    (and leaves an instance attribute that was there before in place).
     """
-    original = optimizer.apply_gradients
+    original = optimizer.apply
+    previous = vars(optimizer).get("apply")
 
-    def apply_gradients(grads_and_vars):
-        pairs = list(grads_and_vars)
-        variables = [v for _, v in pairs]
-        mask = [g is not None for g, _ in pairs]
-        present = [g for g, _ in pairs if g is not None]
+    def apply(grads, trainable_variables=None):
+        grads = list(grads)
+        variables = (
+            hooks.optimizer_trainable_variables(optimizer)
+            if trainable_variables is None
+            else list(trainable_variables)
+        )
+        mask = [g is not None for g in grads]
+        present = [g for g in grads if g is not None]
         bad = nonfinite_indicator(None, present)
 
         def merge_fn(strategy, bad, present):
@@ -70,20 +79,23 @@ def guard_optimizer(optimizer, counter=None, watch=None):
                 )
 
             def apply_replica(grads):
-                original(zip(with_nones(grads, mask), variables))
+                original(with_nones(grads, mask), variables)
 
-            def apply():
+            def apply_update():
                 strategy.extended.call_for_each_replica(apply_replica, args=(present,))
 
-            tf.cond(finite, apply, lambda: None)
+            tf.cond(finite, apply_update, lambda: None)
 
         tf.distribute.get_replica_context().merge_call(merge_fn, args=(bad, present))
-        return optimizer.iterations
 
-    optimizer.apply_gradients = apply_gradients
+    optimizer.apply = apply
 
     def undo():
-        del optimizer.apply_gradients
+        if vars(optimizer).get("apply") is apply:
+            if previous is None:
+                del optimizer.apply
+            else:
+                optimizer.apply = previous
 
     return undo
 

@@ -48,6 +48,12 @@ def loss_tracker(model):
     return model._loss_tracker
 
 
+def optimizer_trainable_variables(optimizer):
+    """The variables a built optimizer updates, in the order of
+    `optimizer.apply(grads)` without `trainable_variables`."""
+    return list(optimizer._trainable_variables)
+
+
 def compute_loss(model, x, y, y_pred, sample_weight, training=True):
     """`model.compute_loss`, also for overrides that lack `training=`.
 
@@ -198,6 +204,10 @@ def check():
     (layer, ins, outs), = functional_nodes(model)
     assert layer is model.layers[1] and ins[0] is inputs and outs == model.outputs
     assert isinstance(loss_tracker(model), keras.metrics.Mean)
+    model.optimizer.build(model.trainable_variables)
+    assert optimizer_trainable_variables(model.optimizer) == list(
+        model.trainable_variables
+    )
     assert call_has_training_arg(model) in (True, False)
     assert is_functional(model)
     assert functional_init_arguments((inputs, inputs), {})
@@ -257,7 +267,13 @@ FUNCTIONS = ("train", "test", "predict")
 
 
 def hold_batches(
-    model, extra_logs=None, before_call=None, after_call=None, function="train"
+    model,
+    extra_logs=None,
+    before_call=None,
+    after_call=None,
+    function="train",
+    is_current=None,
+    teardown=None,
 ):
     """Wraps one of `model.train_function`, `model.test_function` or
     `model.predict_function` so the batches of the last call stay reachable,
@@ -294,6 +310,16 @@ def hold_batches(
             `extra_logs`. Defaults to `None`.
         function: which function to wrap: `"train"`, `"test"` or
             `"predict"`. Defaults to `"train"`.
+        is_current: optional callable `()` asked at each call from `fit()` or
+            `evaluate()` (a call with a `tf.data` iterator); False means the
+            owner of the wrapper is not part of that run (the run that put
+            the wrapper in place ended in an exception, and Keras called no
+            `on_*_end`): the wrapper then calls `teardown` and passes the
+            call on. Defaults to `None`.
+        teardown: optional callable `()` that removes the owner's wrappers
+            (this one included), called when `is_current()` is False and when
+            a call raises anything other than the end of the data. Defaults
+            to `None`.
 
     Returns:
         `(held, undo)`: the list that holds the last call's batches, and a
@@ -318,6 +344,7 @@ def hold_batches(
     cell = [getattr(model, attribute)]  # what this wrapper calls (see below)
     held = []
     active = [True]
+    tf_iterators = (tf.data.Iterator, tf.distribute.DistributedIterator)
     predict = function == "predict"
 
     def draw(iterator):
@@ -327,8 +354,26 @@ def hold_batches(
 
     def wrapper(iterator):
         original = cell[0]
+        if (
+            active[0]
+            and is_current is not None
+            and isinstance(iterator, tf_iterators + (_Chunk,))
+            and not is_current()
+        ):
+            (teardown or undo)()
+            active[0] = False
         if not active[0]:
             return _run_chunk(model, original, iterator)
+        try:
+            return call(original, iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            raise  # the end of the data: the run goes on
+        except BaseException:
+            if teardown is not None:
+                teardown()  # Keras calls no on_*_end after an exception
+            raise
+
+    def call(original, iterator):
         batches = draw(iterator)
         if not batches:
             raise StopIteration

@@ -451,19 +451,9 @@ class GradBoostModel(keras.Model):
         # gradients together with the loss-scale division (one pass).
         weight = n * replicas if accumulating else 1.0
 
-        setup = rt.recompute
-        if setup is not None and setup.pending:
-            setup.resolve_budget(self, x)
-        elif setup is not None and setup.input_spec is None:
-            setup.observe(x)
-
+        self._prepare_forward(x)
         with tf.GradientTape() as tape:
-            if setup is not None:
-                y_pred = setup.forward(self, x)
-            elif hooks.call_has_training_arg(self):
-                y_pred = self(x, training=True)
-            else:
-                y_pred = self(x)
+            y_pred = self._training_forward(x)
             loss = hooks.compute_loss(
                 self, x, y, y_pred, sample_weight, training=True
             )
@@ -515,6 +505,25 @@ class GradBoostModel(keras.Model):
             logs["loss_scale"] = rt.scaler.scale.read_value()
             logs["skipped_steps"] = rt.facts.skipped_steps.read_value()
         return logs
+
+    def _prepare_forward(self, x):
+        """Settles what the recompute forward needs from the first batch
+        (the budget's choice, the input spec); outside any tape."""
+        setup = self._gradboost.recompute
+        if setup is not None and setup.pending:
+            setup.resolve_budget(self, x)
+        elif setup is not None and setup.input_spec is None:
+            setup.observe(x)
+
+    def _training_forward(self, x):
+        """The forward pass of the training step (through the recompute
+        blocks, if any). Call `_prepare_forward(x)` first."""
+        setup = self._gradboost.recompute
+        if setup is not None:
+            return setup.forward(self, x)
+        if hooks.call_has_training_arg(self):
+            return self(x, training=True)
+        return self(x)
 
     def _decide(self, strategy, present_grads, n, bad, loss_bad):
         """The cross-replica part of a step: one decision for all replicas.

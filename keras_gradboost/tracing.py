@@ -6,7 +6,7 @@ variables got a `None` gradient. Both come from Python code that runs only
 while tracing, so they cost nothing per step.
 
 Keras captures `model.train_step` when it makes the train function, and
-looks `model.optimizer.apply_gradients` up while tracing it. A tracer is
+looks `model.optimizer.apply` up while tracing it. A tracer is
 installed once per model (per optimizer), as an instance attribute through
 the public methods, and stays: without a listener it only forwards the call
 (at trace time), so no train function has to be traced again for the next
@@ -19,6 +19,7 @@ import weakref
 
 import tensorflow as tf
 
+from keras_gradboost import hooks
 from keras_gradboost.state import replica_local_variable
 
 STEP_METHODS = ("train_step", "test_step", "predict_step")
@@ -48,9 +49,6 @@ class StepTracer:
 
     def __init__(self, model):
         self.listeners = []
-        # Per kind: every trace-time signature seen on this model, kept across
-        # fits (the traced functions are kept too).
-        self.seen = {}
         for name in STEP_METHODS:
             traced = self._wrap(name[: -len("_step")], getattr(model, name))
             setattr(traced, _PREVIOUS, vars(model).get(name, _ABSENT))
@@ -79,9 +77,7 @@ def step_tracer(model):
     tracer = _STEP_TRACERS.get(model)
     if tracer is not None and _installed(tracer, model, "train_step"):
         return tracer, False
-    seen = tracer.seen if tracer is not None else {}
     tracer = StepTracer(model)
-    tracer.seen = seen
     _STEP_TRACERS[model] = tracer
     model.train_function = None
     model.test_function = None
@@ -90,7 +86,7 @@ def step_tracer(model):
 
 
 class GradientTracer:
-    """Wraps `optimizer.apply_gradients`: at trace time it records the paths
+    """Wraps `optimizer.apply`: at trace time it records the paths
     of variables whose gradient is None; at run time, every `every` optimizer
     steps (a variable, so listeners change it without a retrace; a huge
     value turns it off), it stores each variable's gradient sum of squares
@@ -116,17 +112,24 @@ class GradientTracer:
             # strategy the trace runs in replica context, where no variable
             # can be made.
             self._make_stats(tuple(_path(v) for v in variables))
-        original = optimizer.apply_gradients
+        original = optimizer.apply
 
-        def apply_gradients(grads_and_vars, *args, **kwargs):
-            pairs = list(grads_and_vars)
+        # `apply`, not `apply_gradients`: Keras' `apply_gradients` calls it,
+        # and so does a custom train step that calls `optimizer.apply`.
+        def apply(grads, trainable_variables=None, *args, **kwargs):
+            grads = list(grads)
             if tf.inside_function():
-                self._trace(pairs)
-            return original(pairs, *args, **kwargs)
+                variables = (
+                    hooks.optimizer_trainable_variables(optimizer)
+                    if trainable_variables is None
+                    else list(trainable_variables)
+                )
+                self._trace(list(zip(grads, variables)))
+            return original(grads, trainable_variables, *args, **kwargs)
 
-        setattr(apply_gradients, _MARK, self)
-        setattr(apply_gradients, _PREVIOUS, vars(optimizer).get("apply_gradients", _ABSENT))
-        optimizer.apply_gradients = apply_gradients
+        setattr(apply, _MARK, self)
+        setattr(apply, _PREVIOUS, vars(optimizer).get("apply", _ABSENT))
+        optimizer.apply = apply
 
     def _make_stats(self, paths):
         with self.strategy.scope():
@@ -175,7 +178,7 @@ def gradient_tracer(model):
     """
     optimizer = model.optimizer
     tracer = _GRADIENT_TRACERS.get(optimizer)
-    if tracer is not None and _installed(tracer, optimizer, "apply_gradients"):
+    if tracer is not None and _installed(tracer, optimizer, "apply"):
         return tracer, False
     tracer = GradientTracer(
         optimizer, model.distribute_strategy, model.trainable_variables
@@ -193,7 +196,7 @@ def uninstall(model):
     retrace every step function at the next `fit` that listens); without a
     listener they only forward the call, at trace time. After `uninstall`,
     `model.train_step`, `test_step`, `predict_step` and
-    `model.optimizer.apply_gradients` are the class methods again (or what
+    `model.optimizer.apply` are the class methods again (or what
     was there before), and the model's train/test/predict functions are
     reset, so Keras makes them again without the wrappers. A later callback
     that listens installs them again.
@@ -223,7 +226,7 @@ def uninstall(model):
     optimizer = getattr(model, "optimizer", None)
     gradients = _GRADIENT_TRACERS.get(optimizer) if optimizer is not None else None
     if gradients is not None:
-        targets.append((optimizer, "apply_gradients", gradients))
+        targets.append((optimizer, "apply", gradients))
     for owner, name, owner_tracer in targets:
         if owner_tracer.listeners:
             raise RuntimeError(

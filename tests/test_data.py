@@ -101,3 +101,19 @@ def test_buckets_take_xla_recompiles_from_one_per_length_to_one_per_bucket():
     _xla_model().fit(ds, verbose=0, callbacks=[bucketed])
     assert bucketed.recompiles == 1  # two shapes: one compile beyond the first
     assert bucketed.events[0].changes == ("x: shape (4, 12) -> (4, 24), dim 1 varies",)
+
+
+def test_dict_elements_are_measured_by_their_varying_component():
+    # Sorted keys put the scalar "label" first: the default length is that of
+    # the first component whose first dimension varies, "tokens".
+    ds = _sequences().map(lambda x, y: {"label": y, "tokens": x})
+    batches = list(data.bucket_by_length(ds, [12, 24], batch_size=4))
+    assert {tuple(b["tokens"].shape) for b in batches} == {(4, 12), (4, 24)}
+    assert all(tuple(b["label"].shape) == (4,) for b in batches)
+    assert sum(int(tf.math.count_nonzero(b["tokens"])) for b in batches) == 4 * sum(LENGTHS)
+
+
+def test_no_varying_component_asks_for_length_fn():
+    ds = tf.data.Dataset.from_tensor_slices(np.zeros((8, 5), "int32"))
+    with pytest.raises(ValueError, match="Pass `length_fn`"):
+        data.bucket_by_length(ds, [8], batch_size=4)

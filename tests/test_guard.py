@@ -32,4 +32,34 @@ def test_guard_optimizer_skips_and_counts_then_undoes():
     np.testing.assert_array_equal(var.numpy(), [0.5, 0.5])
     assert int(counter.numpy()) == 1 and int(optimizer.iterations.numpy()) == 1
     undo()
-    assert "apply_gradients" not in vars(optimizer)
+    assert "apply" not in vars(optimizer)
+
+
+def test_guard_covers_apply_without_variables_and_keeps_a_previous_wrapper():
+    # A custom train step may call `optimizer.apply(grads)` on a built
+    # optimizer: guarded too.
+    var = keras.Variable(np.ones(2, "float32"))
+    optimizer = keras.optimizers.SGD(1.0)
+    optimizer.build([var])
+    calls = []
+    own = optimizer.apply
+
+    def earlier(grads, trainable_variables=None):  # another wrapper, first
+        calls.append(1)
+        return own(grads, trainable_variables)
+
+    optimizer.apply = earlier
+    counter = tf.Variable(0, dtype=tf.int64)
+    undo = guard.guard_optimizer(optimizer, counter)
+
+    @tf.function
+    def step(g):
+        optimizer.apply([g])
+
+    step(tf.constant([np.inf, 1.0]))
+    np.testing.assert_array_equal(var.numpy(), [1.0, 1.0])
+    assert int(counter.numpy()) == 1
+    step(tf.constant([0.5, 0.5]))
+    np.testing.assert_array_equal(var.numpy(), [0.5, 0.5])
+    undo()
+    assert vars(optimizer)["apply"] is earlier  # the earlier wrapper stays

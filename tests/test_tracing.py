@@ -28,14 +28,14 @@ def test_wrappers_stay_by_default_and_uninstall_removes_them(cls, regression_dat
     plain.fit(x, y, batch_size=8, verbose=0)
     # Default: still installed after fit (no retrace at the next listening fit).
     assert all(name in vars(model) for name in STEPS)
-    assert "apply_gradients" in vars(model.optimizer)
+    assert "apply" in vars(model.optimizer)
 
     assert tracing.uninstall(model) is True
     for name in STEPS:
         assert name not in vars(model)
         assert getattr(model, name).__func__ is getattr(type(model), name)
-    assert "apply_gradients" not in vars(model.optimizer)
-    assert model.optimizer.apply_gradients.__func__ is type(model.optimizer).apply_gradients
+    assert "apply" not in vars(model.optimizer)
+    assert model.optimizer.apply.__func__ is type(model.optimizer).apply
     assert model.train_function is None and model.predict_function is None
     assert tracing.uninstall(model) is False  # nothing left
 

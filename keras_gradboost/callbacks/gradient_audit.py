@@ -11,6 +11,8 @@ import tensorflow as tf
 
 from keras_gradboost import hooks
 from keras_gradboost import tracing
+from keras_gradboost.callbacks import args
+from keras_gradboost.callbacks.gate import RunGate
 
 ON_MISSING = ("warn", "raise", "ignore")
 
@@ -112,7 +114,7 @@ class AuditReport:
         return "\n".join(lines)
 
 
-class GradientAuditor(keras.callbacks.Callback):
+class GradientAuditor(RunGate):
     """Names the variables that get no gradient, and why; watches per-layer
     gradient norms for dead, vanishing and exploding layers.
 
@@ -133,14 +135,15 @@ class GradientAuditor(keras.callbacks.Callback):
 
     Works with any compiled Keras model (functional, Sequential, subclassed)
     and with `GradBoostModel` (with accumulation it sees the accumulated
-    update). It hooks `optimizer.apply_gradients` through a trace-time
+    update), and with custom train steps that call
+    `optimizer.apply_gradients` or `optimizer.apply`. It hooks
+    `optimizer.apply` (which `apply_gradients` calls) through a trace-time
     wrapper (`keras_gradboost.tracing`), installed once per optimizer; after
     `fit` the in-graph check is switched off (a `tf.cond` per step remains).
     The wrapper stays installed after `fit` by design, so the next `fit`
     that listens does not retrace the train step;
     `keras_gradboost.tracing.uninstall(model)` removes it (and the
-    `tf.cond`), after which `apply_gradients` is the optimizer's own method
-    again.
+    `tf.cond`), after which `apply` is the optimizer's own method again.
 
     Args:
         on_missing: what to do when some trainable variable has no gradient:
@@ -163,7 +166,8 @@ class GradientAuditor(keras.callbacks.Callback):
         missing: the `MissingGradient` records of the last fit.
 
     Raises:
-        ValueError: for a bad argument.
+        ValueError: for a bad argument value.
+        TypeError: for an argument of the wrong type.
         MissingGradientError: with `on_missing="raise"`.
 
     Example:
@@ -215,8 +219,8 @@ class GradientAuditor(keras.callbacks.Callback):
         self.zero_checks = zero_checks
         self.vanishing_ratio = float(vanishing_ratio)
         self.exploding_ratio = float(exploding_ratio)
-        self.show_non_trainable = show_non_trainable
-        self.verbose = verbose
+        self.show_non_trainable = args.check_bool("show_non_trainable", show_non_trainable)
+        self.verbose = args.check_verbose(verbose)
         self._undo = []
         self._tracer = None
         self._reset()
@@ -259,7 +263,11 @@ class GradientAuditor(keras.callbacks.Callback):
         self._last_at = int(tracer.at.numpy())
         self._owners = _variable_owners(model)
         _, undo = hooks.hold_batches(
-            model, before_call=self._before_call, after_call=self._after_call
+            model,
+            before_call=self._before_call,
+            after_call=self._after_call,
+            is_current=lambda: self._in_run("train"),
+            teardown=self._teardown,
         )
         self._undo.append(undo)
 

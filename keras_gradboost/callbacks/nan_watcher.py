@@ -10,6 +10,8 @@ import tensorflow as tf
 
 from keras_gradboost import guard
 from keras_gradboost import hooks
+from keras_gradboost.callbacks import args
+from keras_gradboost.callbacks.gate import RunGate
 from keras_gradboost.locate import as_local_batch
 from keras_gradboost.precision import computes_in_float16
 from keras_gradboost.locate import locate_nonfinite
@@ -102,7 +104,7 @@ class NaNEvent:
         return "\n".join(lines)
 
 
-class NaNWatcher(keras.callbacks.Callback):
+class NaNWatcher(RunGate):
     """Stops, skips or rolls back a non-finite training step, and says where
     it came from.
 
@@ -131,8 +133,9 @@ class NaNWatcher(keras.callbacks.Callback):
     bar and History.
 
     Works with any compiled Keras model: with a `GradBoostModel` the skip is
-    part of its train step; with a plain model the optimizer's
-    `apply_gradients` is wrapped for the duration of `fit` (a model whose
+    part of its train step; with a plain model the optimizer's `apply`
+    (which `apply_gradients` calls, as may a custom train step) is wrapped
+    for the duration of `fit` (a model whose
     optimizer is a `LossScaleOptimizer` already skips non-finite steps, and
     is refused: use `GradBoostModel` with `loss_scale=`).
 
@@ -156,7 +159,8 @@ class NaNWatcher(keras.callbacks.Callback):
         verbose: print each event's report. Defaults to `1`.
 
     Raises:
-        ValueError: for a bad argument.
+        ValueError: for a bad argument value.
+        TypeError: for an argument of the wrong type.
 
     Example:
 
@@ -197,11 +201,11 @@ class NaNWatcher(keras.callbacks.Callback):
                 f"lr_factor={lr_factor!r}. Expected a float in (0, 1)."
             )
         self.action = action
-        self.locate = locate
-        self.dump_dir = dump_dir
+        self.locate = args.check_bool("locate", locate)
+        self.dump_dir = args.check_directory("dump_dir", dump_dir)
         self.max_skips = max_skips
         self.lr_factor = lr_factor
-        self.verbose = verbose
+        self.verbose = args.check_verbose(verbose)
         self.events = []
         self._undo = []
         # (model/optimizer/function/steps_per_execution key, guarded train
@@ -289,7 +293,11 @@ class NaNWatcher(keras.callbacks.Callback):
         self._batches = {}  # step index -> batch, for the last few calls
         self._pending = None  # the last call's (count tensor, first, end step)
         _, undo_hold = hooks.hold_batches(
-            model, before_call=self._before_call, after_call=self._after_call
+            model,
+            before_call=self._before_call,
+            after_call=self._after_call,
+            is_current=lambda: self._in_run("train"),
+            teardown=self._teardown,
         )
         self._undo.append(undo_hold)
         if self.action == "restore":

@@ -15,11 +15,15 @@ import tensorflow as tf
 
 from keras_gradboost import hooks
 from keras_gradboost import tracing
+from keras_gradboost.callbacks import args
+from keras_gradboost.callbacks.gate import RunGate
 
 _ROOTS = ("x", "y", "sample_weight")
 
-# Per train/test/predict function object (it owns XLA's executables, one per
-# concrete shape): the concrete signatures it has run with, and the last one.
+# Per train/test/predict function object (it owns its traces, and XLA's
+# executables, one per concrete shape): the signatures it was traced for, the
+# concrete signatures it has run with, and the last one. A function made
+# anew (after `compile()`) starts empty: its first trace is no retrace.
 _COMPILED = weakref.WeakKeyDictionary()
 
 
@@ -309,7 +313,7 @@ class RetraceEvent:
 # ------------------------------------------------------------------ callback
 
 
-class RetraceCounter(keras.callbacks.Callback):
+class RetraceCounter(RunGate):
     """Counts retraces and XLA recompilations of the step functions, and says
     which input changed and how to fix it.
 
@@ -365,7 +369,8 @@ class RetraceCounter(keras.callbacks.Callback):
             "recompiles": m}}` for the functions that had any.
 
     Raises:
-        ValueError: for a bad argument.
+        ValueError: for a bad argument value.
+        TypeError: for an argument of the wrong type.
         RetraceError: with `strict=True`, past the limit.
 
     Example:
@@ -399,7 +404,7 @@ class RetraceCounter(keras.callbacks.Callback):
             )
         self.max_retraces = max_retraces
         self.strict = strict
-        self.verbose = verbose
+        self.verbose = args.check_verbose(verbose)
         self._tracer = None
         self._undo = []
         self._call_undo = {}
@@ -451,6 +456,9 @@ class RetraceCounter(keras.callbacks.Callback):
             before_call=lambda batches: self._before_call(function, batches),
             after_call=lambda batches, logs: self._after_call(function, batches, logs),
             function=function,
+            # predict_on_batch calls the predict function unannounced.
+            is_current=None if function == "predict" else lambda: self._in_run(function),
+            teardown=self._teardown,
         )
         self._call_undo[function] = undo
 
@@ -504,7 +512,7 @@ class RetraceCounter(keras.callbacks.Callback):
 
     def _on_trace(self, kind, data):
         sig = signature(data)
-        seen = self._tracer.seen.setdefault(kind, [])
+        seen = self._compiled(kind)["traced"]
         if sig in seen:
             return  # the same signature again: not a retrace
         first = not seen
@@ -538,10 +546,11 @@ class RetraceCounter(keras.callbacks.Callback):
         with (XLA keeps one executable per concrete shape for as long as the
         function lives), and the last one."""
         base = hooks.base_function(self.model, function)
+        fresh = {"traced": [], "seen": set(), "last": None}
         try:
-            return _COMPILED.setdefault(base, {"seen": set(), "last": None})
+            return _COMPILED.setdefault(base, fresh)
         except TypeError:  # not weak-referenceable: remember for this fit
-            return self._local_compiled.setdefault(function, {"seen": set(), "last": None})
+            return self._local_compiled.setdefault(function, fresh)
 
     def _before_call(self, function, batches):
         self._in_call = function

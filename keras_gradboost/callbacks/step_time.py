@@ -11,6 +11,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gradboost import hooks
+from keras_gradboost.callbacks import args
+from keras_gradboost.callbacks.gate import RunGate
 
 SPLIT_REPEATS = 7
 
@@ -173,6 +175,7 @@ class StepTimeReport:
         advice: the rules of thumb for this step, as sentences.
         probe_seconds: wall time the split probe took (one-off, outside the
             windows).
+        split_note: why `split` is None, or None when it was measured.
     """
 
     first_step_ms: object = None
@@ -184,6 +187,7 @@ class StepTimeReport:
     split: object = None
     advice: tuple = ()
     probe_seconds: object = None
+    split_note: object = None
 
     def summary(self):
         def ms(v):
@@ -210,6 +214,8 @@ class StepTimeReport:
             lines.append(f"    {'probe compile (one-off)':<26} {ms(s.compile_ms)}")
             if self.probe_seconds is not None:
                 lines.append(f"    {'probe wall time (one-off)':<26} {ms(1000 * self.probe_seconds)}")
+        elif self.split_note:
+            lines.append(f"  split: {self.split_note}")
         for tip in self.advice:
             lines.append(f"  advice: {tip}.")
         return "\n".join(lines)
@@ -218,7 +224,7 @@ class StepTimeReport:
 # -------------------------------------------------------------- callback
 
 
-class StepTimeMonitor(keras.callbacks.Callback):
+class StepTimeMonitor(RunGate):
     """Measures the training step: steady-state time, the first step's
     trace/compile cost, examples/s, and, once, the split of one step into
     input wait, forward, backward and optimizer update.
@@ -255,7 +261,9 @@ class StepTimeMonitor(keras.callbacks.Callback):
         verbose: print the summary at the end of training. Defaults to `0`.
 
     Raises:
-        ValueError: for a bad argument, or `profile_steps` without `log_dir`.
+        ValueError: for a bad argument value, or `profile_steps` without
+            `log_dir`.
+        TypeError: for an argument of the wrong type (e.g. `log_dir`).
 
     Example:
 
@@ -304,9 +312,9 @@ class StepTimeMonitor(keras.callbacks.Callback):
                 )
         self.window = window
         self.split_at = split_at
-        self.log_dir = log_dir
+        self.log_dir = args.check_directory("log_dir", log_dir)
         self.profile_steps = tuple(profile_steps) if profile_steps else None
-        self.verbose = verbose
+        self.verbose = args.check_verbose(verbose)
         self._undo = []
         self._reset()
 
@@ -332,7 +340,11 @@ class StepTimeMonitor(keras.callbacks.Callback):
         if self.log_dir is not None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
         _, undo = hooks.hold_batches(
-            self.model, before_call=self._before_call, after_call=self._after_call
+            self.model,
+            before_call=self._before_call,
+            after_call=self._after_call,
+            is_current=lambda: self._in_run("train"),
+            teardown=self._teardown,
         )
         self._undo.append(undo)
 
@@ -341,15 +353,15 @@ class StepTimeMonitor(keras.callbacks.Callback):
         self._timer.discard()
 
     def on_train_end(self, logs=None):
-        self._stop_profiler()
-        if self._writer is not None:
-            self._writer.flush()
         self._teardown()
         if self.verbose:
             print(self.summary(), flush=True)
 
     def _teardown(self):
         self._stop_profiler()
+        if self._writer is not None:
+            self._writer.close()  # flushes; a later fit opens a new one
+            self._writer = None
         while self._undo:
             self._undo.pop()()
 
@@ -433,6 +445,11 @@ class StepTimeMonitor(keras.callbacks.Callback):
         forward = 1000.0 * times["forward"]
         backward = max(0.0, 1000.0 * (times["forward_backward"] - times["forward"]))
         optimizer = max(0.0, 1000.0 * (times["full"] - times["forward_backward"]))
+        if "accumulate" in times:
+            # A micro-batch adds its gradients; the update comes once every
+            # accumulate_steps micro-batches.
+            adding = max(0.0, 1000.0 * (times["accumulate"] - times["forward_backward"]))
+            optimizer = adding + optimizer / accumulate_steps(model)
         compute = forward + backward + optimizer
         input_ms = max(0.0, step_ms - compute)
         total = max(step_ms, compute)
@@ -478,7 +495,22 @@ class StepTimeMonitor(keras.callbacks.Callback):
                 median, None if split is None else split.backward_share, input_share
             ),
             probe_seconds=self._probe_seconds,
+            split_note=None if split is not None else self._split_note(),
         )
+
+    def _split_note(self):
+        if self.split_at is None:
+            return "not measured (split_at=None)"
+        if self.model is not None and (
+            self.model.distribute_strategy is not tf.distribute.get_strategy()
+        ):
+            return (
+                "not measured under a distribution strategy (the probe would "
+                "time one replica's part, not the distributed step)"
+            )
+        if self.split_at == "auto":
+            return "not measured yet (it runs after the first full window)"
+        return f"not measured yet (it runs at step {self.split_at})"
 
     def summary(self):
         """`report().summary()`: a readable table."""
@@ -509,21 +541,33 @@ def split_times(model, batch, repeats=SPLIT_REPEATS):
     The full step applies the update to throwaway copies of the trainable
     variables with a fresh optimizer of the same configuration (same work,
     separate state). Non-trainable variables (BatchNormalization statistics,
-    seed generators) and metric variables are restored afterwards.
+    seed generators) and metric variables are restored afterwards. A
+    `GradBoostModel`'s forward goes through its recompute blocks, as in its
+    step (so their second forward counts as backward time); with
+    `accumulate_steps > 1`, an `"accumulate"` function adds the gradients to
+    throwaway sums, as each micro-batch does.
 
     Returns:
-        `({"forward": s, "forward_backward": s, "full": s}, compile_s)`:
-        median seconds over `repeats` interleaved runs after one warm-up
-        call each, and the warm-up calls' total (trace and compile).
+        `({"forward": s, "forward_backward": s, "full": s[, "accumulate": s]},
+        compile_s)`: median seconds over `repeats` interleaved runs after
+        one warm-up call each, and the warm-up calls' total (trace and
+        compile).
     """
+    from keras_gradboost.model import GradBoostModel
+
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
     trainable = list(model.trainable_variables)
     saved = [(v, np.array(v.numpy())) for v in model.non_trainable_variables]
     saved += [(v, np.array(v.numpy())) for v in model.metrics_variables]
     jit = bool(getattr(model, "jit_compile", False))
+    gradboost = isinstance(model, GradBoostModel)
+    if gradboost:
+        model._prepare_forward(x)
 
     def forward(x, y, sample_weight):
-        if hooks.call_has_training_arg(model):
+        if gradboost:  # its recompute blocks, as in its step
+            y_pred = model._training_forward(x)
+        elif hooks.call_has_training_arg(model):
             y_pred = model(x, training=True)
         else:
             y_pred = model(x)
@@ -561,6 +605,17 @@ def split_times(model, batch, repeats=SPLIT_REPEATS):
         "forward_backward": tf.function(fwd_bwd_out, jit_compile=jit, autograph=False),
         "full": tf.function(full, jit_compile=jit, autograph=False),
     }
+    if accumulate_steps(model) > 1:
+        sums = [keras.Variable(np.zeros(c.shape, c.dtype), trainable=False) for c in copies]
+
+        def accumulate(x, y, sample_weight):
+            loss, grads = forward_backward(x, y, sample_weight)
+            for g, total in zip(grads, sums):
+                if g is not None:
+                    total.assign_add(tf.convert_to_tensor(g))
+            return loss
+
+        functions["accumulate"] = tf.function(accumulate, jit_compile=jit, autograph=False)
     samples = {name: [] for name in functions}
     compile_s = 0.0
     try:
@@ -579,6 +634,12 @@ def split_times(model, batch, repeats=SPLIT_REPEATS):
         for v, value in saved:
             v.assign(value)
     return times, compile_s
+
+
+def accumulate_steps(model):
+    """`GradBoostModel`'s `accumulate_steps`; 1 for other models."""
+    config = getattr(model, "gradboost_config", None)
+    return 1 if config is None else config.accumulate_steps
 
 
 def _sync(outputs):

@@ -223,3 +223,35 @@ def test_reused_auditor_and_second_fit_without_retrace():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GradientAuditor(**kwargs)
+
+
+class ApplyStep(Branches):
+    """A custom train step that calls `optimizer.apply` (not
+    `apply_gradients`)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def test_custom_train_step_calling_optimizer_apply():
+    keras.utils.set_random_seed(0)
+    model = ApplyStep()
+    model.compile(optimizer="sgd", loss="mse")
+    auditor = GradientAuditor(every_n_steps=2, on_missing="ignore", verbose=0)
+    x, y = _data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Keras warns about the None gradients
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[auditor])
+    assert {("/".join(m.variable.split("/")[-2:]), m.reason) for m in auditor.missing} == {
+        ("cut/kernel", "cut"), ("cut/bias", "cut"),
+        ("unused/kernel", "unused"), ("unused/bias", "unused"),
+    }
+    report = auditor.report()
+    assert report.checks == 3  # 6 steps, every 2nd
+    assert set(report.layer_norms) == {"used", "out"}
+    assert all(n > 0 for n in report.layer_norms.values())

@@ -276,7 +276,7 @@ def test_watcher_is_removed_after_fit_and_reused_without_retracing():
     model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
     assert [e.step for e in watcher.events] == [BAD_STEP]
     plain = model.train_function
-    assert "apply_gradients" not in vars(model.optimizer)
+    assert "apply" not in vars(model.optimizer)
     guarded = watcher._guarded[1]
     assert guarded is not plain
     model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
@@ -338,7 +338,7 @@ def test_an_exception_elsewhere_leaves_no_guard_behind():
     assert "nonfinite_steps" not in history.history
     # 1 step before the interrupt, then all 8: the NaN step applied, as in Keras.
     assert int(model.optimizer.iterations.numpy()) == 9
-    assert "apply_gradients" not in vars(model.optimizer)
+    assert "apply" not in vars(model.optimizer)
     assert "make_train_function" not in vars(model)
 
 
@@ -523,3 +523,38 @@ def test_mirrored_strategy_stop_after_a_late_read(cls):
     for b in range(2):
         ref.train_on_batch(x[b * 10 : b * 10 + 10], y[b * 10 : b * 10 + 10])
     _assert_weights(model, ref.get_weights())
+
+
+@pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
+def test_mirrored_strategy_restore_rolls_back_and_goes_on(cls):
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
+    strategy = tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+    # Global batches of 10 (5 per replica): batch 2 holds the poisoned row.
+    # Chunk (2, 3) has the bad step; chunk (4, 5) runs halted before the
+    # read; then the rollback to the epoch's start (weights and optimizer
+    # state), and steps 6..15 at half the learning rate.
+    x, y = _long_data([BAD_STEP], batches=32)
+    with strategy.scope():
+        model = _functional(cls)
+        model.compile(optimizer=keras.optimizers.SGD(0.001, momentum=0.9), loss="mse",
+                      steps_per_execution=2)
+    watcher = NaNWatcher(action="restore", verbose=0)
+    model.fit(x, y, batch_size=10, shuffle=False, verbose=0, callbacks=[watcher])
+    assert [(e.step, e.layer, e.action_taken) for e in watcher.events] == [(2, "fault", "restored")]
+    np.testing.assert_allclose(float(model.optimizer.learning_rate.numpy()), 0.0005)
+    ref = _functional()
+    ref.compile(optimizer=keras.optimizers.SGD(0.0005, momentum=0.9), loss="mse")
+    for b in range(6, 16):
+        ref.train_on_batch(x[b * 10 : b * 10 + 10], y[b * 10 : b * 10 + 10])
+    _assert_weights(model, ref.get_weights())
+    # The momentum was rolled back too: the reference started from zero.
+    momenta = [
+        (a, b)
+        for a, b in zip(model.optimizer.variables, ref.optimizer.variables)
+        if "momentum" in a.path
+    ]
+    assert len(momenta) == 4  # two kernels, two biases
+    for a, b in momenta:
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -398,3 +398,21 @@ def test_one_event_per_recompile_with_steps_per_execution():
     assert [e.step for e in counter.events] == [0, 2, 2]
     second, third = counter.events[1:]
     assert second.call_seconds == third.call_seconds  # one call, shared
+
+
+def test_a_recompiled_model_starts_afresh():
+    # compile() makes new step functions: their first trace, even for a
+    # signature the old ones never saw, is not a retrace.
+    model = _model("functional")
+    _compile(model)
+    counter = RetraceCounter(strict=True)
+    model.fit(np.ones((8, 5), "int32"), np.zeros((8,), "int32"), batch_size=4,
+              verbose=0, callbacks=[counter])
+    _compile(model)
+    model.fit(np.ones((8, 5), "float32"), np.zeros((8,), "int32"), batch_size=4,
+              verbose=0, callbacks=[counter])  # a new dtype, a new function
+    assert counter.retraces == 0 and counter.events == []
+    # The same function again with that other dtype is a retrace.
+    with pytest.raises(RetraceError, match="dtype"):
+        model.fit(np.ones((8, 5), "int32"), np.zeros((8,), "int32"), batch_size=4,
+                  verbose=0, callbacks=[counter])

@@ -2,6 +2,7 @@
 whose split is checked against the measured step and the weights."""
 
 import os
+import types
 
 import numpy as np
 import pytest
@@ -148,6 +149,8 @@ def test_window_maths_under_a_fake_clock(monkeypatch, kind, steps_per_execution)
     assert history.history["examples_per_s"] == pytest.approx([800.0, 800.0])
     assert "steady step, median" in monitor.summary()
     assert report.split is None
+    assert report.split_note == "not measured (split_at=None)"
+    assert "split: not measured (split_at=None)" in monitor.summary()
 
 
 def test_fresh_state_on_each_fit(monkeypatch):
@@ -241,6 +244,11 @@ def test_profile_steps_write_a_trace(tmp_path):
         # no negative input wait, the total is the parts' sum.
         (5.0, {"forward": 0.002, "forward_backward": 0.005, "full": 0.006},
          {"input": 0.0, "forward": 2.0, "backward": 3.0, "optimizer": 1.0, "step": 6.0}),
+        # accumulate_steps=4: each micro-batch adds its gradients (0.5 ms)
+        # and a quarter of the update (4 ms / 4).
+        (10.0, {"forward": 0.002, "forward_backward": 0.005, "full": 0.009,
+                "accumulate": 0.0055},
+         {"input": 3.5, "forward": 2.0, "backward": 3.0, "optimizer": 1.5, "step": 10.0}),
     ],
 )
 def test_split_arithmetic_with_stubbed_probe_times(monkeypatch, window_ms, probe, expected):
@@ -248,6 +256,8 @@ def test_split_arithmetic_with_stubbed_probe_times(monkeypatch, window_ms, probe
 
     monkeypatch.setattr(step_time, "split_times", lambda model, batch: (probe, 0.25))
     monitor = StepTimeMonitor(window=4)
+    if "accumulate" in probe:
+        monitor.set_model(types.SimpleNamespace(gradboost_config=types.SimpleNamespace(accumulate_steps=4)))
     monitor._timer = step_time.WindowTimer(4)
     monkeypatch.setattr(monitor._timer, "median", lambda: window_ms)
     monitor._steps, monitor._logs, monitor._writer = 8, {}, None
@@ -261,3 +271,33 @@ def test_split_arithmetic_with_stubbed_probe_times(monkeypatch, window_ms, probe
     assert split.backward_share == pytest.approx(expected["backward"] / expected["step"])
     assert split.compile_ms == pytest.approx(250.0) and split.at_step == 7
     assert monitor._logs["split_backward_ms"] == pytest.approx(expected["backward"])
+
+
+class CountingBlock(keras.layers.Layer):
+    """A block that counts how often its forward is traced."""
+
+    traced = 0
+
+    def build(self, input_shape):
+        self.dense = keras.layers.Dense(input_shape[-1])
+        self.dense.build(input_shape)
+
+    def call(self, x):
+        CountingBlock.traced += 1
+        return x + self.dense(x)
+
+
+@pytest.mark.parametrize("recompute", [None, ["block"]])
+def test_split_probe_runs_the_recompute_forward(recompute):
+    # The probe times the step GradBoostModel runs: with the block
+    # recomputed, its forward is traced again inside the backward.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    model = GradBoostModel(inputs, keras.layers.Dense(1)(CountingBlock(name="block")(inputs)))
+    model.compile(optimizer="sgd", loss="mse", recompute=recompute)
+    x, y = np.ones((4, 8), "float32"), np.ones((4, 1), "float32")
+    model.fit(x, y, verbose=0)
+    CountingBlock.traced = 0
+    step_time.split_times(model, (tf.constant(x), tf.constant(y)), repeats=1)
+    # forward, forward+backward, full: 3 traces, plus 2 recomputes.
+    assert CountingBlock.traced == (5 if recompute else 3)

@@ -76,6 +76,7 @@ def test_under_mirrored_strategy(cls, regression_data):
     )
     assert history.history["retraces"] == [0.0]
     assert monitor.report().windows == 3 and monitor.report().split is None
+    assert "under a distribution strategy" in monitor.report().split_note
     # Both replicas' parts counted: 8 examples a step (each window's
     # examples/s times its ms/step), not one replica's 4.
     report = monitor.report()
@@ -142,3 +143,98 @@ def test_callbacks_add_no_trace(callbacks, cls, steps_per_execution):
         traces[name] = model.traces
     assert traces["with"] == traces["without"]
     assert traces["without"] == [((None, 4), (None, 1))]
+
+
+class Boom(keras.callbacks.Callback):
+    """Raises from its own hook, as a user's callback or a KeyboardInterrupt
+    between steps would: Keras then calls no on_train_end."""
+
+    def __init__(self, at_batch):
+        super().__init__()
+        self.at_batch = at_batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.at_batch:
+            raise RuntimeError("boom")
+
+
+class FailsAtStep(keras.layers.Layer):
+    """Identity, except that the step whose input holds 99.0 fails."""
+
+    def call(self, x):
+        tf.debugging.assert_less(x, 99.0, message="planted failure")
+        return x
+
+
+def _four(tmp_path):
+    return [
+        NaNWatcher(verbose=0),
+        StepTimeMonitor(window=2, split_at=None, log_dir=str(tmp_path), profile_steps=(1, 50)),
+        RetraceCounter(),
+        GradientAuditor(every_n_steps=1, on_missing="ignore", verbose=0),
+    ]
+
+
+def _profiler_free(tmp_path):
+    try:
+        tf.profiler.experimental.start(str(tmp_path / "again"))
+    except Exception:  # noqa: BLE001 - "another profiler is running"
+        return False
+    tf.profiler.experimental.stop()
+    return True
+
+
+@pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
+def test_exception_in_another_callback_leaves_nothing_behind(cls, tmp_path):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = cls(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = np.ones((64, 1), "float32")
+    four = _four(tmp_path)
+    with pytest.raises(RuntimeError, match="boom"):
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=four + [Boom(2)])
+    # The wrappers are still there (nothing has told them yet) and so is the
+    # profiler: the next fit without these callbacks finds them stale.
+    history = model.fit(x, y, batch_size=8, verbose=0)
+    assert set(history.history) == {"loss"}
+    assert not hasattr(model.train_function, "_held_original")
+    assert _profiler_free(tmp_path)
+    # The same fit with the callbacks again works and reports as usual.
+    history = model.fit(x, y, batch_size=8, verbose=0, callbacks=_four(tmp_path))
+    assert {"step_ms", "retraces", "nonfinite_steps"} <= set(history.history)
+
+
+def test_exception_inside_the_step_tears_down_at_once(tmp_path):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(FailsAtStep()(inputs)))
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.zeros((64, 4), "float32")
+    x[40] = 99.0  # the sixth batch of 8
+    y = np.ones((64, 1), "float32")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="planted failure"):
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=_four(tmp_path))
+    # Torn down by the failed call itself, before any other fit.
+    assert not hasattr(model.train_function, "_held_original")
+    assert _profiler_free(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: NaNWatcher(verbose=2), ValueError, "verbose=2"),
+        (lambda: NaNWatcher(locate="yes"), TypeError, "locate='yes'"),
+        (lambda: NaNWatcher(dump_dir=3), TypeError, "dump_dir=3"),
+        (lambda: StepTimeMonitor(verbose="loud"), ValueError, "verbose='loud'"),
+        (lambda: StepTimeMonitor(log_dir=["logs"]), TypeError, r"log_dir=\['logs'\]"),
+        (lambda: StepTimeMonitor(log_dir=""), ValueError, "log_dir=''"),
+        (lambda: RetraceCounter(verbose=-1), ValueError, "verbose=-1"),
+        (lambda: GradientAuditor(show_non_trainable=1), TypeError, "show_non_trainable=1"),
+        (lambda: GradientAuditor(verbose=None), ValueError, "verbose=None"),
+    ],
+)
+def test_common_arguments_are_checked(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
