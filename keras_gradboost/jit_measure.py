@@ -7,7 +7,8 @@ traces (and, for XLA, compiles) and is not timed; then `TIMED_CALLS` calls of
 each are timed, interleaved (XLA, no XLA, XLA, ...), each synchronised with
 the host by reading one value of its logs. The variant with the lower median
 wins, and from then on Keras runs only that one: nothing is timed or read
-any more.
+any more. (The untimed first calls are synchronised too, so their tail does
+not spill into the first timed call.)
 
 `Measurer` is the pure part (schedule, medians, decision) with an injectable
 clock; `MeasuringTrainFunction` adapts it to Keras' train function.
@@ -215,16 +216,14 @@ class MeasuringTrainFunction:
         return self.measurer.result
 
     def __call__(self, iterator):
-        if self.result is not None:  # a stale reference: run the choice
-            chosen = self.functions[self.result.jit_compile]
-            return hooks.run_batches(
-                self.model, chosen, hooks.draw_batches(self.model, iterator)
-            )
         # The batches are drawn here, so a failed XLA compilation can run
         # the very same batches without XLA.
         batches = hooks.draw_batches(self.model, iterator)
         if not batches:
             raise StopIteration
+        if self.result is not None:  # a stale reference: run the choice
+            chosen = self.functions[self.result.jit_compile]
+            return hooks.run_batches(self.model, chosen, batches)
         jit, _ = self.measurer.next_call()
         clock = self.clock or perf_counter
         start = clock()

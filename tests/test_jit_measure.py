@@ -88,7 +88,7 @@ class FakeClock:
     def __call__(self):
         self.ticks += 1
         if self.ticks % 2 == 0:
-            measuring = hooks.base_train_function(self.model)
+            measuring = self.measuring = hooks.base_train_function(self.model)
             jit, _ = measuring.measurer.next_call()
             self.now += self.ms[jit] / 1000
         return self.now
@@ -100,7 +100,8 @@ def test_fake_clock_decides_and_keeps_only_the_choice(
 ):
     x, y = regression_data
     model = small_model(GradBoostModel)
-    monkeypatch.setattr(jit_measure, "perf_counter", FakeClock(model, xla_ms, plain_ms))
+    clock = FakeClock(model, xla_ms, plain_ms)
+    monkeypatch.setattr(jit_measure, "perf_counter", clock)
     _fit(model, x, y, jit_compile="measure")
     measurement = model.jit_measurement
     assert measurement.jit_compile is expected
@@ -116,6 +117,14 @@ def test_fake_clock_decides_and_keeps_only_the_choice(
     assert _fit_again.history["loss"]
     assert model.jit_measurement is measurement
     assert 'jit_compile="measure"' not in capsys.readouterr().out
+    # A stale reference to the measuring function runs the choice.
+    data = tf.data.Dataset.from_tensor_slices((x[:8], y[:8])).batch(8)
+    iterations = int(model.optimizer.iterations)
+    iterator = iter(data)
+    assert "loss" in clock.measuring(iterator)
+    assert int(model.optimizer.iterations) == iterations + 1
+    with pytest.raises(StopIteration):
+        clock.measuring(iterator)
 
 
 def test_too_few_calls_stay_undecided_and_the_next_fit_goes_on(regression_data):
