@@ -44,7 +44,10 @@ after 2 warm-up steps), speed-up vs baseline, first-step compile s,
 examples/s, backward share (1 - forward-only time / train-step time, on one
 batch after training), peak MiB (TensorFlow allocator peak during fit minus
 the level before it), retraces (traces of the train step after the first
-batch), final loss (mean over the last quarter of the steps).
+batch), final loss (mean over the last quarter of the steps), setup, and
+xla: on, off, or off with what blocked it when XLA was asked for (a layer
+with supports_jit=False, an op without an XLA kernel); under
+jit_compile="measure", the measured XLA vs no-XLA medians.
 
 exit status: 0 when the baseline configuration ran (other rows may show
 FAILED with their reason), 1 when the baseline failed (or, without a baseline,
@@ -224,7 +227,7 @@ def _check_data(parser, path):
 
 
 def _setup(row):
-    parts = ["xla" if row["jit_compile"] else "no xla", row["policy"]]
+    parts = [row["policy"]]
     if row["accumulate_steps"] > 1:
         parts.append(f"accumulate {row['accumulate_steps']}")
     if row["kwargs"].get("recompute") is not None:
@@ -243,14 +246,27 @@ COLUMNS = (
     ("peak MiB", ">", 9),
     ("retraces", ">", 9),
     ("final loss", ">", 11),
-    ("  setup", "<", 0),
+    ("  setup", "<", 0),  # as wide as the widest setup
+    ("xla", "<", 0),
 )
+
+
+def _xla(row):
+    """The row's `xla` cell: on, off, or off with the reason XLA was
+    blocked (rows from before the column: from `jit_compile`)."""
+    return row.get("xla") or ("on" if row["jit_compile"] else "off")
 
 
 def format_table(rows):
     """The side-by-side table of `compare` rows, as text."""
     base = next((r for r in rows if r["config"] == "baseline" and "error" not in r), None)
-    header = "".join(f"{name:{align}{width}}" for name, align, width in COLUMNS)
+    setups = ["  " + _setup(r) for r in rows if "error" not in r]
+    setup_width = max([len(s) for s in setups] + [len("  setup")]) + 2
+    columns = [
+        (name, align, setup_width if name == "  setup" else width)
+        for name, align, width in COLUMNS
+    ]
+    header = "".join(f"{name:{align}{width}}" for name, align, width in columns)
     lines = [header.rstrip(), "-" * len(header.rstrip())]
     for r in rows:
         if "error" in r:
@@ -272,9 +288,10 @@ def format_table(rows):
             str(r["retraces"]),
             f"{r['final_loss']:.4f}",
             "  " + _setup(r),
+            _xla(r),
         )
         lines.append(
-            "".join(f"{c:{a}{w}}" for c, (_, a, w) in zip(cells, COLUMNS)).rstrip()
+            "".join(f"{c:{a}{w}}" for c, (_, a, w) in zip(cells, columns)).rstrip()
         )
     return "\n".join(lines)
 

@@ -12,10 +12,13 @@ model, compiles it with the configuration's keyword arguments, trains
 What a row holds (all measured in the child):
 - `step_ms`: median wall time of one training batch (one `fit` step, one
   micro-batch under `accumulate_steps`) after `WARMUP_STEPS` warm-up
-  batches, timed from `on_train_batch_begin` to `on_train_batch_end`
-  (Keras pulls the logs to the host there, so each step is synchronised).
+  batches (under `jit_compile="measure"`: after the measured batches, once
+  the choice is made), timed from `on_train_batch_begin` to
+  `on_train_batch_end` (Keras pulls the logs to the host there, so each step
+  is synchronised).
 - `compile_s`: the first batch's time minus `step_ms`: tracing and (XLA)
-  compilation.
+  compilation (under `jit_compile="measure"`: the first batch of each
+  variant).
 - `examples_per_s`: batch size / `step_ms`.
 - `backward_share`: after training, on one fixed batch, 1 - the median over
   interleaved pairs of (time of a compiled forward-only `tf.function`
@@ -35,6 +38,12 @@ What a row holds (all measured in the child):
   function was made again, or traced for a new Python value.)
 - `final_loss`: the mean training loss over the last quarter of the batches
   (recovered exactly from the running means Keras logs).
+- `xla`: whether the train step ran with XLA: `"on"`, `"off"`, or, when
+  `jit_compile=True` or `"measure"` asked for XLA and something blocked it,
+  `"off: <reason>"` (a layer with `supports_jit=False`, an op without an XLA
+  kernel); under `jit_compile="measure"` the measured medians follow
+  (`"on (measured 1.20 vs 2.31 ms)"`, XLA first), and `jit_measurement`
+  holds them.
 """
 
 import json
@@ -66,6 +75,11 @@ CONFIGS = {
 # slower than the baseline (measured on a 2-core CPU; see README):
 # - jit_compile="auto" is Keras' own: XLA on a GPU, not on a CPU, where XLA
 #   made the built-in MLP ~1.2x and the CNN ~3.7x slower per step;
+#   jit_compile="measure" picks the same on this CPU under all_on's
+#   mixed_bfloat16 (no XLA: MLP 22.0 vs 34.1 ms, CNN 88.5 vs 256.0 ms per
+#   call) but adds 2-7 s of first steps (XLA compilation and XLA calls), and
+#   with 3 timed calls a loaded machine could tip it the wrong way: it is
+#   not worth it for all_on;
 # - precision="auto" then picks mixed_bfloat16 on a CPU with bfloat16
 #   instructions (~0.66x the float32 step on the MLP), mixed_float16 on a GPU;
 # - recompute only what must be: the budget is half the memory available
@@ -468,6 +482,31 @@ def count_traces(model):
     return traces
 
 
+def _measures_jit(model):
+    """Whether `model` will measure XLA against no XLA in its next fit."""
+    return getattr(model, "jit_measurement", 0) is None and (
+        model.get_compile_config().get("jit_compile") == "measure"
+    )
+
+
+def first_trace_calls(model):
+    """How many first calls trace the train step: 1, or, under
+    `jit_compile="measure"`, the warm-up calls of both variants."""
+    from keras_gradboost import jit_measure
+
+    return 2 * jit_measure.WARMUP_CALLS if _measures_jit(model) else 1
+
+
+def measuring_calls(model):
+    """How many first calls `jit_compile="measure"` runs both variants in
+    (0 when it does not measure)."""
+    from keras_gradboost import jit_measure
+
+    if not _measures_jit(model):
+        return 0
+    return 2 * (jit_measure.WARMUP_CALLS + jit_measure.TIMED_CALLS)
+
+
 def timed_fit(model, data, steps, device):
     """`fit` for `steps` batches, timing each and reading the memory peak.
 
@@ -481,6 +520,7 @@ def timed_fit(model, data, steps, device):
 
     traces = count_traces(model)
     times, losses, first_traces = [], [], []
+    first_calls = first_trace_calls(model)
 
     class Clock(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
@@ -489,7 +529,7 @@ def timed_fit(model, data, steps, device):
         def on_train_batch_end(self, batch, logs=None):
             times.append(time.perf_counter() - self.start)
             losses.append(float(logs["loss"]))
-            if batch == 0:
+            if batch == first_calls - 1:
                 # tf.function traces twice on a first call that creates
                 # variables (optimizer slots): both are the first trace.
                 first_traces.append(traces[0])
@@ -559,21 +599,25 @@ def measure(spec):
     if len(y) < batch_size:
         data = data.repeat()
     data = data.batch(batch_size, drop_remainder=True).repeat().prefetch(2)
+    first_calls = first_trace_calls(model)
+    # Under jit_compile="measure" the steady state starts after the choice.
+    warm_steps = max(WARMUP_STEPS, measuring_calls(model))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         times, losses, retraces, grown = timed_fit(model, data, steps, device)
-        warm = min(WARMUP_STEPS, len(times) - 1)
+        warm = min(warm_steps, len(times) - 1)
         step_ms = statistics.median(times[warm:]) * 1000
         share, forward_ms, full_ms = backward_share(model, next(iter(data)), step_ms)
 
     plan = model.recompute_plan()
     return {
+        **xla_fields(model),
         "model": spec["model"],
         "compiled_with": kwargs,
         "batch_size": batch_size,
         "steps": steps,
         "step_ms": step_ms,
-        "compile_s": max(0.0, times[0] - step_ms / 1000),
+        "compile_s": max(0.0, sum(times[:first_calls]) - first_calls * step_ms / 1000),
         "examples_per_s": batch_size / (step_ms / 1000),
         "backward_share": share,
         "forward_ms": forward_ms,
@@ -588,6 +632,30 @@ def measure(spec):
         "notes": notes,
         "environment": environment(),
     }
+
+
+def xla_fields(model):
+    """`xla` (see the module docstring) and `jit_measurement` of a row."""
+    state = "on" if model.jit_compile else "off"
+    blocked = getattr(model, "xla_blocked_reason", None)
+    if blocked and not model.jit_compile:
+        state = f"off: {blocked}"
+    measurement = getattr(model, "jit_measurement", None)
+    fields = {"xla": state, "jit_measurement": None}
+    if measurement is not None:
+        fields["jit_measurement"] = {
+            "jit_compile": measurement.jit_compile,
+            "xla_ms": measurement.xla_ms,
+            "no_xla_ms": measurement.no_xla_ms,
+            "timed_calls": measurement.timed_calls,
+            "reason": measurement.reason,
+        }
+        if measurement.xla_ms is not None:
+            fields["xla"] = (
+                f"{state} (measured {measurement.xla_ms:.2f} vs "
+                f"{measurement.no_xla_ms:.2f} ms)"
+            )
+    return fields
 
 
 def child_main(argv):

@@ -148,3 +148,28 @@ def _recompute_setting(value):
             return tuple(value)
         raise _invalid("recompute", value, _RECOMPUTE_EXPECTED)
     raise _invalid("recompute", value, _RECOMPUTE_EXPECTED, TypeError)
+
+
+JIT_COMPILE = ("auto", True, False, "measure")
+
+
+def jit_compile_setting(value):
+    """Checks `compile(jit_compile=...)`: Keras' `"auto"`, True or False, or
+    gradboost's `"measure"`.
+
+    Returns:
+        `value`.
+
+    Raises:
+        ValueError: for a string other than `"auto"` and `"measure"`.
+        TypeError: for anything else that is not a bool.
+    """
+    if isinstance(value, bool) or isinstance(value, str) and value in ("auto", "measure"):
+        return value
+    raise _invalid(
+        "jit_compile",
+        value,
+        'True, False, "auto" (Keras: XLA on a GPU) or "measure" (time the '
+        "first steps with and without XLA and keep the faster)",
+        error=ValueError if isinstance(value, str) else TypeError,
+    )

@@ -131,6 +131,64 @@ def stop_recording():
     return record.stop_recording()
 
 
+def jit_blockers(model):
+    """Why Keras turns `jit_compile` off for `model`, as short reasons.
+
+    Keras' `model_supports_jit` (private, in `keras.src.trainers.trainer`)
+    says only yes or no, and `compile()` then sets `jit_compile=False`
+    silently (for `"auto"`) or with a warning that names no cause. The
+    reasons are the ones it checks: layers with `supports_jit=False`, op
+    determinism enabled in TensorFlow, and TensorFlow on an Apple-silicon
+    GPU.
+
+    Returns:
+        A list of reasons such as `"layer 'rnn' (MyRNN) has
+        supports_jit=False"`; empty when Keras allows XLA.
+    """
+    import platform
+
+    from tensorflow.python.framework.config import is_op_determinism_enabled
+
+    reasons = []
+    if (
+        platform.system() == "Darwin"
+        and "arm" in platform.processor().lower()
+        and tf.config.list_physical_devices("GPU")
+    ):
+        reasons.append("TensorFlow has no XLA on the Apple-silicon GPU")
+    layers = [
+        layer for layer in flatten_layers(model) if not getattr(layer, "supports_jit", True)
+    ]
+    for layer in layers[:3]:
+        reasons.append(
+            f"layer {layer.name!r} ({type(layer).__name__}) has supports_jit=False"
+        )
+    if len(layers) > 3:
+        reasons.append(f"{len(layers) - 3} more layers have supports_jit=False")
+    if not layers and is_op_determinism_enabled():
+        reasons.append(
+            "op determinism is enabled "
+            "(tf.config.experimental.enable_op_determinism)"
+        )
+    return reasons
+
+
+def keras_supports_jit(model):
+    """Keras' own verdict (`model_supports_jit`), to check `jit_blockers`."""
+    from keras.src.trainers.trainer import model_supports_jit
+
+    return model_supports_jit(model)
+
+
+def print_msg(message):
+    """Prints `message` as Keras prints its progress bar: to stdout, or to
+    absl logging when `keras.utils.disable_interactive_logging()` is on.
+    (`keras.src.utils.io_utils.print_msg` has no public name.)"""
+    from keras.src.utils.io_utils import print_msg as _print_msg
+
+    _print_msg(message)
+
+
 def check():
     """Fails with an AttributeError naming what moved, if a hook is broken.
 
@@ -164,6 +222,10 @@ def check():
         with stop_recording():
             y = x * 2.0
     assert tape.gradient(y, x) is None
+    assert keras_supports_jit(model) is True and jit_blockers(model) == []
+    from keras.src.utils.io_utils import print_msg as _print_msg
+
+    assert callable(_print_msg)
     return True
 
 
@@ -288,17 +350,7 @@ def hold_batches(
     def draw(iterator):
         if predict:  # predict() hands over the list it drew
             return list(iterator)
-        if isinstance(iterator, _Chunk):  # drawn by a wrapper above this one
-            return iterator
-        if isinstance(iterator, tf_iterators):
-            batches = _Chunk(iterator.element_spec)
-            for _ in range(model.steps_per_execution):
-                try:
-                    batches.append(next(iterator))
-                except (StopIteration, tf.errors.OutOfRangeError):
-                    break
-            return batches
-        return list(itertools.islice(iterator, model.steps_per_execution))
+        return draw_batches(model, iterator)
 
     def wrapper(iterator):
         original = cell[0]
@@ -350,6 +402,57 @@ def hold_batches(
     return held, undo
 
 
+def draw_batches(model, iterator):
+    """The batches one call of `model.train_function` (or `test_function`)
+    would run: up to `steps_per_execution` batches drawn from `iterator`.
+
+    Drawn from a `tf.data` iterator, the list keeps its `element_spec`, so
+    `run_batches` runs them as one call traced for that spec. A list already
+    drawn (by a `hold_batches` wrapper) is returned as it is.
+
+    Args:
+        model: the compiled model.
+        iterator: what Keras passes to the function: a `tf.data` or
+            distributed iterator, a drawn list, or any iterable of batches.
+
+    Returns:
+        A list of batches (empty when the iterator is exhausted).
+    """
+    if isinstance(iterator, _Chunk):  # drawn by a wrapper above this one
+        return iterator
+    if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+        batches = _Chunk(iterator.element_spec)
+        for _ in range(model.steps_per_execution):
+            try:
+                batches.append(next(iterator))
+            except (StopIteration, tf.errors.OutOfRangeError):
+                break
+        return batches
+    return list(itertools.islice(iterator, model.steps_per_execution))
+
+
+def run_batches(model, function, batches):
+    """Runs a train/test function (Keras' own, or a wrapper) on batches from
+    `draw_batches`, as one call: the step is not traced again for the
+    batches' concrete shapes, and a chunk of `steps_per_execution` batches
+    is not split into separate calls.
+
+    Returns:
+        The logs of the call.
+    """
+    return _run_chunk(model, function, batches)
+
+
+def runs_batches(function):
+    """Marks `function` (a train function that dispatches to other ones) as
+    taking a list of drawn batches itself: `hold_batches` wrappers above it
+    call it with the list instead of tracing it into a `tf.function` (which
+    would freeze its Python dispatch). It must then hand a list to
+    `run_batches`. Returns `function`."""
+    function._runs_batches = True
+    return function
+
+
 class _Chunk(list):
     """The batches one call runs, drawn from a `tf.data` iterator whose
     `element_spec` they keep (wrappers below the drawing one pass it on)."""
@@ -368,6 +471,7 @@ def _run_chunk(model, function, batches):
     `steps_per_execution` steps as that many calls."""
     if (
         getattr(function, "_held_original", None) is not None
+        or getattr(function, "_runs_batches", False)
         or not isinstance(batches, _Chunk)
         or model.run_eagerly
     ):

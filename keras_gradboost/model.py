@@ -9,12 +9,14 @@ import tensorflow as tf
 from keras_gradboost import blocks
 from keras_gradboost import guard
 from keras_gradboost import hooks
+from keras_gradboost import jit_measure
 from keras_gradboost import precision as precision_lib
 from keras_gradboost import recompute_check
 from keras_gradboost.accumulate import GradientAccumulator
 from keras_gradboost.accumulate import sample_count
 from keras_gradboost.locate import as_local_batch
 from keras_gradboost.config import GradBoostConfig
+from keras_gradboost.config import jit_compile_setting
 from keras_gradboost.state import StepFacts
 
 
@@ -39,6 +41,10 @@ class _Runtime:
         self.recompute = None  # blocks.RecomputeSetup
         self.recompute_check_pending = False
         self.check_wrapper = None  # the train function that runs the check
+        self.jit_requested = "auto"  # compile(jit_compile=...) as given
+        self.jit_measurement = None  # jit_measure.JitMeasurement
+        # Why XLA is off although jit_compile=True or "measure" asked for it.
+        self.xla_blocked = None
 
 
 @keras.saving.register_keras_serializable(package="keras_gradboost")
@@ -100,6 +106,17 @@ class GradBoostModel(keras.Model):
         `metrics`, `jit_compile`, `steps_per_execution`, ...), plus:
 
         Args:
+            jit_compile: Keras' `"auto"`, True or False, or `"measure"`: the
+                first training calls of `fit` run alternately with and
+                without XLA (each one a real step on the real batches: the
+                first call of each traces and compiles and is not timed,
+                then `jit_measure.TIMED_CALLS` timed calls of each), and the
+                variant with the lower median is kept from then on (see
+                `jit_measurement`; a one-line report is printed). A step XLA
+                cannot compile (an op without an XLA kernel) makes it choose
+                no XLA. When a layer has `supports_jit=False` (or TensorFlow
+                op determinism is on), True and `"measure"` turn XLA off
+                with a warning naming the layer. Defaults to `"auto"`.
             accumulate_steps: int >= 1. Gradients of this many micro-batches
                 (the batches `fit` draws) make one optimizer update, exactly
                 equal to one step on their concatenation: each micro-batch is
@@ -142,8 +159,10 @@ class GradBoostModel(keras.Model):
                 Defaults to `False`.
 
         Raises:
-            TypeError: if a gradboost argument has the wrong type.
-            ValueError: if a gradboost argument has a bad value, or conflicts
+            TypeError: if a gradboost argument or `jit_compile` has the wrong
+                type.
+            ValueError: if a gradboost argument or `jit_compile` has a bad
+                value, or conflicts
                 with the optimizer (its own `gradient_accumulation_steps`, or a
                 `LossScaleOptimizer` together with gradboost loss scaling or
                 accumulation) or with `auto_scale_loss=True`.
@@ -156,6 +175,24 @@ class GradBoostModel(keras.Model):
             recompute_check=recompute_check,
         )
         keras_kwargs = _bind_compile_args(args, kwargs)
+        jit_requested = jit_compile_setting(keras_kwargs.get("jit_compile", "auto"))
+        xla_blocked = None
+        if jit_requested is True or jit_requested == "measure":
+            blockers = hooks.jit_blockers(self)
+            if keras_kwargs.get("run_eagerly"):
+                blockers = ["run_eagerly=True"]
+            if blockers:
+                xla_blocked = "; ".join(blockers)
+                warnings.warn(
+                    f"jit_compile={jit_requested!r}, but XLA is off: "
+                    f"{xla_blocked}. The model trains without XLA.",
+                    stacklevel=2,
+                )
+            # Keras gets False for "measure" (both variants are made in
+            # make_train_function) and when XLA is blocked (its own warning
+            # names no cause).
+            if blockers or jit_requested == "measure":
+                keras_kwargs["jit_compile"] = False
         optimizer = keras.optimizers.get(keras_kwargs.get("optimizer", "rmsprop"))
         keras_kwargs["optimizer"] = optimizer
         auto_scale_loss = bool(keras_kwargs.pop("auto_scale_loss", False))
@@ -164,6 +201,7 @@ class GradBoostModel(keras.Model):
         # Keras resolves jit_compile="auto" to False on a CPU-only machine, and
         # the precision rule depends on jit only on a CPU.
         jit = keras_kwargs.get("jit_compile", "auto")
+        # "measure" is resolved as no XLA here: the rule is decided at compile.
         jit = False if jit == "auto" or keras_kwargs.get("run_eagerly") else bool(jit)
         policy = precision_lib.resolve_precision(config.precision, jit, on_gpu, cpu_bf16)
         model_policy = policy or self.dtype_policy.name
@@ -197,6 +235,13 @@ class GradBoostModel(keras.Model):
             warnings.warn(message, stacklevel=2)
 
         rt.config = config
+        rt.jit_requested = jit_requested
+        rt.xla_blocked = xla_blocked
+        rt.jit_measurement = None
+        if jit_requested == "measure" and xla_blocked:
+            rt.jit_measurement = jit_measure.JitMeasurement(
+                jit_compile=False, reason=f"XLA is off: {xla_blocked}"
+            )
         rt.auto_scale_loss = auto_scale_loss
         rt.policy = policy
         rt.accumulator = None
@@ -217,6 +262,9 @@ class GradBoostModel(keras.Model):
     def get_compile_config(self):
         config = super().get_compile_config()
         if config:
+            requested = self._gradboost.jit_requested
+            if requested is True or requested == "measure":
+                config["jit_compile"] = requested  # Keras keeps what it ran
             config["gradboost"] = {
                 **self._gradboost.config.to_dict(),
                 "auto_scale_loss": self._gradboost.auto_scale_loss,
@@ -240,6 +288,23 @@ class GradBoostModel(keras.Model):
     def step_facts(self):
         """`StepFacts` of the training step: finiteness, skips, None grads."""
         return self._gradboost.facts
+
+    @property
+    def jit_measurement(self):
+        """What `compile(jit_compile="measure")` chose, and why.
+
+        A `jit_measure.JitMeasurement` (`jit_compile`, `xla_ms`,
+        `no_xla_ms`, `timed_calls`, `reason`) once decided; None before, and
+        for any other `jit_compile`.
+        """
+        return self._gradboost.jit_measurement
+
+    @property
+    def xla_blocked_reason(self):
+        """Why XLA is off although `jit_compile=True` or `"measure"` asked for
+        it (a layer with `supports_jit=False`, an op without an XLA kernel,
+        ...), or None."""
+        return self._gradboost.xla_blocked
 
     @property
     def dtype_policy_applied(self):
@@ -283,14 +348,56 @@ class GradBoostModel(keras.Model):
             with self.distribute_strategy.scope():
                 self._new_accumulator()
             force = True
-        super().make_train_function(force=force)
         rt = self._gradboost
+        if self._measuring_jit() and (force or self.train_function is None):
+            self.train_function = self._make_measuring_function()
+        else:
+            super().make_train_function(force=force)
+        base = hooks.base_train_function(self)
+        if isinstance(base, jit_measure.MeasuringTrainFunction) and base.result:
+            # Left in place by a callback's undo: keep only the choice.
+            hooks.replace_base_train_function(
+                self, base.functions[base.result.jit_compile]
+            )
         if rt.recompute_check_pending and self.train_function is not rt.check_wrapper:
             _, undo = hooks.hold_batches(
                 self, before_call=lambda b: self._check(b, undo)
             )
             rt.check_wrapper = self.train_function
         return self.train_function
+
+    def _measuring_jit(self):
+        rt = self._gradboost
+        return (
+            rt.jit_requested == "measure"
+            and rt.jit_measurement is None
+            and not self.run_eagerly
+        )
+
+    def _make_measuring_function(self):
+        """Keras' train function with XLA and without, behind one function
+        that runs them as `jit_measure` says until it decides."""
+        functions = {}
+        for jit in (True, False):
+            self.jit_compile = jit  # Keras reads it when it makes the function
+            super().make_train_function(force=True)
+            functions[jit] = self.train_function
+        return jit_measure.MeasuringTrainFunction(self, functions, self._jit_decided)
+
+    def _jit_decided(self, measurement, function):
+        rt = self._gradboost
+        rt.jit_measurement = measurement
+        if not measurement.jit_compile and measurement.xla_ms is None:
+            rt.xla_blocked = measurement.reason
+        if bool(self.jit_compile) != measurement.jit_compile:
+            self.jit_compile = measurement.jit_compile
+            # Made again, when needed, with the chosen setting.
+            self.test_function = None
+            self.predict_function = None
+        measuring = hooks.base_train_function(self)
+        if isinstance(measuring, jit_measure.MeasuringTrainFunction):
+            hooks.replace_base_train_function(self, function)
+        hooks.print_msg(measurement.message())
 
     def _check(self, batches, undo):
         rt = self._gradboost
@@ -543,6 +650,16 @@ class GradBoostModel(keras.Model):
     # --------------------------------------------------------------- fit hooks
 
     def fit(self, *args, **kwargs):
+        try:
+            return self._fit(*args, **kwargs)
+        except tf.errors.InvalidArgumentError as error:
+            found = jit_measure.unsupported_op(error, self) if self.jit_compile else None
+            if found is None:
+                raise
+            self._gradboost.xla_blocked = found
+            raise jit_measure.unsupported_op_error(found) from error
+
+    def _fit(self, *args, **kwargs):
         rt = self._gradboost
         setup = rt.recompute
         if setup is not None and setup.pending and setup.batch_hint is None:

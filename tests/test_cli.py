@@ -37,8 +37,9 @@ def test_compare_end_to_end(tmp_path, capsys):
     assert "[1/2] baseline" in err and "[2/2] all_on" in err
     header = out.splitlines()[1]
     for column in ("step ms", "speed-up", "compile s", "examples/s", "bwd share",
-                   "peak MiB", "retraces", "final loss"):
+                   "peak MiB", "retraces", "final loss", "setup", "xla"):
         assert column in header
+    assert _row_line(out, "baseline").endswith("  off")
     assert "1.00x" in _row_line(out, "baseline")
     assert "accumulate 4" in _row_line(out, "all_on")
     assert "recompute 0 blocks" in _row_line(out, "all_on")  # fits the budget
@@ -59,6 +60,7 @@ def test_compare_end_to_end(tmp_path, capsys):
         assert row["peak_mib"] is None or row["peak_mib"] > 0
     baseline, all_on = by_name["baseline"], by_name["all_on"]
     assert (baseline["jit_compile"], baseline["accumulate_steps"]) == (False, 1)
+    assert (baseline["xla"], baseline["jit_measurement"]) == ("off", None)
     assert all_on["accumulate_steps"] == 4
     assert all_on["recomputed"] == 0
     assert isinstance(all_on["compiled_with"]["recompute"]["budget_mb"], (int, float))
@@ -442,3 +444,62 @@ def test_timed_fit_does_not_count_the_first_batch_traces_as_retraces():
     # Adam creates its slots in the first step, so TensorFlow traces that
     # step twice; neither is a retrace.
     assert retraces == 0
+
+
+def test_xla_column_shows_the_blocked_reason(monkeypatch, capsys):
+    def run_one(spec):
+        row = _fake_rows(set())(spec)
+        if spec["config"] == "jit_compile":
+            row["xla"] = "off: layer 'rnn' (MyRNN) has supports_jit=False"
+        return row
+
+    monkeypatch.setattr(compare_lib, "run_one", run_one)
+    code, out, _, _ = _run(["compare", "--configs", "baseline,jit_compile"], capsys)
+    assert code == 0
+    assert _row_line(out, "jit_compile").endswith(
+        "  float32  off: layer 'rnn' (MyRNN) has supports_jit=False"
+    )
+    assert _row_line(out, "baseline").endswith("  float32  off")
+    # The xla column starts at the same place in every line.
+    lines = out.splitlines()
+    starts = {line.index("off") for line in lines if line.startswith(("baseline ", "jit_compile "))}
+    assert starts == {lines[1].index("xla")}
+
+
+class _NoJit(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_jit = False
+
+    def call(self, x):
+        return x
+
+
+@pytest.mark.parametrize("jit_compile", [True, "measure"])
+def test_xla_fields_name_what_blocked_xla(jit_compile):
+    from keras_gradboost.model import GradBoostModel
+
+    inputs = keras.Input((5,))
+    model = GradBoostModel(inputs, keras.layers.Dense(3)(_NoJit(name="slow")(inputs)))
+    with pytest.warns(UserWarning, match="XLA is off"):
+        model.compile(optimizer="sgd", loss="mse", jit_compile=jit_compile)
+    fields = compare_lib.xla_fields(model)
+    assert fields["xla"] == "off: layer 'slow' (_NoJit) has supports_jit=False"
+    if jit_compile == "measure":
+        assert fields["jit_measurement"]["jit_compile"] is False
+
+
+def test_xla_fields_of_a_measured_model():
+    from keras_gradboost.model import GradBoostModel
+
+    inputs = keras.Input((5,))
+    model = GradBoostModel(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer="sgd", loss="mse", jit_compile="measure")
+    rng = np.random.default_rng(0)
+    model.fit(rng.normal(size=(80, 5)), rng.normal(size=(80, 3)), batch_size=8, verbose=0)
+    fields = compare_lib.xla_fields(model)
+    measured = fields["jit_measurement"]
+    state = "on" if measured["jit_compile"] else "off"
+    assert fields["xla"] == (
+        f"{state} (measured {measured['xla_ms']:.2f} vs {measured['no_xla_ms']:.2f} ms)"
+    )

@@ -5,6 +5,7 @@ it is the only module that touches Keras internals.
 """
 
 import numpy as np
+import tensorflow as tf
 
 import keras
 from keras_gradboost import hooks
@@ -295,3 +296,45 @@ def test_hold_batches_runs_a_chunk_in_one_call_traced_for_the_spec():
     assert any(np.abs(a - b).max() > 0 for a, b in zip(before, after))
     undo()
     undo_base()
+
+
+def test_draw_and_run_batches_run_one_chunk_as_one_call():
+
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=3)
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.ones((10, 2), "float32"), np.ones((10, 1), "float32"))
+    ).batch(2)
+    model.fit(data, epochs=1, verbose=0)  # makes the train function
+    iterator = iter(data)
+    batches = hooks.draw_batches(model, iterator)
+    assert len(batches) == 3
+    assert hooks.draw_batches(model, batches) is batches  # already drawn
+    before = int(model.optimizer.iterations)
+    logs = hooks.run_batches(model, model.train_function, batches)
+    assert int(model.optimizer.iterations) == before + 3
+    assert "loss" in logs
+    assert len(hooks.draw_batches(model, iterator)) == 2  # what is left
+
+
+def test_runs_batches_functions_get_the_list_from_wrappers():
+
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.ones((4, 2), "float32"), np.ones((4, 1), "float32"))
+    ).batch(2)
+    model.fit(data, epochs=1, verbose=0)
+    keras_function = model.train_function
+    seen = []
+
+    def dispatch(batches):
+        seen.append(type(batches).__name__)  # Python: runs at every call
+        return hooks.run_batches(model, keras_function, batches)
+
+    model.train_function = hooks.runs_batches(dispatch)
+    hooks.hold_batches(model)
+    model.fit(data, epochs=1, verbose=0)
+    assert len(seen) == 2 and all(name == "_Chunk" for name in seen)

@@ -1,0 +1,243 @@
+"""`jit_compile="measure"`: time the first training steps with and without
+XLA, then keep the faster train function.
+
+Every measured call is a real training call on the batches `fit` draws:
+nothing is run twice and nothing is skipped. The first call of each variant
+traces (and, for XLA, compiles) and is not timed; then `TIMED_CALLS` calls of
+each are timed, interleaved (XLA, no XLA, XLA, ...), each synchronised with
+the host by reading one value of its logs. The variant with the lower median
+wins, and from then on Keras runs only that one: nothing is timed or read
+any more. (The untimed first calls are synchronised too, so their tail does
+not spill into the first timed call.)
+
+`Measurer` is the pure part (schedule, medians, decision) with an injectable
+clock; `MeasuringTrainFunction` adapts it to Keras' train function.
+"""
+
+import dataclasses
+import re
+import statistics
+import time
+
+import tensorflow as tf
+
+from keras_gradboost import hooks
+
+# Untimed first calls of each variant (tracing, XLA compilation).
+WARMUP_CALLS = 1
+# Timed calls of each variant; the median decides.
+TIMED_CALLS = 3
+
+_UNSUPPORTED = re.compile(
+    r"Detected unsupported operations when trying to compile graph \S+ on "
+    r"\S+?: (?P<op>[\w.>-]+).*?\{\{node (?P<node>[^}]+)\}\}",
+    re.DOTALL,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class JitMeasurement:
+    """What `jit_compile="measure"` found and chose.
+
+    Attributes:
+        jit_compile: the choice: True (XLA) or False.
+        xla_ms: median time of a timed XLA call, in ms (None when XLA could
+            not be used).
+        no_xla_ms: median time of a timed call without XLA, in ms (None when
+            not measured).
+        timed_calls: timed calls of each variant.
+        reason: one line saying why this choice was made.
+    """
+
+    jit_compile: bool
+    xla_ms: object = None
+    no_xla_ms: object = None
+    timed_calls: int = 0
+    reason: str = ""
+
+    def message(self):
+        """The one-line report printed when the choice is made."""
+        choice = "XLA" if self.jit_compile else "no XLA"
+        return f'jit_compile="measure": {choice}; {self.reason}.'
+
+
+class XLAUnsupportedOpError(RuntimeError):
+    """XLA cannot compile the training step: an op has no XLA kernel."""
+
+
+class Measurer:
+    """The schedule and the decision of `jit_compile="measure"`.
+
+    Args:
+        warmup_calls: untimed first calls of each variant. Defaults to
+            `WARMUP_CALLS`.
+        timed_calls: timed calls of each variant. Defaults to `TIMED_CALLS`.
+
+    Raises:
+        ValueError: if `warmup_calls < 1` or `timed_calls < 1`.
+    """
+
+    def __init__(self, warmup_calls=WARMUP_CALLS, timed_calls=TIMED_CALLS):
+        for name, value in (("warmup_calls", warmup_calls), ("timed_calls", timed_calls)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"Invalid value for argument `{name}`. Received: "
+                    f"{name}={value!r}. Expected an int >= 1."
+                )
+        # XLA first: a step XLA cannot compile is found on the first call.
+        self.schedule = [(True, False), (False, False)] * warmup_calls + [
+            (True, True),
+            (False, True),
+        ] * timed_calls
+        self.timed_calls = timed_calls
+        self.times = {True: [], False: []}
+        self.result = None
+
+    def next_call(self):
+        """`(jit_compile, timed)` of the next call."""
+        return self.schedule[0]
+
+    def record(self, seconds):
+        """Records the duration of the call `next_call()` announced."""
+        jit, timed = self.schedule.pop(0)
+        if timed:
+            self.times[jit].append(seconds * 1000)
+        if not self.schedule:
+            xla = statistics.median(self.times[True])
+            plain = statistics.median(self.times[False])
+            faster = xla < plain
+            self.result = JitMeasurement(
+                jit_compile=faster,
+                xla_ms=xla,
+                no_xla_ms=plain,
+                timed_calls=self.timed_calls,
+                reason=(
+                    f"median {min(xla, plain):.2f} ms per train call vs "
+                    f"{max(xla, plain):.2f} ms with{'out' if faster else ''} "
+                    f"XLA ({self.timed_calls} timed calls each)"
+                ),
+            )
+
+    def fail_xla(self, reason):
+        """Decides no XLA, because XLA cannot be used (`reason`)."""
+        self.schedule = []
+        self.result = JitMeasurement(jit_compile=False, reason=reason)
+
+
+def unsupported_op(error, model=None):
+    """The op (and layer) an XLA compilation error names, if it is one.
+
+    Args:
+        error: an exception raised by a call of a `jit_compile=True`
+            function.
+        model: optional model whose layer names are matched against the
+            op's name scope. Defaults to `None`.
+
+    Returns:
+        A description such as `"op PyFuncStateless (node
+        functional/py_layer/PyFuncStateless, layer 'py_layer') has no XLA
+        kernel"`, or None when `error` is not about an unsupported op.
+    """
+    if not isinstance(error, tf.errors.InvalidArgumentError):
+        return None
+    found = _UNSUPPORTED.search(str(error))
+    if found is None:
+        if "Detected unsupported operations" in str(error):
+            return "an op has no XLA kernel"
+        return None
+    op, node = found.group("op"), found.group("node")
+    layer = _layer_of(node, model) if model is not None else None
+    where = f"node {node}" + (f", layer {layer!r}" if layer else "")
+    return f"op {op} ({where}) has no XLA kernel"
+
+
+def _layer_of(node, model):
+    """The innermost layer of `model` named in `node`'s name scope (Keras
+    adds `_1`, `_2`, ... to a scope that is used again)."""
+    names = {layer.name for layer in hooks.flatten_layers(model, include_self=False)}
+    for part in reversed(node.split("/")[:-1]):
+        if part in names:
+            return part
+        base = re.sub(r"_\d+$", "", part)
+        if base in names:
+            return base
+    return None
+
+
+def unsupported_op_error(description):
+    """The error `jit_compile=True` raises when XLA cannot compile the step."""
+    return XLAUnsupportedOpError(
+        f"jit_compile=True, but XLA cannot compile the training step: "
+        f"{description}. Use jit_compile=False, or jit_compile=\"measure\" "
+        "(which falls back to no XLA), or replace the op with one XLA "
+        "supports."
+    )
+
+
+def perf_counter():
+    """The clock `MeasuringTrainFunction` reads by default (looked up at each
+    call, so a test can replace it)."""
+    return time.perf_counter()
+
+
+def _sync(logs):
+    """Waits for the call to finish by reading one value of its logs."""
+    values = tf.nest.flatten(logs)
+    if values and hasattr(values[0], "numpy"):
+        values[0].numpy()
+
+
+class MeasuringTrainFunction:
+    """A train function that runs the XLA or the non-XLA one, call by call,
+    as a `Measurer` says, until it decides.
+
+    Args:
+        model: the compiled model.
+        functions: `{True: XLA train function, False: non-XLA one}`, both
+            made by Keras for the same model and optimizer.
+        on_decided: callable `(measurement, function)` called once, with the
+            `JitMeasurement` and the chosen function.
+        clock: callable returning seconds. Defaults to `None`: this
+            module's `perf_counter`.
+        measurer: the `Measurer`. Defaults to a new one with the default
+            schedule.
+    """
+
+    def __init__(self, model, functions, on_decided, clock=None, measurer=None):
+        self.model = model
+        self.functions = functions
+        self.on_decided = on_decided
+        self.clock = clock
+        self.measurer = measurer or Measurer()
+        hooks.runs_batches(self)
+
+    @property
+    def result(self):
+        return self.measurer.result
+
+    def __call__(self, iterator):
+        # The batches are drawn here, so a failed XLA compilation can run
+        # the very same batches without XLA.
+        batches = hooks.draw_batches(self.model, iterator)
+        if not batches:
+            raise StopIteration
+        if self.result is not None:  # a stale reference: run the choice
+            chosen = self.functions[self.result.jit_compile]
+            return hooks.run_batches(self.model, chosen, batches)
+        jit, _ = self.measurer.next_call()
+        clock = self.clock or perf_counter
+        start = clock()
+        try:
+            logs = hooks.run_batches(self.model, self.functions[jit], batches)
+            _sync(logs)
+        except tf.errors.InvalidArgumentError as error:
+            found = unsupported_op(error, self.model) if jit else None
+            if found is None:
+                raise
+            self.measurer.fail_xla(f"XLA cannot compile the step: {found}")
+            logs = hooks.run_batches(self.model, self.functions[False], batches)
+        else:
+            self.measurer.record(clock() - start)
+        if self.result is not None:
+            self.on_decided(self.result, self.functions[self.result.jit_compile])
+        return logs

@@ -1,0 +1,296 @@
+"""`compile(jit_compile="measure")` and the XLA-blocked reports: the
+schedule and decision with a fake clock, real fits equal to jit_compile=False
+ones (every measured call is a real step), save/load, bad values, layers
+with supports_jit=False and an op without an XLA kernel."""
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+from keras_gradboost import hooks
+from keras_gradboost import jit_measure
+from keras_gradboost.callbacks import NaNWatcher
+from keras_gradboost.model import GradBoostModel
+
+from conftest import max_weight_diff
+from conftest import small_model
+
+# XLA and the default CPU kernels may round differently (fusion reorders
+# float32 sums); a few ulps over 13 SGD updates, far below any real bug.
+XLA_TOLERANCE = 1e-5
+
+
+def _fit(model, x, y, epochs=1, callbacks=None, **compile_kwargs):
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **compile_kwargs)
+    return model.fit(
+        x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks
+    )
+
+
+# ------------------------------------------------------------- the Measurer
+
+
+def test_measurer_schedule_warms_up_then_interleaves():
+    measurer = jit_measure.Measurer(warmup_calls=1, timed_calls=2)
+    seen = []
+    while measurer.result is None:
+        seen.append(measurer.next_call())
+        measurer.record(0.001)
+    assert seen == [(True, False), (False, False), (True, True), (False, True),
+                    (True, True), (False, True)]
+
+
+@pytest.mark.parametrize("xla_ms, plain_ms, expected", [(1.0, 3.0, True), (3.0, 1.0, False)])
+def test_measurer_picks_the_lower_median_ignoring_warmup(xla_ms, plain_ms, expected):
+    measurer = jit_measure.Measurer()
+    durations = {True: xla_ms, False: plain_ms}
+    first = True
+    while measurer.result is None:
+        jit, timed = measurer.next_call()
+        # The warm-up calls (tracing, compiling) are slow the other way round.
+        ms = 500.0 * durations[not jit] if not timed else durations[jit]
+        # One outlier per variant does not move the median.
+        if timed and first:
+            ms, first = 1000.0, False
+        measurer.record(ms / 1000)
+    result = measurer.result
+    assert result.jit_compile is expected
+    assert result.xla_ms == pytest.approx(xla_ms)
+    assert result.no_xla_ms == pytest.approx(plain_ms)
+    assert result.timed_calls == jit_measure.TIMED_CALLS
+    assert f"{min(xla_ms, plain_ms):.2f} ms" in result.message()
+    assert result.message().startswith(
+        'jit_compile="measure": ' + ("XLA;" if expected else "no XLA;")
+    )
+
+
+@pytest.mark.parametrize("name", ["warmup_calls", "timed_calls"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_measurer_rejects_bad_counts(name, value):
+    with pytest.raises(ValueError, match=f"`{name}`. Received: {name}={value!r}"):
+        jit_measure.Measurer(**{name: value})
+
+
+# -------------------------------------------------------- with a fake clock
+
+
+class FakeClock:
+    """Each train call takes `xla_ms` or `plain_ms`, by the variant the
+    measuring function is about to time (read at the call's second tick)."""
+
+    def __init__(self, model, xla_ms, plain_ms):
+        self.model, self.ms = model, {True: xla_ms, False: plain_ms}
+        self.now, self.ticks = 0.0, 0
+
+    def __call__(self):
+        self.ticks += 1
+        if self.ticks % 2 == 0:
+            measuring = self.measuring = hooks.base_train_function(self.model)
+            jit, _ = measuring.measurer.next_call()
+            self.now += self.ms[jit] / 1000
+        return self.now
+
+
+@pytest.mark.parametrize("xla_ms, plain_ms, expected", [(2.0, 9.0, True), (9.0, 2.0, False)])
+def test_fake_clock_decides_and_keeps_only_the_choice(
+    regression_data, monkeypatch, capsys, xla_ms, plain_ms, expected
+):
+    x, y = regression_data
+    model = small_model(GradBoostModel)
+    clock = FakeClock(model, xla_ms, plain_ms)
+    monkeypatch.setattr(jit_measure, "perf_counter", clock)
+    _fit(model, x, y, jit_compile="measure")
+    measurement = model.jit_measurement
+    assert measurement.jit_compile is expected
+    assert (measurement.xla_ms, measurement.no_xla_ms) == pytest.approx((xla_ms, plain_ms))
+    assert bool(model.jit_compile) is expected
+    # From the decision on, fit runs Keras' own function: no wrapper.
+    assert not isinstance(model.train_function, jit_measure.MeasuringTrainFunction)
+    out = capsys.readouterr().out
+    assert out.count('jit_compile="measure"') == 1
+    assert ("XLA;" if expected else "no XLA;") in out
+    # The next fit keeps the choice: nothing is measured again.
+    _fit_again = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert _fit_again.history["loss"]
+    assert model.jit_measurement is measurement
+    assert 'jit_compile="measure"' not in capsys.readouterr().out
+    # A stale reference to the measuring function runs the choice.
+    data = tf.data.Dataset.from_tensor_slices((x[:8], y[:8])).batch(8)
+    iterations = int(model.optimizer.iterations)
+    iterator = iter(data)
+    assert "loss" in clock.measuring(iterator)
+    assert int(model.optimizer.iterations) == iterations + 1
+    with pytest.raises(StopIteration):
+        clock.measuring(iterator)
+
+
+def test_too_few_calls_stay_undecided_and_the_next_fit_goes_on(regression_data):
+    x, y = regression_data
+    model = small_model(GradBoostModel)
+    calls = 2 * (jit_measure.WARMUP_CALLS + jit_measure.TIMED_CALLS)
+    _fit(model, x[: 8 * (calls - 1)], y[: 8 * (calls - 1)], jit_compile="measure")
+    assert model.jit_measurement is None
+    model.fit(x[:8], y[:8], batch_size=8, verbose=0)
+    assert model.jit_measurement is not None
+
+
+# -------------------------------------------------- real fits, real batches
+
+
+@pytest.mark.parametrize(
+    "compile_kwargs",
+    [{}, {"accumulate_steps": 3}, {"steps_per_execution": 2},
+     {"accumulate_steps": 2, "steps_per_execution": 3}],
+    ids=["plain", "accumulate", "steps_per_execution", "both"],
+)
+def test_measured_fit_equals_a_fit_without_xla(regression_data, compile_kwargs):
+    x, y = regression_data
+    measured = small_model(GradBoostModel)
+    plain = small_model(GradBoostModel)
+    h_measured = _fit(measured, x, y, epochs=2, jit_compile="measure", **compile_kwargs)
+    h_plain = _fit(plain, x, y, epochs=2, jit_compile=False, **compile_kwargs)
+    assert measured.jit_measurement.jit_compile in (True, False)
+    assert bool(measured.jit_compile) is measured.jit_measurement.jit_compile
+    # Every measured call was a real step: same updates, none lost or repeated.
+    assert int(measured.optimizer.iterations) == int(plain.optimizer.iterations)
+    assert max_weight_diff(measured, plain) < XLA_TOLERANCE
+    np.testing.assert_allclose(
+        h_measured.history["loss"], h_plain.history["loss"], rtol=XLA_TOLERANCE
+    )
+
+
+def test_measure_with_a_callback_that_wraps_the_train_function(regression_data):
+    x, y = regression_data
+    measured = small_model(GradBoostModel)
+    plain = small_model(GradBoostModel)
+    _fit(measured, x, y, jit_compile="measure", callbacks=[NaNWatcher(action="skip")])
+    _fit(plain, x, y, jit_compile=False)
+    assert measured.jit_measurement is not None
+    assert max_weight_diff(measured, plain) < XLA_TOLERANCE
+
+
+# ------------------------------------------------ arguments and save/load
+
+
+@pytest.mark.parametrize(
+    "value, error", [("yes", ValueError), ("Measure", ValueError), (1, TypeError),
+                     (None, TypeError)]
+)
+def test_bad_jit_compile_values_raise_naming_the_argument(value, error):
+    model = small_model(GradBoostModel)
+    with pytest.raises(error) as info:
+        model.compile(optimizer="sgd", loss="mse", jit_compile=value)
+    message = str(info.value)
+    assert f"`jit_compile`. Received: jit_compile={value!r}" in message
+    assert '"measure"' in message and '"auto"' in message
+
+
+def test_save_and_load_keep_measure(regression_data, tmp_path):
+    x, y = regression_data
+    model = small_model(GradBoostModel)
+    _fit(model, x, y, jit_compile="measure", accumulate_steps=2)
+    assert model.get_compile_config()["jit_compile"] == "measure"
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.get_compile_config()["jit_compile"] == "measure"
+    assert loaded.gradboost_config.accumulate_steps == 2
+    assert loaded.jit_measurement is None  # measured again on this machine
+    loaded.fit(x, y, batch_size=8, verbose=0)
+    assert loaded.jit_measurement is not None
+
+
+# ------------------------------------------------------- XLA that is blocked
+
+
+class NoJit(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_jit = False
+
+    def call(self, x):
+        return x
+
+
+def _model_with(layer):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
+    outputs = keras.layers.Dense(3, name="out")(layer(hidden))
+    return GradBoostModel(inputs, outputs)
+
+
+@pytest.mark.parametrize("jit_compile", [True, "measure"])
+def test_a_layer_without_jit_support_is_named(regression_data, jit_compile):
+    x, y = regression_data
+    model = _model_with(NoJit(name="no_jit_here"))
+    assert hooks.keras_supports_jit(model) is False
+    with pytest.warns(UserWarning, match="XLA is off") as caught:
+        _fit(model, x, y, jit_compile=jit_compile)
+    message = str(caught[0].message)
+    assert "'no_jit_here' (NoJit) has supports_jit=False" in message
+    assert f"jit_compile={jit_compile!r}" in message
+    assert model.jit_compile is False
+    assert "no_jit_here" in model.xla_blocked_reason
+    if jit_compile == "measure":
+        assert model.jit_measurement.jit_compile is False
+        assert "no_jit_here" in model.jit_measurement.reason
+
+
+def test_blockers_agree_with_keras():
+    assert hooks.jit_blockers(small_model()) == []
+    model = _model_with(NoJit(name="a"))
+    assert hooks.keras_supports_jit(model) is False
+    assert hooks.jit_blockers(model) == ["layer 'a' (NoJit) has supports_jit=False"]
+
+
+def test_auto_and_false_do_not_warn():
+    for value in ("auto", False):
+        model = _model_with(NoJit())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model.compile(optimizer="sgd", loss="mse", jit_compile=value)
+
+
+class HostOp(keras.layers.Layer):
+    """Adds 0 * (a NumPy round trip): an op XLA has no kernel for, while the
+    gradient flows through `x`."""
+
+    def call(self, x):
+        copy = tf.numpy_function(lambda a: a, [x], tf.float32, stateful=False)
+        copy.set_shape(x.shape)
+        return x + 0.0 * copy
+
+
+def test_an_op_without_xla_kernel_raises_a_clear_error_with_jit_true(regression_data):
+    x, y = regression_data
+    model = _model_with(HostOp(name="host_op"))
+    with pytest.raises(jit_measure.XLAUnsupportedOpError) as info:
+        _fit(model, x, y, jit_compile=True)
+    message = str(info.value)
+    assert "op PyFuncStateless" in message
+    assert "layer 'host_op'" in message
+    assert "jit_compile=False" in message and '"measure"' in message
+    assert isinstance(info.value.__cause__, tf.errors.InvalidArgumentError)
+
+
+@pytest.mark.parametrize("compile_kwargs", [{}, {"accumulate_steps": 2}])
+def test_measure_falls_back_without_losing_the_batch(regression_data, capsys, compile_kwargs):
+    x, y = regression_data
+    measured = _model_with(HostOp(name="host_op"))
+    plain = _model_with(HostOp(name="host_op"))
+    _fit(measured, x, y, jit_compile="measure", **compile_kwargs)
+    _fit(plain, x, y, jit_compile=False, **compile_kwargs)
+    measurement = measured.jit_measurement
+    assert measurement.jit_compile is False and measurement.xla_ms is None
+    assert "op PyFuncStateless" in measurement.reason
+    assert "layer 'host_op'" in measurement.reason
+    assert measured.xla_blocked_reason == measurement.reason
+    assert measured.jit_compile is False
+    assert "no XLA; XLA cannot compile the step" in capsys.readouterr().out
+    # The batch of the failed XLA call was trained on, without XLA, once.
+    assert int(measured.optimizer.iterations) == int(plain.optimizer.iterations)
+    assert max_weight_diff(measured, plain) == 0.0
