@@ -518,7 +518,9 @@ class RecomputeSetup:
                     h = probe.run(i, segment, h)
                 elif i in chosen and not segment.last:
                     state = recompute.state_variables(segment.model)
-                    h = recompute.recomputed(segment, state, segment.name)(h)
+                    h = recompute.recomputed(
+                        segment, state, segment.name, segment.model.trainable_variables
+                    )(h)
                 else:
                     h = segment(h)
             return h

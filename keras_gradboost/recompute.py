@@ -43,7 +43,7 @@ def active(layer_ids):
     def handle(layer, call, args, kwargs):
         if id(layer) not in layer_ids:
             return call(*args, **kwargs)
-        fn = recomputed(call, state_variables(layer), layer.name)
+        fn = recomputed(call, state_variables(layer), layer.name, layer.trainable_variables)
         return fn(*args, **kwargs)
 
     return _handling(handle)
@@ -82,7 +82,7 @@ def snapshot(variables):
         return [(v, tf.identity(v.value)) for v in variables]
 
 
-def recomputed(fn, state, name="block"):
+def recomputed(fn, state, name="block", weights=()):
     """`fn` with the same forward, whose backward recomputes `fn`'s forward.
 
     Args:
@@ -91,6 +91,13 @@ def recomputed(fn, state, name="block"):
             differentiated (see `state_variables`); the recompute reads their
             values from before the forward and leaves them untouched.
         name: used in error messages.
+        weights: the trainable Keras variables `fn` reads. The recompute
+            reads them once, in the forward (references, no copies), and
+            each weight's gradient depends on that read: a read ordered
+            before the optimizer's update only by a control dependency can
+            lose it to grappler's dependency optimizer, and then, under
+            load, the update can run first and the gradient flowing to
+            earlier layers is computed with the new weights.
 
     Returns:
         A function with `fn`'s signature.
@@ -119,6 +126,9 @@ def recomputed(fn, state, name="block"):
             return tf.nest.pack_sequence_as((args, kwargs), values)
 
         saved = snapshot(state)  # as the forward finds it, before it updates it
+        held = snapshot(weights)  # the weights as the forward reads them
+        with hooks.autocast(None):  # the tf.Variables behind them, as read
+            by_variable = {id(v.value): t for v, t in held}
         dtype = hooks.current_autocast()
         structure = []
 
@@ -134,17 +144,25 @@ def recomputed(fn, state, name="block"):
                 inputs = _after(upstream, tensors)
                 with tf.GradientTape() as tape:
                     tape.watch([t for t in inputs if t.dtype.is_floating])
+                    tape.watch([t for _, t in held])
                     a, k = rebuild(inputs)
-                    with keras.StatelessScope(state_mapping=saved), hooks.autocast(
-                        dtype
-                    ), _plain():
+                    with keras.StatelessScope(
+                        state_mapping=saved + held
+                    ), hooks.autocast(dtype), _plain():
                         again = fn(*a, **k)
+                # A weight's gradient is its held value's; a variable read
+                # outside `weights` is differentiated as it is.
+                sources = [by_variable.get(id(v), v) for v in variables]
                 grads = tape.gradient(
                     tf.nest.flatten(again),
-                    list(inputs) + variables,
+                    list(inputs) + sources,
                     output_gradients=list(upstream),
                 )
-                return grads[: len(inputs)], grads[len(inputs) :]
+                weight_grads = [
+                    _tied(g, source) if source is not v else g
+                    for g, source, v in zip(grads[len(inputs) :], sources, variables)
+                ]
+                return grads[: len(inputs)], weight_grads
 
             return tf.nest.flatten(outputs), grad
 
@@ -169,6 +187,18 @@ def _after(upstream, tensors):
         t + tf.cast(zero, t.dtype) if t.dtype.is_floating else tf.identity(t)
         for t in tensors
     ]
+
+
+def _tied(gradient, value):
+    """`gradient`, made to depend on `value` (a read of the weight it is the
+    gradient of): the optimizer's update of that weight then waits for the
+    read by a data dependency, which no graph rewrite drops. Same trick as
+    `_after`."""
+    if gradient is None or not isinstance(gradient, tf.Tensor):
+        return gradient
+    first = tf.reduce_max(tf.reshape(value, [-1])[:1])
+    zero = tf.where(tf.equal(first, first), 0.0, float("nan"))
+    return gradient + tf.cast(zero, gradient.dtype)
 
 
 class _Dispatch:
