@@ -59,8 +59,8 @@ ENTRIES = {
     ),
     "compare": (
         "keras-gradboost compare, default run",
-        ["-m", "keras_gradboost", "compare"],
-        ["--steps", "6"],
+        ["-m", "keras_gradboost", "compare", "--repeat", "3"],
+        ["--steps", "6", "--repeat", "1"],
     ),
 }
 STDERR_TAIL = 5

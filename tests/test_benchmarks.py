@@ -25,8 +25,12 @@ def test_every_benchmark_script_has_an_entry(run_all):
     }
     listed = {args[0] for _, args, _ in run_all.ENTRIES.values() if args[0].endswith(".py")}
     assert listed == scripts
-    assert run_all.command("compare", quick=False) == ["-m", "keras_gradboost", "compare"]
-    assert run_all.shown(run_all.command("compare", quick=True)) == "keras-gradboost compare --steps 6"
+    assert run_all.command("compare", quick=False) == [
+        "-m", "keras_gradboost", "compare", "--repeat", "3"
+    ]
+    assert run_all.shown(run_all.command("compare", quick=True)) == (
+        "keras-gradboost compare --repeat 3 --steps 6 --repeat 1"
+    )
     assert run_all.shown(run_all.command("foundation", quick=True)) == (
         "python benchmarks/bench_foundation.py --quick"
     )
