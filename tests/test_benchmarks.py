@@ -64,7 +64,7 @@ def test_only_runs_the_named_entries_in_order_and_writes_the_markdown(
     assert status == 1  # compare failed
     assert ran == [
         "python benchmarks/bench_all_on.py --steps 4 --rounds 3",
-        "keras-gradboost compare --steps 6",
+        "keras-gradboost compare --repeat 3 --steps 6 --repeat 1",
     ]
     text = output.read_text()
     assert text.startswith("# Benchmark results\n")
