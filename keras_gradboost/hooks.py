@@ -264,6 +264,8 @@ def make_train_function_with_logs(model, extra_logs):
 
 
 FUNCTIONS = ("train", "test", "predict")
+# What fit() and evaluate() hand the train and test functions.
+_TF_ITERATORS = (tf.data.Iterator, tf.distribute.DistributedIterator)
 
 
 def hold_batches(
@@ -344,7 +346,6 @@ def hold_batches(
     cell = [getattr(model, attribute)]  # what this wrapper calls (see below)
     held = []
     active = [True]
-    tf_iterators = (tf.data.Iterator, tf.distribute.DistributedIterator)
     predict = function == "predict"
 
     def draw(iterator):
@@ -357,7 +358,7 @@ def hold_batches(
         if (
             active[0]
             and is_current is not None
-            and isinstance(iterator, tf_iterators + (_Chunk,))
+            and isinstance(iterator, _TF_ITERATORS + (_Chunk,))
             and not is_current()
         ):
             (teardown or undo)()
@@ -420,7 +421,7 @@ def draw_batches(model, iterator):
     """
     if isinstance(iterator, _Chunk):  # drawn by a wrapper above this one
         return iterator
-    if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+    if isinstance(iterator, _TF_ITERATORS):
         batches = _Chunk(iterator.element_spec)
         for _ in range(model.steps_per_execution):
             try:
