@@ -12,14 +12,35 @@ from keras_gradboost import hooks
 
 
 def nonfinite_indicator(loss, grads):
-    """1.0 if the loss or any gradient has a non-finite value, else 0.0."""
-    checks = [tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None]
+    """1.0 if the loss or any gradient has a non-finite value, else 0.0.
+
+    One pass over each tensor and no boolean temporaries: a sum is finite
+    when every element is (NaN and inf propagate; +inf + -inf is NaN). Only
+    when some sum is not finite (which finite elements can also cause, by
+    overflowing the sum) does the exact element-wise check decide, so the
+    answer is exact and good steps pay for the sums alone. `IndexedSlices`
+    are checked on their values.
+    """
+    tensors = [_values(g) for g in grads if g is not None]
     if loss is not None:
-        checks.append(tf.reduce_all(tf.math.is_finite(loss)))
-    if not checks:
+        tensors.append(tf.convert_to_tensor(loss))
+    if not tensors:
         return tf.constant(0.0)
-    finite = tf.reduce_all(tf.stack(checks))
-    return tf.cast(tf.logical_not(finite), tf.float32)
+    sums = tf.stack([tf.cast(tf.reduce_sum(t), tf.float32) for t in tensors])
+
+    def exact():
+        finite = tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
+        return tf.cast(tf.logical_not(tf.reduce_all(finite)), tf.float32)
+
+    return tf.cond(
+        tf.reduce_all(tf.math.is_finite(sums)), lambda: tf.constant(0.0), exact
+    )
+
+
+def _values(gradient):
+    if isinstance(gradient, tf.IndexedSlices):
+        return gradient.values
+    return gradient
 
 
 def with_nones(present, mask):
@@ -158,23 +179,32 @@ class WatchState:
         """
         bad = tf.convert_to_tensor(bad)
         finite = tf.convert_to_tensor(finite)
-        in_row = tf.where(
-            bad,
-            self.consecutive + 1,
-            tf.where(finite, tf.constant(0, tf.int64), self.consecutive.read_value()),
-        )
-        slot = tf.logical_and(
-            bad,
-            tf.equal(tf.range(self.ring, dtype=tf.int64), self.count % self.ring),
-        )
-        self.bad_steps.assign(tf.where(slot, self.step.read_value(), self.bad_steps))
-        self.bad_runs.assign(tf.where(slot, in_row, self.bad_runs))
-        engage = tf.constant(self.halt_every)
-        if self.max_in_row is not None:
-            engage = tf.logical_or(engage, in_row >= self.max_in_row)
-        halted = tf.logical_or(self.halted.read_value(), tf.logical_and(bad, engage))
-        self.halted.assign(halted)
-        self.consecutive.assign(in_row)
-        self.count.assign_add(tf.cast(bad, tf.int64))
-        self.step.assign_add(1)
+
+        def on_bad():  # the ring and the halt: only on non-finite steps
+            in_row = self.consecutive + 1
+            slot = tf.equal(
+                tf.range(self.ring, dtype=tf.int64), self.count % self.ring
+            )
+            self.bad_steps.assign(tf.where(slot, self.step.read_value(), self.bad_steps))
+            self.bad_runs.assign(tf.where(slot, in_row, self.bad_runs))
+            engage = tf.constant(self.halt_every)
+            if self.max_in_row is not None:
+                engage = tf.logical_or(engage, in_row >= self.max_in_row)
+            halted = tf.logical_or(self.halted.read_value(), engage)
+            self.halted.assign(halted)
+            self.consecutive.assign(in_row)
+            self.count.assign_add(1)
+            return halted
+
+        def on_good():  # a few scalar ops per step
+            # A dynamic loss scale's own overflow is not finite, nor bad:
+            # it neither ends nor extends a run of bad steps.
+            self.consecutive.assign(
+                tf.where(finite, tf.constant(0, tf.int64), self.consecutive.read_value())
+            )
+            return self.halted.read_value()
+
+        halted = tf.cond(bad, on_bad, on_good)
+        with tf.control_dependencies([halted]):
+            self.step.assign_add(1)
         return tf.logical_and(finite, tf.logical_not(halted))
