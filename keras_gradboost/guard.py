@@ -179,32 +179,23 @@ class WatchState:
         """
         bad = tf.convert_to_tensor(bad)
         finite = tf.convert_to_tensor(finite)
-
-        def on_bad():  # the ring and the halt: only on non-finite steps
-            in_row = self.consecutive + 1
-            slot = tf.equal(
-                tf.range(self.ring, dtype=tf.int64), self.count % self.ring
-            )
-            self.bad_steps.assign(tf.where(slot, self.step.read_value(), self.bad_steps))
-            self.bad_runs.assign(tf.where(slot, in_row, self.bad_runs))
-            engage = tf.constant(self.halt_every)
-            if self.max_in_row is not None:
-                engage = tf.logical_or(engage, in_row >= self.max_in_row)
-            halted = tf.logical_or(self.halted.read_value(), engage)
-            self.halted.assign(halted)
-            self.consecutive.assign(in_row)
-            self.count.assign_add(1)
-            return halted
-
-        def on_good():  # a few scalar ops per step
-            # A dynamic loss scale's own overflow is not finite, nor bad:
-            # it neither ends nor extends a run of bad steps.
-            self.consecutive.assign(
-                tf.where(finite, tf.constant(0, tf.int64), self.consecutive.read_value())
-            )
-            return self.halted.read_value()
-
-        halted = tf.cond(bad, on_bad, on_good)
-        with tf.control_dependencies([halted]):
-            self.step.assign_add(1)
+        in_row = tf.where(
+            bad,
+            self.consecutive + 1,
+            tf.where(finite, tf.constant(0, tf.int64), self.consecutive.read_value()),
+        )
+        slot = tf.logical_and(
+            bad,
+            tf.equal(tf.range(self.ring, dtype=tf.int64), self.count % self.ring),
+        )
+        self.bad_steps.assign(tf.where(slot, self.step.read_value(), self.bad_steps))
+        self.bad_runs.assign(tf.where(slot, in_row, self.bad_runs))
+        engage = tf.constant(self.halt_every)
+        if self.max_in_row is not None:
+            engage = tf.logical_or(engage, in_row >= self.max_in_row)
+        halted = tf.logical_or(self.halted.read_value(), tf.logical_and(bad, engage))
+        self.halted.assign(halted)
+        self.consecutive.assign(in_row)
+        self.count.assign_add(tf.cast(bad, tf.int64))
+        self.step.assign_add(1)
         return tf.logical_and(finite, tf.logical_not(halted))
