@@ -21,7 +21,7 @@ def nonfinite_indicator(loss, grads):
     answer is exact and good steps pay for the sums alone. `IndexedSlices`
     are checked on their values.
     """
-    tensors = [_values(g) for g in grads if g is not None]
+    tensors = [gradient_values(g) for g in grads if g is not None]
     if loss is not None:
         tensors.append(tf.convert_to_tensor(loss))
     if not tensors:
@@ -37,7 +37,9 @@ def nonfinite_indicator(loss, grads):
     )
 
 
-def _values(gradient):
+def gradient_values(gradient):
+    """The values of a gradient: those of an `IndexedSlices` (a sparse
+    gradient, e.g. of an embedding), or the tensor itself."""
     if isinstance(gradient, tf.IndexedSlices):
         return gradient.values
     return gradient

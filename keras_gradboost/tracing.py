@@ -19,6 +19,7 @@ import weakref
 
 import tensorflow as tf
 
+from keras_gradboost import guard
 from keras_gradboost import hooks
 from keras_gradboost.state import replica_local_variable
 
@@ -158,9 +159,7 @@ class GradientTracer:
                     sums.append(tf.constant(0.0))
                     maxes.append(tf.constant(-1.0))
                     continue
-                if isinstance(g, tf.IndexedSlices):
-                    g = g.values
-                g = tf.cast(g, tf.float32)
+                g = tf.cast(guard.gradient_values(g), tf.float32)
                 sums.append(tf.reduce_sum(tf.square(g)))
                 maxes.append(tf.reduce_max(tf.abs(g)))
             stats.assign(tf.stack([tf.stack(sums), tf.stack(maxes)]))
