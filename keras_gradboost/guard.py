@@ -9,6 +9,7 @@ forbids inside a `tf.cond` branch in replica context.
 import tensorflow as tf
 
 from keras_gradboost import hooks
+from keras_gradboost.step import CrossReplicaStep
 
 
 def nonfinite_indicator(loss, grads):
@@ -45,25 +46,6 @@ def gradient_values(gradient):
     return gradient
 
 
-def with_nones(present, mask):
-    """Puts `None` back where `mask` is False: the inverse of dropping the
-    `None` gradients (which cannot cross a `merge_call`)."""
-    it = iter(present)
-    return [next(it) if m else None for m in mask]
-
-
-def sum_over_replicas(strategy, value):
-    """Sum of a per-replica scalar, in cross-replica context, with local ops
-    (no collective: this process holds every replica of a MirroredStrategy;
-    a multi-worker strategy will need a cross-worker reduce here)."""
-    return tf.add_n(list(strategy.experimental_local_results(value)))
-
-
-def local_value(value, strategy):
-    """The first replica's copy of a value handed to a `merge_call` function."""
-    return strategy.experimental_local_results(value)[0]
-
-
 def guard_optimizer(optimizer, counter=None, watch=None):
     """Makes `optimizer.apply` skip non-finite gradients in-graph.
 
@@ -88,28 +70,10 @@ def guard_optimizer(optimizer, counter=None, watch=None):
         mask = [g is not None for g in grads]
         present = [g for g in grads if g is not None]
         bad = nonfinite_indicator(None, present)
-
-        def merge_fn(strategy, bad, present):
-            finite = tf.equal(sum_over_replicas(strategy, bad), 0.0)
-            if counter is not None:
-                counter.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
-            if watch is not None:
-                finite = local_value(
-                    strategy.extended.call_for_each_replica(
-                        watch.record, args=(tf.logical_not(finite), finite)
-                    ),
-                    strategy,
-                )
-
-            def apply_replica(grads):
-                original(with_nones(grads, mask), variables)
-
-            def apply_update():
-                strategy.extended.call_for_each_replica(apply_replica, args=(present,))
-
-            tf.cond(finite, apply_update, lambda: None)
-
-        tf.distribute.get_replica_context().merge_call(merge_fn, args=(bad, present))
+        step = CrossReplicaStep(
+            lambda g: original(g, variables), mask, watch=watch, counter=counter
+        )
+        step(present, bad=bad)
 
     optimizer.apply = apply
 

@@ -16,35 +16,54 @@ from keras_gradboost.accumulate import GradientAccumulator
 from keras_gradboost.accumulate import sample_count
 from keras_gradboost.locate import as_local_batch
 from keras_gradboost.config import GradBoostConfig
-from keras_gradboost.config import jit_compile_setting
+from keras_gradboost.plan import TrainPlan
 from keras_gradboost.state import StepFacts
+from keras_gradboost.step import CrossReplicaStep
+from keras_gradboost.step import flush_window
 
 
 class _Runtime:
-    """Per-model gradboost state. A plain object, so Keras and tf.Module do not
-    track its variables as model weights or save them in checkpoints."""
+    """Per-model gradboost state: the `TrainPlan` of the last `compile()`,
+    and the runtime state the plan does not fix. A plain object, so Keras
+    and tf.Module do not track its variables as model weights or save them
+    in checkpoints."""
 
     def __init__(self):
-        self.config = GradBoostConfig()
-        self.policy = None
+        self.plan = None
+        self.start(None)
+
+    def start(self, plan):
+        """Fresh runtime state for `plan` (at every `compile()`)."""
+        self.plan = plan
         self.float32_layers = []
-        self.scaler = None
-        self.facts = None
-        self.accumulator = None
+        self.scaler = None  # precision.LossScaler
+        self.facts = None  # state.StepFacts
+        self.accumulator = None  # accumulate.GradientAccumulator
         # Which trainable variables get a gradient (set at trace time).
         self.grad_mask = None
         self.flush_function = None
         self.in_fit = False
-        self.auto_scale_loss = False
         # (skipped_steps, checked_steps) at the last epoch end.
         self.last_health = (0, 0)
-        self.recompute = None  # blocks.RecomputeSetup
-        self.recompute_check_pending = False
+        self.recompute_check_pending = bool(plan and plan.config.recompute_check)
         self.check_wrapper = None  # the train function that runs the check
-        self.jit_requested = "auto"  # compile(jit_compile=...) as given
         self.jit_measurement = None  # jit_measure.JitMeasurement
-        # Why XLA is off although jit_compile=True or "measure" asked for it.
-        self.xla_blocked = None
+        # Why XLA is off although jit_compile=True or "measure" asked for
+        # it: the plan's reason, or one found while training.
+        self.xla_blocked = plan.xla_blocked if plan else None
+
+    @property
+    def config(self):
+        return self.plan.config if self.plan else GradBoostConfig()
+
+    @property
+    def recompute(self):
+        """The plan's `RecomputeSetup`, or None."""
+        return self.plan.recompute if self.plan else None
+
+    @property
+    def jit_requested(self):
+        return self.plan.jit_requested if self.plan else "auto"
 
 
 @keras.saving.register_keras_serializable(package="keras_gradboost")
@@ -174,90 +193,39 @@ class GradBoostModel(keras.Model):
             recompute=recompute,
             recompute_check=recompute_check,
         )
-        keras_kwargs = _bind_compile_args(args, kwargs)
-        jit_requested = jit_compile_setting(keras_kwargs.get("jit_compile", "auto"))
-        xla_blocked = None
-        if jit_requested is True or jit_requested == "measure":
-            blockers = hooks.jit_blockers(self)
-            if keras_kwargs.get("run_eagerly"):
-                blockers = ["run_eagerly=True"]
-            if blockers:
-                xla_blocked = "; ".join(blockers)
-                warnings.warn(
-                    f"jit_compile={jit_requested!r}, but XLA is off: "
-                    f"{xla_blocked}. The model trains without XLA.",
-                    stacklevel=2,
-                )
-            # Keras gets False for "measure" (both variants are made in
-            # make_train_function) and when XLA is blocked (its own warning
-            # names no cause).
-            if blockers or jit_requested == "measure":
-                keras_kwargs["jit_compile"] = False
-        optimizer = keras.optimizers.get(keras_kwargs.get("optimizer", "rmsprop"))
-        keras_kwargs["optimizer"] = optimizer
-        auto_scale_loss = bool(keras_kwargs.pop("auto_scale_loss", False))
-        on_gpu = precision_lib.gpu_available()
-        cpu_bf16 = precision_lib.cpu_has_native_bfloat16()
-        # Keras resolves jit_compile="auto" to False on a CPU-only machine, and
-        # the precision rule depends on jit only on a CPU.
-        jit = keras_kwargs.get("jit_compile", "auto")
-        # "measure" is resolved as no XLA here: the rule is decided at compile.
-        jit = False if jit == "auto" or keras_kwargs.get("run_eagerly") else bool(jit)
-        policy = precision_lib.resolve_precision(config.precision, jit, on_gpu, cpu_bf16)
-        model_policy = policy or self.dtype_policy.name
-        float16 = policy == "mixed_float16" or (
-            policy is None and precision_lib.computes_in_float16(self)
-        )
-        scale = _loss_scale_setting(config.loss_scale, float16)
-        keras_scales = auto_scale_loss and model_policy == "mixed_float16"
-        # Every check runs before anything is changed.
-        _check_conflicts(config, optimizer, scale, auto_scale_loss, keras_scales)
-        _check_strategy(self.distribute_strategy, config, scale)
-        setup = None
-        if config.recompute is not None:
-            setup = blocks.RecomputeSetup(self, config.recompute)
+        plan = TrainPlan.build(config, self, _bind_compile_args(args, kwargs))
+        self._apply_plan(plan)
+        for message in self._gradboost.plan.warnings:
+            warnings.warn(message, stacklevel=2)
 
+    def _apply_plan(self, plan):
+        """Applies a `TrainPlan`: the dtype policy, Keras' compile, a fresh
+        runtime state (loss scaler, step facts), the recompute marks."""
         rt = self._gradboost
         if rt.accumulator is not None:
             self.flush_accumulated_gradients()  # nothing pending is lost
-        rt.float32_layers = []
-        if policy is not None:
-            rt.float32_layers = precision_lib.apply_policy(self, policy)
-        super().compile(**keras_kwargs, auto_scale_loss=scale is None and auto_scale_loss)
-        actual = precision_lib.resolve_precision(
-            config.precision, bool(self.jit_compile), on_gpu, cpu_bf16
-        )
-        if actual != policy:  # Keras turned jit_compile off (unsupported layer)
-            policy = actual
-            rt.float32_layers = precision_lib.apply_policy(self, policy)
-        message = precision_lib.float16_cpu_warning(policy, bool(self.jit_compile), on_gpu)
-        if message:
-            warnings.warn(message, stacklevel=2)
-
-        rt.config = config
-        rt.jit_requested = jit_requested
-        rt.xla_blocked = xla_blocked
-        rt.jit_measurement = None
-        if jit_requested == "measure" and xla_blocked:
+        float32_layers = []
+        if plan.policy is not None:
+            float32_layers = precision_lib.apply_policy(self, plan.policy)
+        super().compile(**plan.keras_kwargs)
+        if bool(self.jit_compile) != plan.jit_compile:
+            # Keras turned XLA off (or on) where the plan did not expect it.
+            replanned = plan.with_jit(self.jit_compile)
+            if replanned.policy != plan.policy:
+                float32_layers = precision_lib.apply_policy(self, replanned.policy)
+            plan = replanned
+        rt.start(plan)
+        rt.float32_layers = float32_layers
+        if plan.jit_requested == "measure" and plan.xla_blocked:
             rt.jit_measurement = jit_measure.JitMeasurement(
-                jit_compile=False, reason=f"XLA is off: {xla_blocked}"
+                jit_compile=False, reason=f"XLA is off: {plan.xla_blocked}"
             )
-        rt.auto_scale_loss = auto_scale_loss
-        rt.policy = policy
-        rt.accumulator = None
-        rt.flush_function = None
-        rt.last_health = (0, 0)
-        rt.recompute = setup
-        rt.recompute_check_pending = config.recompute_check
-        if setup is not None:
-            setup.apply()
+        if plan.recompute is not None:
+            plan.recompute.apply()
         with self.distribute_strategy.scope():
             rt.facts = StepFacts()
-            rt.scaler = None
-            if scale is not None:
-                rt.scaler = precision_lib.LossScaler(*scale)
-        if config.accumulate_steps > 1:
-            _warn_inexact_accumulation(self, config, keras_kwargs.get("loss"))
+            if plan.loss_scale is not None:
+                rt.scaler = precision_lib.LossScaler(*plan.loss_scale)
 
     def get_compile_config(self):
         config = super().get_compile_config()
@@ -265,9 +233,10 @@ class GradBoostModel(keras.Model):
             requested = self._gradboost.jit_requested
             if requested is True or requested == "measure":
                 config["jit_compile"] = requested  # Keras keeps what it ran
+            plan = self._gradboost.plan
             config["gradboost"] = {
                 **self._gradboost.config.to_dict(),
-                "auto_scale_loss": self._gradboost.auto_scale_loss,
+                "auto_scale_loss": plan.auto_scale_loss if plan else False,
             }
         return config
 
@@ -283,6 +252,12 @@ class GradBoostModel(keras.Model):
     def gradboost_config(self):
         """The validated `GradBoostConfig` from the last `compile()`."""
         return self._gradboost.config
+
+    @property
+    def train_plan(self):
+        """The `TrainPlan` of the last `compile()`: what it decided for jit,
+        precision, loss scaling and recompute, and why; None before."""
+        return self._gradboost.plan
 
     @property
     def step_facts(self):
@@ -309,7 +284,8 @@ class GradBoostModel(keras.Model):
     @property
     def dtype_policy_applied(self):
         """The dtype policy `compile(precision=...)` set, or None."""
-        return self._gradboost.policy
+        plan = self._gradboost.plan
+        return plan.policy if plan else None
 
     def recompute_plan(self, batch_size=None):
         """What `compile(recompute=...)` recomputes, with memory estimates.
@@ -443,13 +419,12 @@ class GradBoostModel(keras.Model):
         if rt.facts is None:  # a model trained before `compile()` finished
             raise RuntimeError("Call `compile()` before training the model.")
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        accumulating = rt.config.accumulate_steps > 1
         n = sample_count(x)
         # Accumulators sum n_j * (the replica's mean gradient) over
         # micro-batches. Keras' loss is that mean over `replicas`, so the
         # weight is n * replicas; it goes on the scalar loss (free), or on the
         # gradients together with the loss-scale division (one pass).
-        weight = n * replicas if accumulating else 1.0
+        weight = n * replicas if rt.config.accumulate_steps > 1 else 1.0
 
         self._prepare_forward(x)
         with tf.GradientTape() as tape:
@@ -459,12 +434,7 @@ class GradBoostModel(keras.Model):
             )
             batch_loss = loss * replicas if replicas > 1 else loss
             hooks.loss_tracker(self).update_state(batch_loss, sample_weight=n)
-            if self.optimizer is not None:
-                loss = self.optimizer.scale_loss(loss)
-            if rt.scaler is not None:
-                loss = loss * tf.cast(rt.scaler.scale, loss.dtype)
-            elif accumulating:
-                loss = loss * tf.cast(weight, loss.dtype)
+            loss = self._loss_to_differentiate(loss, weight)
 
         variables = self.trainable_weights
         if not variables:
@@ -478,26 +448,7 @@ class GradBoostModel(keras.Model):
         if rt.scaler is not None:
             factor = weight / rt.scaler.scale
             grads = [None if g is None else g * tf.cast(factor, g.dtype) for g in grads]
-
-        check = rt.scaler is not None or rt.facts.checks_gradients
-        rt.facts.checks_gradients = check
-        rt.grad_mask = [g is not None for g in grads]
-        if accumulating:
-            self._accumulator().grad_mask = rt.grad_mask
-        if not check:
-            rt.facts.last_step_finite.assign(tf.math.is_finite(batch_loss))
-        if check or accumulating:
-            bad = loss_bad = None
-            if check:
-                loss_bad = guard.nonfinite_indicator(batch_loss, [])
-                bad = tf.maximum(loss_bad, guard.nonfinite_indicator(None, grads))
-            present = [g for g in grads if g is not None]
-            tf.distribute.get_replica_context().merge_call(
-                self._decide, args=(present, n, bad, loss_bad)
-            )
-        else:
-            # Exactly Keras' own step.
-            self.optimizer.apply_gradients(zip(grads, variables))
+        self._update(grads, batch_loss, n)
 
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if rt.scaler is not None:
@@ -505,6 +456,55 @@ class GradBoostModel(keras.Model):
             logs["loss_scale"] = rt.scaler.scale.read_value()
             logs["skipped_steps"] = rt.facts.skipped_steps.read_value()
         return logs
+
+    def _loss_to_differentiate(self, loss, weight):
+        """The loss scaled as the backward pass needs it: the optimizer's own
+        scaling, then the loss scale, or else the accumulation weight."""
+        rt = self._gradboost
+        if self.optimizer is not None:
+            loss = self.optimizer.scale_loss(loss)
+        if rt.scaler is not None:
+            return loss * tf.cast(rt.scaler.scale, loss.dtype)
+        if rt.config.accumulate_steps > 1:
+            return loss * tf.cast(weight, loss.dtype)
+        return loss
+
+    def _update(self, grads, batch_loss, n):
+        """Checks, records and applies (or accumulates) one micro-batch's
+        gradients; exactly Keras' own update when nothing is checked or
+        accumulated."""
+        rt = self._gradboost
+        accumulating = rt.config.accumulate_steps > 1
+        check = rt.scaler is not None or rt.facts.checks_gradients
+        rt.facts.checks_gradients = check
+        rt.grad_mask = [g is not None for g in grads]
+        if accumulating:
+            self._accumulator().grad_mask = rt.grad_mask
+        if not check:
+            rt.facts.last_step_finite.assign(tf.math.is_finite(batch_loss))
+        if not (check or accumulating):
+            self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+            return
+        bad = loss_bad = None
+        if check:
+            loss_bad = guard.nonfinite_indicator(batch_loss, [])
+            bad = tf.maximum(loss_bad, guard.nonfinite_indicator(None, grads))
+        present = [g for g in grads if g is not None]
+        self._cross_replica_step()(present, n=n, bad=bad, loss_bad=loss_bad)
+
+    def _cross_replica_step(self):
+        """The `step.CrossReplicaStep` of this model's update: its facts,
+        loss scale, watch (if a NaNWatcher attached one) and accumulator."""
+        rt = self._gradboost
+        variables = self.trainable_weights
+        return CrossReplicaStep(
+            lambda grads: self.optimizer.apply_gradients(zip(grads, variables)),
+            rt.grad_mask or (),
+            facts=rt.facts,
+            scaler=rt.scaler,
+            watch=rt.facts.watch,
+            accumulator=rt.accumulator if rt.config.accumulate_steps > 1 else None,
+        )
 
     def _prepare_forward(self, x):
         """Settles what the recompute forward needs from the first batch
@@ -525,99 +525,6 @@ class GradBoostModel(keras.Model):
             return self(x, training=True)
         return self(x)
 
-    def _decide(self, strategy, present_grads, n, bad, loss_bad):
-        """The cross-replica part of a step: one decision for all replicas.
-
-        Decisions (is the step finite, is an update due) are made here from
-        every replica's values, and each replica then applies the same
-        decision to its own replica-local state. The `tf.cond`s run in
-        cross-replica context, where their branches may call the optimizer
-        (whose all-reduce uses `merge_call`).
-        """
-        rt = self._gradboost
-        each = strategy.extended.call_for_each_replica
-        variables = self.trainable_weights
-
-        def with_nones(present):
-            return guard.with_nones(present, rt.grad_mask)
-
-        finite = None
-        if bad is not None:
-            finite = tf.equal(guard.sum_over_replicas(strategy, bad), 0.0)
-            loss_finite = tf.equal(guard.sum_over_replicas(strategy, loss_bad), 0.0)
-            # The update goes in when the step is finite and a NaNWatcher
-            # (if any) has not halted updates.
-            finite = guard.local_value(
-                each(self._record_finiteness, args=(finite, loss_finite)), strategy
-            )
-
-        def when_finite(fn, *args):
-            def run():
-                fn(*args)  # returns nothing: tf.cond's branches must match
-
-            if finite is None:
-                run()
-            else:
-                tf.cond(finite, run, lambda: None)
-
-        if rt.config.accumulate_steps == 1:
-            when_finite(
-                each,
-                lambda g: self.optimizer.apply_gradients(
-                    zip(with_nones(g), variables)
-                ),
-                (present_grads,),
-            )
-            return
-
-        acc = rt.accumulator
-        when_finite(each, lambda g, n: acc.add(with_nones(g), n), (present_grads, n))
-        due = guard.local_value(each(acc.tick), strategy)
-        tf.cond(
-            due, lambda: self._apply_accumulated(strategy, variables), lambda: None
-        )
-
-    def _record_finiteness(self, finite, loss_finite):
-        rt = self._gradboost
-        genuine = tf.logical_not(finite)
-        if rt.scaler is not None and rt.scaler.dynamic:
-            # An overflow of the scaled backward pass is the dynamic scale's
-            # normal search; only an unscaled non-finite loss, or an overflow
-            # at the floor scale, is a real non-finite step.
-            genuine = tf.logical_and(
-                genuine,
-                tf.logical_or(
-                    tf.logical_not(loss_finite),
-                    rt.scaler.scale <= precision_lib.SCALE_FLOOR,
-                ),
-            )
-        rt.facts.nonfinite_steps.assign_add(tf.cast(genuine, tf.int64))
-        if rt.scaler is not None:
-            rt.scaler.update(finite)
-        rt.facts.last_step_finite.assign(finite)
-        rt.facts.skipped_steps.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
-        rt.facts.checked_steps.assign_add(1)
-        if rt.facts.watch is None:
-            return finite
-        return rt.facts.watch.record(genuine, finite)
-
-    def _apply_accumulated(self, strategy, variables):
-        """Cross-replica: one update from the accumulated gradients, if any
-        finite micro-batch was added, then reset the accumulators."""
-        acc = self._gradboost.accumulator
-        each = strategy.extended.call_for_each_replica
-        total = guard.sum_over_replicas(strategy, each(acc.count.read_value))
-
-        def apply_mean(total):
-            grads = acc.mean_gradients(total)
-            self.optimizer.apply_gradients(zip(grads, variables))
-
-        def apply():
-            each(apply_mean, args=(total,))
-
-        tf.cond(total > 0, apply, lambda: None)
-        each(acc.reset)
-
     def flush_accumulated_gradients(self):
         """Applies micro-batches accumulated since the last update, if any.
 
@@ -629,20 +536,12 @@ class GradBoostModel(keras.Model):
         if rt.accumulator is None:
             return
         if rt.flush_function is None:
-            variables = self.trainable_variables
             strategy = self.distribute_strategy
-            acc = rt.accumulator
+            step = self._cross_replica_step()
 
             def flush():
                 with strategy.scope():
-                    pending = strategy.extended.call_for_each_replica(
-                        lambda: acc.micro_step.read_value() > 0
-                    )
-                    tf.cond(
-                        guard.local_value(pending, strategy),
-                        lambda: self._apply_accumulated(strategy, variables),
-                        lambda: None,
-                    )
+                    flush_window(strategy, step)
 
             rt.flush_function = tf.function(flush, autograph=False)
         rt.flush_function()
@@ -858,109 +757,3 @@ def _batch_size_hint(fit_args):
         batch = fit_args.get("batch_size") or 32
         return min(batch, int(arrays[0].shape[0]))
     return None
-
-
-def _loss_scale_setting(loss_scale, float16):
-    """`(dynamic, initial scale)` for the LossScaler, or None for no scaling."""
-    if loss_scale == "dynamic" or (loss_scale == "auto" and float16):
-        return (True, precision_lib.INITIAL_SCALE)
-    if isinstance(loss_scale, float):
-        return (False, loss_scale)
-    return None
-
-
-def _check_conflicts(config, optimizer, scale, auto_scale_loss, keras_scales):
-    if auto_scale_loss and scale is not None:
-        raise ValueError(
-            "Conflicting arguments: auto_scale_loss=True (Keras wraps the "
-            "optimizer in a LossScaleOptimizer) and "
-            f"loss_scale={config.loss_scale!r} (gradboost loss scaling, on for "
-            "this model). Set only one: pass loss_scale=None to use Keras' "
-            "loss scaling, or drop auto_scale_loss."
-        )
-    is_lso = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-    if is_lso and scale is not None:
-        raise ValueError(
-            "Conflicting arguments: the optimizer is a LossScaleOptimizer "
-            f"and loss_scale={config.loss_scale!r} (gradboost loss scaling, on "
-            "for this model). Set only one: pass the inner optimizer, or "
-            "loss_scale=None."
-        )
-    if config.accumulate_steps == 1:
-        return
-    own = getattr(optimizer, "gradient_accumulation_steps", None)
-    if own:
-        raise ValueError(
-            "Conflicting arguments: accumulate_steps="
-            f"{config.accumulate_steps} and the optimizer's own "
-            f"gradient_accumulation_steps={own}. Set only one: keep "
-            "accumulate_steps (exact for uneven batches and distribution) and "
-            "create the optimizer without gradient_accumulation_steps."
-        )
-    if is_lso or keras_scales:
-        raise ValueError(
-            "Conflicting arguments: accumulate_steps="
-            f"{config.accumulate_steps} and a LossScaleOptimizer"
-            + (" (from auto_scale_loss=True)" if keras_scales else "")
-            + '. Set only one kind of loss scaling: pass the inner optimizer '
-            'and loss_scale="dynamic" (gradboost scaling works with '
-            "accumulation)."
-        )
-
-
-_UNSUPPORTED_STRATEGIES = (
-    tf.distribute.MultiWorkerMirroredStrategy,
-    tf.distribute.experimental.ParameterServerStrategy,
-    tf.distribute.TPUStrategy,
-)
-
-
-def _check_strategy(strategy, config, scale):
-    """Accumulation and loss scaling decide on local replicas' values: right
-    in one process (one device, MirroredStrategy), not yet across workers."""
-    if config.accumulate_steps == 1 and scale is None:
-        return
-    if isinstance(strategy, _UNSUPPORTED_STRATEGIES):
-        raise ValueError(
-            f"accumulate_steps={config.accumulate_steps} and loss_scale="
-            f"{config.loss_scale!r} are not supported yet under "
-            f"{type(strategy).__name__}. Supported: one device and "
-            "MirroredStrategy. Use accumulate_steps=1 and loss_scale=None "
-            "with this strategy."
-        )
-
-
-def _warn_inexact_accumulation(model, config, loss):
-    """Warns about what makes k micro-batches differ from one large batch."""
-    steps = config.accumulate_steps
-    bn = [
-        l.name
-        for l in hooks.flatten_layers(model)
-        if isinstance(l, keras.layers.BatchNormalization)
-    ]
-    if bn:
-        shown = ", ".join(bn[:4]) + (f" and {len(bn) - 4} more" if len(bn) > 4 else "")
-        warnings.warn(
-            f"accumulate_steps={steps}: the BatchNormalization layers "
-            f"({shown}) normalise each micro-batch with its own statistics, "
-            "not those of the whole accumulated batch, so the result differs "
-            "from one large-batch step. Use LayerNormalization or "
-            "GroupNormalization for an exact equivalent.",
-            stacklevel=3,
-        )
-    losses = tf.nest.flatten(loss) if loss is not None else []
-    odd = sorted(
-        {
-            l.reduction
-            for l in losses
-            if isinstance(l, keras.losses.Loss)
-            and l.reduction not in ("sum_over_batch_size", "mean")
-        }
-    )
-    if odd:
-        warnings.warn(
-            f"accumulate_steps={steps}: a loss with reduction={odd[0]!r}. "
-            "Accumulation weights each micro-batch by its sample count, which "
-            'is exact for reduction="sum_over_batch_size" (the default) only.',
-            stacklevel=3,
-        )

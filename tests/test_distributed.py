@@ -110,7 +110,7 @@ def test_gradients_are_all_reduced_once_per_update(regression_data):
 
 def test_multi_worker_strategies_are_refused_with_a_clear_error():
     from keras_gradboost.config import GradBoostConfig
-    from keras_gradboost.model import _check_strategy
+    from keras_gradboost.plan import check_strategy as _check_strategy
 
     # An uninitialised instance: only its type matters to the check.
     strategy = object.__new__(tf.distribute.MultiWorkerMirroredStrategy)

@@ -1,0 +1,304 @@
+"""What `GradBoostModel.compile()` decides, before it changes anything.
+
+`TrainPlan.build` turns the validated `GradBoostConfig`, Keras' own compile
+arguments, the model and the device into one frozen plan, in one explicit
+order, each decision reading only the ones before it:
+
+1. jit: the XLA setting Keras will run with (`"measure"` is decided later,
+   by timing; a layer with `supports_jit=False` or `run_eagerly` blocks XLA);
+2. precision: the dtype policy (its `"auto"` rule depends on the device and,
+   on a CPU, on jit);
+3. loss scale: whether the model computes in float16, and so the scaling;
+4. recompute: the blocks chosen for recompute (the per-model setup);
+5. every conflict and strategy check, and the warnings to give.
+
+Building a plan changes nothing: a bad combination raises before the model
+is touched, and a plan can be tested without calling `compile()`.
+`GradBoostModel.compile()` is then config -> plan -> apply.
+"""
+
+import dataclasses
+import types
+
+import keras
+import tensorflow as tf
+
+from keras_gradboost import blocks
+from keras_gradboost import hooks
+from keras_gradboost import precision as precision_lib
+from keras_gradboost.config import GradBoostConfig
+from keras_gradboost.config import jit_compile_setting
+
+
+@dataclasses.dataclass(frozen=True)
+class Devices:
+    """The device facts the plan depends on.
+
+    Attributes:
+        on_gpu: whether TensorFlow sees a GPU.
+        cpu_bf16: whether the CPU has native bfloat16 instructions.
+    """
+
+    on_gpu: bool
+    cpu_bf16: bool
+
+    @classmethod
+    def detect(cls):
+        return cls(precision_lib.gpu_available(), precision_lib.cpu_has_native_bfloat16())
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainPlan:
+    """What `compile()` decided, in the order it decided it.
+
+    Attributes:
+        config: the validated `GradBoostConfig`.
+        keras_kwargs: the arguments handed to `keras.Model.compile` (a
+            read-only mapping; the optimizer is an instance).
+        jit_requested: `compile(jit_compile=...)` as given: `"auto"`, True,
+            False or `"measure"`.
+        jit_compile: whether the train step is XLA-compiled as Keras will
+            run it (False for `"measure"` until it is measured).
+        xla_blocked: why XLA is off although `jit_requested` asked for it,
+            or None.
+        policy: the dtype policy `precision` sets on every layer, or None
+            to leave the model as built.
+        float16: whether the model will compute in float16.
+        loss_scale: `(dynamic, initial_scale)` for gradboost loss scaling,
+            or None (off).
+        auto_scale_loss: `compile(auto_scale_loss=...)` as given.
+        recompute: the per-model recompute setup (blocks chosen, not yet
+            applied), or None.
+        warnings: the messages `compile()` gives once the plan is applied
+            (soft problems: XLA blocked, float16 on a CPU, accumulation that
+            cannot equal the large batch).
+    """
+
+    config: GradBoostConfig
+    keras_kwargs: types.MappingProxyType
+    jit_requested: object = "auto"
+    jit_compile: bool = False
+    xla_blocked: object = None
+    policy: object = None
+    float16: bool = False
+    loss_scale: object = None
+    auto_scale_loss: bool = False
+    recompute: object = None
+    warnings: tuple = ()
+
+    @classmethod
+    def build(cls, config, model, keras_kwargs, devices=None):
+        """Decides everything `compile()` will apply, changing nothing.
+
+        Args:
+            config: a `GradBoostConfig`.
+            model: the model being compiled.
+            keras_kwargs: `keras.Model.compile`'s arguments as a dict (the
+                gradboost ones taken out).
+            devices: `Devices`; detected when None. Defaults to `None`.
+
+        Returns:
+            A `TrainPlan`.
+
+        Raises:
+            TypeError, ValueError: for a bad `jit_compile`, and for
+                conflicting arguments (named, with the fix).
+        """
+        devices = devices or Devices.detect()
+        kwargs = dict(keras_kwargs)
+        requested, jit, xla_blocked = _decide_jit(model, kwargs)
+        notes = []
+        if xla_blocked:
+            notes.append(
+                f"jit_compile={requested!r}, but XLA is off: {xla_blocked}. "
+                "The model trains without XLA."
+            )
+        optimizer = keras.optimizers.get(kwargs.get("optimizer", "rmsprop"))
+        kwargs["optimizer"] = optimizer
+        auto_scale_loss = bool(kwargs.pop("auto_scale_loss", False))
+
+        policy = precision_lib.resolve_precision(
+            config.precision, jit, devices.on_gpu, devices.cpu_bf16
+        )
+        message = precision_lib.float16_cpu_warning(policy, jit, devices.on_gpu)
+        if message:
+            notes.append(message)
+        float16 = policy == "mixed_float16" or (
+            policy is None and precision_lib.computes_in_float16(model)
+        )
+
+        scale = loss_scale_setting(config.loss_scale, float16)
+        keras_scales = auto_scale_loss and (policy or model.dtype_policy.name) == (
+            "mixed_float16"
+        )
+        check_conflicts(config, optimizer, scale, auto_scale_loss, keras_scales)
+        check_strategy(model.distribute_strategy, config, scale)
+        kwargs["auto_scale_loss"] = scale is None and auto_scale_loss
+
+        recompute = None
+        if config.recompute is not None:
+            recompute = blocks.RecomputeSetup(model, config.recompute)
+        if config.accumulate_steps > 1:
+            notes.extend(inexact_accumulation_warnings(model, config, kwargs.get("loss")))
+        return cls(
+            config=config,
+            keras_kwargs=types.MappingProxyType(kwargs),
+            jit_requested=requested,
+            jit_compile=jit,
+            xla_blocked=xla_blocked,
+            policy=policy,
+            float16=float16,
+            loss_scale=scale,
+            auto_scale_loss=auto_scale_loss,
+            recompute=recompute,
+            warnings=tuple(notes),
+        )
+
+    def with_jit(self, jit_compile, devices=None):
+        """The plan for the jit setting Keras ended up with. Keras may turn
+        XLA off where the plan's prediction of it did not (the precision
+        rule and the float16 warning depend on jit on a CPU)."""
+        devices = devices or Devices.detect()
+        jit = bool(jit_compile)
+        policy = precision_lib.resolve_precision(
+            self.config.precision, jit, devices.on_gpu, devices.cpu_bf16
+        )
+        old = precision_lib.float16_cpu_warning(self.policy, self.jit_compile, devices.on_gpu)
+        new = precision_lib.float16_cpu_warning(policy, jit, devices.on_gpu)
+        notes = [n for n in self.warnings if n != old] + ([new] if new else [])
+        return dataclasses.replace(
+            self, jit_compile=jit, policy=policy, warnings=tuple(notes)
+        )
+
+
+def _decide_jit(model, kwargs):
+    """`(requested, jit, xla_blocked)`; sets `kwargs["jit_compile"]` to what
+    Keras is given: False for `"measure"` (both variants are made when the
+    train function is) and when XLA is blocked (Keras' own warning names no
+    cause)."""
+    requested = jit_compile_setting(kwargs.get("jit_compile", "auto"))
+    run_eagerly = bool(kwargs.get("run_eagerly"))
+    xla_blocked = None
+    if requested is True or requested == "measure":
+        blockers = ["run_eagerly=True"] if run_eagerly else hooks.jit_blockers(model)
+        if blockers:
+            xla_blocked = "; ".join(blockers)
+        if blockers or requested == "measure":
+            kwargs["jit_compile"] = False
+    given = kwargs.get("jit_compile", "auto")
+    if given == "auto" or run_eagerly:
+        # Keras resolves "auto" to False on a CPU-only machine and under a
+        # distribution strategy; on a GPU it does not change the precision
+        # rule (which depends on jit only on a CPU).
+        jit = False
+    else:
+        jit = bool(given)
+    return requested, jit, xla_blocked
+
+
+def loss_scale_setting(loss_scale, float16):
+    """`(dynamic, initial scale)` for the LossScaler, or None for no scaling."""
+    if loss_scale == "dynamic" or (loss_scale == "auto" and float16):
+        return (True, precision_lib.INITIAL_SCALE)
+    if isinstance(loss_scale, float):
+        return (False, loss_scale)
+    return None
+
+
+def check_conflicts(config, optimizer, scale, auto_scale_loss, keras_scales):
+    """Raises a ValueError naming both sides of a conflict between the
+    gradboost arguments and the optimizer or `auto_scale_loss`."""
+    if auto_scale_loss and scale is not None:
+        raise ValueError(
+            "Conflicting arguments: auto_scale_loss=True (Keras wraps the "
+            "optimizer in a LossScaleOptimizer) and "
+            f"loss_scale={config.loss_scale!r} (gradboost loss scaling, on for "
+            "this model). Set only one: pass loss_scale=None to use Keras' "
+            "loss scaling, or drop auto_scale_loss."
+        )
+    is_lso = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    if is_lso and scale is not None:
+        raise ValueError(
+            "Conflicting arguments: the optimizer is a LossScaleOptimizer "
+            f"and loss_scale={config.loss_scale!r} (gradboost loss scaling, on "
+            "for this model). Set only one: pass the inner optimizer, or "
+            "loss_scale=None."
+        )
+    if config.accumulate_steps == 1:
+        return
+    own = getattr(optimizer, "gradient_accumulation_steps", None)
+    if own:
+        raise ValueError(
+            "Conflicting arguments: accumulate_steps="
+            f"{config.accumulate_steps} and the optimizer's own "
+            f"gradient_accumulation_steps={own}. Set only one: keep "
+            "accumulate_steps (exact for uneven batches and distribution) and "
+            "create the optimizer without gradient_accumulation_steps."
+        )
+    if is_lso or keras_scales:
+        raise ValueError(
+            "Conflicting arguments: accumulate_steps="
+            f"{config.accumulate_steps} and a LossScaleOptimizer"
+            + (" (from auto_scale_loss=True)" if keras_scales else "")
+            + '. Set only one kind of loss scaling: pass the inner optimizer '
+            'and loss_scale="dynamic" (gradboost scaling works with '
+            "accumulation)."
+        )
+
+
+_UNSUPPORTED_STRATEGIES = (
+    tf.distribute.MultiWorkerMirroredStrategy,
+    tf.distribute.experimental.ParameterServerStrategy,
+    tf.distribute.TPUStrategy,
+)
+
+
+def check_strategy(strategy, config, scale):
+    """Accumulation and loss scaling decide on local replicas' values: right
+    in one process (one device, MirroredStrategy), not yet across workers."""
+    if config.accumulate_steps == 1 and scale is None:
+        return
+    if isinstance(strategy, _UNSUPPORTED_STRATEGIES):
+        raise ValueError(
+            f"accumulate_steps={config.accumulate_steps} and loss_scale="
+            f"{config.loss_scale!r} are not supported yet under "
+            f"{type(strategy).__name__}. Supported: one device and "
+            "MirroredStrategy. Use accumulate_steps=1 and loss_scale=None "
+            "with this strategy."
+        )
+
+
+def inexact_accumulation_warnings(model, config, loss):
+    """What makes k micro-batches differ from one large batch, as warnings."""
+    steps = config.accumulate_steps
+    notes = []
+    bn = [
+        l.name
+        for l in hooks.flatten_layers(model)
+        if isinstance(l, keras.layers.BatchNormalization)
+    ]
+    if bn:
+        shown = ", ".join(bn[:4]) + (f" and {len(bn) - 4} more" if len(bn) > 4 else "")
+        notes.append(
+            f"accumulate_steps={steps}: the BatchNormalization layers "
+            f"({shown}) normalise each micro-batch with its own statistics, "
+            "not those of the whole accumulated batch, so the result differs "
+            "from one large-batch step. Use LayerNormalization or "
+            "GroupNormalization for an exact equivalent."
+        )
+    losses = tf.nest.flatten(loss) if loss is not None else []
+    odd = sorted(
+        {
+            l.reduction
+            for l in losses
+            if isinstance(l, keras.losses.Loss)
+            and l.reduction not in ("sum_over_batch_size", "mean")
+        }
+    )
+    if odd:
+        notes.append(
+            f"accumulate_steps={steps}: a loss with reduction={odd[0]!r}. "
+            "Accumulation weights each micro-batch by its sample count, which "
+            'is exact for reduction="sum_over_batch_size" (the default) only.'
+        )
+    return notes

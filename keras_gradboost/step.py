@@ -1,0 +1,203 @@
+"""The cross-replica part of a training step, written once.
+
+Each replica computes its gradients and a 0/1 "not finite" indicator; then,
+in one `merge_call`, `CrossReplicaStep` decides for all replicas at once:
+
+1. finiteness over every replica (`all_finite`);
+2. record: the step facts, the dynamic loss scale and a `NaNWatcher`'s watch
+   (which may halt updates), each replica updating its own replica-local
+   copy with the same all-reduced values (`record`);
+3. apply the update, or add the micro-batch to the accumulation window and
+   apply the window's update when it is due (`apply_window`).
+
+`GradBoostModel.train_step` and the optimizer guard that `NaNWatcher` puts
+on a plain Keras model (`guard.guard_optimizer`) both run this. Supporting
+another distribution strategy is a change here: the reductions over
+replicas are `sum_over_replicas` and `local_value`.
+
+The `tf.cond`s run in cross-replica context, where their branches may call
+the optimizer (whose all-reduce uses `merge_call`, which TensorFlow forbids
+inside a `tf.cond` branch in replica context).
+"""
+
+import tensorflow as tf
+
+from keras_gradboost import precision as precision_lib
+
+
+def sum_over_replicas(strategy, value):
+    """Sum of a per-replica scalar, in cross-replica context, with local ops
+    (no collective: this process holds every replica of a MirroredStrategy;
+    a multi-worker strategy will need a cross-worker reduce here)."""
+    return tf.add_n(list(strategy.experimental_local_results(value)))
+
+
+def local_value(value, strategy):
+    """The first replica's copy of a value handed to a `merge_call` function
+    (every replica holds the same one)."""
+    return strategy.experimental_local_results(value)[0]
+
+
+def all_finite(strategy, indicator):
+    """Whether no replica's 0/1 "not finite" indicator is set."""
+    return tf.equal(sum_over_replicas(strategy, indicator), 0.0)
+
+
+def with_nones(present, mask):
+    """Puts `None` back where `mask` is False: the inverse of dropping the
+    `None` gradients (which cannot cross a `merge_call`)."""
+    it = iter(present)
+    return [next(it) if m else None for m in mask]
+
+
+def _nothing():
+    return None
+
+
+def when(go, fn):
+    """Runs `fn()` if `go` (a bool tensor) is true; always when `go` is
+    None (nothing was checked)."""
+    if go is None:
+        fn()
+        return
+
+    def run():
+        fn()  # returns nothing: tf.cond's branches must match
+
+    tf.cond(go, run, _nothing)
+
+
+class CrossReplicaStep:
+    """The decision of one training step for all replicas, and its update.
+
+    Args:
+        apply: per-replica `apply(grads)`, `grads` with `None` where a
+            variable gets no gradient: applies one update.
+        grad_mask: for each variable `apply` updates, whether it gets a
+            gradient (the `None`s dropped before the `merge_call`).
+        facts: a `StepFacts` to record finiteness and skips in, or None.
+            Defaults to `None`.
+        scaler: the `LossScaler`, updated with each checked step's
+            finiteness, or None. Defaults to `None`.
+        watch: a `guard.WatchState` recording each checked step (its halt
+            flag drops updates), or None. Defaults to `None`.
+        counter: an int64 variable counting skipped steps (updated in
+            cross-replica context), or None. Defaults to `None`.
+        accumulator: a `GradientAccumulator`: the micro-batch is added to
+            its window, and the window's update is applied when due. None
+            applies every step. Defaults to `None`.
+    """
+
+    def __init__(
+        self, apply, grad_mask, facts=None, scaler=None, watch=None, counter=None,
+        accumulator=None,
+    ):
+        self.apply = apply
+        self.grad_mask = list(grad_mask)
+        self.facts = facts
+        self.scaler = scaler
+        self.watch = watch
+        self.counter = counter
+        self.accumulator = accumulator
+
+    def __call__(self, present_grads, n=None, bad=None, loss_bad=None):
+        """Runs the step from replica context (one `merge_call`).
+
+        Args:
+            present_grads: this replica's gradients, without the `None`s.
+            n: this replica's weight for the accumulation window (its sample
+                count times the replica count), or None without one.
+            bad: this replica's 0/1 "not finite" indicator (float32), or
+                None when nothing is checked (the update always goes in).
+            loss_bad: the same for the loss alone (it tells a dynamic loss
+                scale's own overflows from real non-finite steps), or None:
+                the same as `bad`.
+        """
+        tf.distribute.get_replica_context().merge_call(
+            self._merge, args=(present_grads, n, bad, loss_bad)
+        )
+
+    def _merge(self, strategy, present, n, bad, loss_bad):
+        go = self.decide(strategy, bad, loss_bad)
+        each = strategy.extended.call_for_each_replica
+        if self.accumulator is None:
+            when(go, lambda: each(self._apply_present, args=(present,)))
+            return
+        acc = self.accumulator
+        when(go, lambda: each(self._add, args=(present, n)))
+        due = local_value(each(acc.tick), strategy)
+        tf.cond(due, lambda: self.apply_window(strategy), _nothing)
+
+    def decide(self, strategy, bad, loss_bad=None):
+        """Cross-replica: whether the update may go in (the same bool on
+        every replica), after recording the step; None when nothing is
+        checked."""
+        if bad is None:
+            return None
+        finite = all_finite(strategy, bad)
+        loss_finite = finite if loss_bad is None else all_finite(strategy, loss_bad)
+        if self.counter is not None:
+            self.counter.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+        if self.facts is None and self.scaler is None and self.watch is None:
+            return finite
+        each = strategy.extended.call_for_each_replica
+        return local_value(each(self.record, args=(finite, loss_finite)), strategy)
+
+    def record(self, finite, loss_finite):
+        """Replica context: records one checked step in this replica's copy
+        of the state; returns whether its update may be applied."""
+        genuine = tf.logical_not(finite)
+        if self.scaler is not None and self.scaler.dynamic:
+            # An overflow of the scaled backward pass is the dynamic scale's
+            # normal search; only an unscaled non-finite loss, or an overflow
+            # at the floor scale, is a real non-finite step.
+            genuine = tf.logical_and(
+                genuine,
+                tf.logical_or(
+                    tf.logical_not(loss_finite),
+                    self.scaler.scale <= precision_lib.SCALE_FLOOR,
+                ),
+            )
+        facts = self.facts
+        if facts is not None:
+            facts.nonfinite_steps.assign_add(tf.cast(genuine, tf.int64))
+        if self.scaler is not None:
+            self.scaler.update(finite)
+        if facts is not None:
+            facts.last_step_finite.assign(finite)
+            facts.skipped_steps.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+            facts.checked_steps.assign_add(1)
+        if self.watch is None:
+            return finite
+        return self.watch.record(genuine, finite)
+
+    def apply_window(self, strategy):
+        """Cross-replica: one update from the accumulated gradients, if any
+        finite micro-batch was added, then a new window."""
+        acc = self.accumulator
+        each = strategy.extended.call_for_each_replica
+        total = sum_over_replicas(strategy, each(acc.count.read_value))
+
+        def apply_mean(total):
+            self.apply(acc.mean_gradients(total))
+
+        tf.cond(total > 0, lambda: each(apply_mean, args=(total,)), _nothing)
+        each(acc.reset)
+
+    def _apply_present(self, present):
+        self.apply(with_nones(present, self.grad_mask))
+
+    def _add(self, present, n):
+        self.accumulator.add(with_nones(present, self.grad_mask), n)
+
+
+def flush_window(strategy, step):
+    """Cross-replica: applies the accumulation window of `step` (a
+    `CrossReplicaStep` with an accumulator) if it holds micro-batches."""
+    acc = step.accumulator
+    pending = strategy.extended.call_for_each_replica(
+        lambda: acc.micro_step.read_value() > 0
+    )
+    tf.cond(
+        local_value(pending, strategy), lambda: step.apply_window(strategy), _nothing
+    )
