@@ -1,0 +1,167 @@
+"""CrossReplicaStep: the one all-replica decision, record and update."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+from keras_gradboost import guard
+from keras_gradboost import step as step_lib
+from keras_gradboost.accumulate import GradientAccumulator
+from keras_gradboost.precision import LossScaler
+from keras_gradboost.state import StepFacts
+
+
+def _var_and_sgd(values=(1.0, 1.0)):
+    var = keras.Variable(np.array(values, "float32"))
+    optimizer = keras.optimizers.SGD(1.0)
+    optimizer.build([var])
+    return var, optimizer
+
+
+def _run(step, grads, n=None, bad=None, loss_bad=None):
+    @tf.function(autograph=False)
+    def run():
+        def replica():
+            g = tf.constant(grads, tf.float32)
+            b = None if bad is None else tf.constant(bad, tf.float32)
+            lb = None if loss_bad is None else tf.constant(loss_bad, tf.float32)
+            step([g], n=None if n is None else tf.constant(n, tf.float32), bad=b, loss_bad=lb)
+
+        tf.distribute.get_strategy().extended.call_for_each_replica(replica)
+
+    run()
+
+
+def test_with_nones_and_when():
+    assert step_lib.with_nones([1, 2], [True, False, True]) == [1, None, 2]
+    ran = []
+    step_lib.when(None, lambda: ran.append(1))
+    step_lib.when(tf.constant(False), lambda: ran.append(2))
+    step_lib.when(tf.constant(True), lambda: ran.append(3))
+    assert ran == [1, 3]
+
+
+def test_unchecked_step_always_applies():
+    var, optimizer = _var_and_sgd()
+    step = step_lib.CrossReplicaStep(lambda g: optimizer.apply(g, [var]), [True])
+    _run(step, [0.5, 0.25])
+    np.testing.assert_array_equal(var.numpy(), [0.5, 0.75])
+
+
+def test_bad_step_is_recorded_and_not_applied_then_good_one_is():
+    var, optimizer = _var_and_sgd()
+    facts = StepFacts()
+    counter = tf.Variable(0, dtype=tf.int64)
+    step = step_lib.CrossReplicaStep(
+        lambda g: optimizer.apply(g, [var]), [True], facts=facts, counter=counter
+    )
+    _run(step, [np.nan, 1.0], bad=1.0)
+    np.testing.assert_array_equal(var.numpy(), [1.0, 1.0])
+    assert facts.read()["skipped_steps"] == 1 and facts.read()["nonfinite_steps"] == 1
+    assert int(counter.numpy()) == 1 and not facts.read()["last_step_finite"]
+    _run(step, [0.5, 0.5], bad=0.0)
+    np.testing.assert_array_equal(var.numpy(), [0.5, 0.5])
+    read = facts.read()
+    assert read["checked_steps"] == 2 and read["skipped_steps"] == 1
+    assert read["last_step_finite"] and int(counter.numpy()) == 1
+
+
+def test_dynamic_scale_overflow_is_a_skip_but_not_a_nonfinite_step():
+    var, optimizer = _var_and_sgd()
+    facts = StepFacts()
+    scaler = LossScaler(True, 2.0**15)
+    step = step_lib.CrossReplicaStep(
+        lambda g: optimizer.apply(g, [var]), [True], facts=facts, scaler=scaler
+    )
+    _run(step, [np.inf, 0.0], bad=1.0, loss_bad=0.0)  # the scaled backward overflowed
+    assert float(scaler.scale.numpy()) == 2.0**14
+    assert facts.read()["skipped_steps"] == 1 and facts.read()["nonfinite_steps"] == 0
+    _run(step, [np.nan, 0.0], bad=1.0, loss_bad=1.0)  # the loss itself
+    assert facts.read()["nonfinite_steps"] == 1
+    np.testing.assert_array_equal(var.numpy(), [1.0, 1.0])
+
+
+def test_watch_halt_drops_finite_updates():
+    var, optimizer = _var_and_sgd()
+    watch = guard.WatchState(ring=4, halt_every=True)
+    step = step_lib.CrossReplicaStep(lambda g: optimizer.apply(g, [var]), [True], watch=watch)
+    _run(step, [np.nan, 0.0], bad=1.0)
+    _run(step, [0.5, 0.5], bad=0.0)  # finite, but halted
+    np.testing.assert_array_equal(var.numpy(), [1.0, 1.0])
+    assert int(watch.count.numpy()) == 1 and int(watch.step.numpy()) == 2
+    assert list(watch.bad_steps.numpy()[:1]) == [0] and bool(watch.halted.numpy())
+
+
+def test_accumulated_window_applies_the_sample_weighted_mean_once_due():
+    var, optimizer = _var_and_sgd((0.0, 0.0))
+    acc = GradientAccumulator([var], steps=2)
+    step = step_lib.CrossReplicaStep(
+        lambda g: optimizer.apply(g, [var]), [True], accumulator=acc
+    )
+    # Weighted gradients n * g: a micro-batch of 3 with mean gradient 1, one of
+    # 1 with mean gradient 5: the large batch's mean gradient is 2.
+    _run(step, [3.0, 3.0], n=3.0, bad=None)
+    np.testing.assert_array_equal(var.numpy(), [0.0, 0.0])
+    _run(step, [5.0, 5.0], n=1.0, bad=None)
+    np.testing.assert_allclose(var.numpy(), [-2.0, -2.0])
+    assert int(optimizer.iterations.numpy()) == 1 and int(acc.micro_step.numpy()) == 0
+
+
+def test_a_bad_micro_batch_is_left_out_of_its_window():
+    var, optimizer = _var_and_sgd((0.0, 0.0))
+    acc = GradientAccumulator([var], steps=2)
+    step = step_lib.CrossReplicaStep(
+        lambda g: optimizer.apply(g, [var]), [True], facts=StepFacts(), accumulator=acc
+    )
+    _run(step, [np.nan, 1.0], n=4.0, bad=1.0)
+    _run(step, [2.0, 2.0], n=2.0, bad=0.0)
+    np.testing.assert_allclose(var.numpy(), [-1.0, -1.0])
+
+
+def test_flush_window_applies_a_partial_window_and_nothing_when_empty():
+    var, optimizer = _var_and_sgd((0.0, 0.0))
+    acc = GradientAccumulator([var], steps=4)
+    step = step_lib.CrossReplicaStep(lambda g: optimizer.apply(g, [var]), [True], accumulator=acc)
+    _run(step, [6.0, 6.0], n=3.0)
+    strategy = tf.distribute.get_strategy()
+    flush = tf.function(lambda: step_lib.flush_window(strategy, step), autograph=False)
+    flush()
+    np.testing.assert_allclose(var.numpy(), [-2.0, -2.0])
+    flush()  # an empty window: no update
+    np.testing.assert_allclose(var.numpy(), [-2.0, -2.0])
+    assert int(optimizer.iterations.numpy()) == 1
+
+
+@pytest.fixture(scope="module")
+def mirrored():
+    devices = tf.config.list_logical_devices("CPU")
+    assert len(devices) >= 2, "conftest.py splits the CPU into two devices"
+    return tf.distribute.MirroredStrategy([d.name for d in devices[:2]])
+
+
+def test_one_bad_replica_stops_the_update_on_every_replica(mirrored):
+    with mirrored.scope():
+        var = keras.Variable(np.ones(2, "float32"))
+        optimizer = keras.optimizers.SGD(1.0)
+        optimizer.build([var])
+        facts = StepFacts()
+    step = step_lib.CrossReplicaStep(
+        lambda g: optimizer.apply(g, [var]), [True], facts=facts
+    )
+
+    @tf.function(autograph=False)
+    def run(bad_on_second):
+        def replica():
+            index = tf.distribute.get_replica_context().replica_id_in_sync_group
+            bad = tf.cast(tf.logical_and(bad_on_second, tf.equal(index, 1)), tf.float32)
+            step([tf.fill([2], 0.25)], bad=bad)
+
+        mirrored.run(replica)
+
+    run(tf.constant(True))
+    np.testing.assert_array_equal(var.numpy(), [1.0, 1.0])
+    skipped = [int(v.numpy()) for v in mirrored.experimental_local_results(facts.skipped_steps)]
+    assert skipped == [1, 1]  # both replicas recorded the same decision
+    run(tf.constant(False))
+    np.testing.assert_allclose(var.numpy(), [0.5, 0.5])  # 0.25 summed over 2 replicas
