@@ -61,39 +61,10 @@ def bucket_by_length(
             f"dataset={dataset!r} of type {type(dataset).__name__}. Expected "
             "a tf.data.Dataset of unbatched elements."
         )
-    bounds = list(boundaries) if isinstance(boundaries, (list, tuple)) else None
-    if (
-        not bounds
-        or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in bounds)
-        or any(a >= b for a, b in zip(bounds, bounds[1:]))
-    ):
-        raise ValueError(
-            "Invalid value for argument `boundaries`. Received: "
-            f"boundaries={boundaries!r}. Expected a non-empty list of "
-            "increasing positive ints (the padded lengths), e.g. [16, 32, 64]."
-        )
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(
-            "Invalid value for argument `batch_size`. Received: "
-            f"batch_size={batch_size!r}. Expected a positive int."
-        )
+    bounds = _check_boundaries(boundaries)
+    _check_batch_size(batch_size)
     tuple_elements = isinstance(dataset.element_spec, tuple)
-    if length_fn is None:
-        specs = tf.nest.flatten(dataset.element_spec)
-        varying = [
-            i for i, spec in enumerate(specs) if spec.shape.rank and spec.shape[0] is None
-        ]
-        if not varying:
-            raise ValueError(
-                "bucket_by_length: no component of the dataset's elements has "
-                "a first dimension of unknown size to measure (element_spec="
-                f"{dataset.element_spec!r}). Pass `length_fn`, e.g. "
-                "`length_fn=lambda x, y: tf.shape(x)[0]`."
-            )
-        index = varying[0]
-
-        def length_fn(*element):
-            return tf.shape(tf.nest.flatten(element)[index])[0]
+    length_fn = length_fn or _first_varying_length(dataset.element_spec)
 
     def length(*element):
         n = length_fn(*element) if tuple_elements else length_fn(element[0])
@@ -127,3 +98,46 @@ def _padding(dataset, value):
     return tf.nest.map_structure(
         lambda spec: tf.constant(value, spec.dtype), dataset.element_spec
     )
+
+
+def _check_boundaries(boundaries):
+    bounds = list(boundaries) if isinstance(boundaries, (list, tuple)) else None
+    if (
+        not bounds
+        or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in bounds)
+        or any(a >= b for a, b in zip(bounds, bounds[1:]))
+    ):
+        raise ValueError(
+            "Invalid value for argument `boundaries`. Received: "
+            f"boundaries={boundaries!r}. Expected a non-empty list of "
+            "increasing positive ints (the padded lengths), e.g. [16, 32, 64]."
+        )
+    return bounds
+
+
+def _check_batch_size(batch_size):
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(
+            "Invalid value for argument `batch_size`. Received: "
+            f"batch_size={batch_size!r}. Expected a positive int."
+        )
+
+
+def _first_varying_length(element_spec):
+    """The default `length_fn`: the first dim of the first component (in
+    `tf.nest.flatten` order) whose first dim has unknown size."""
+    specs = tf.nest.flatten(element_spec)
+    varying = [i for i, spec in enumerate(specs) if spec.shape.rank and spec.shape[0] is None]
+    if not varying:
+        raise ValueError(
+            "bucket_by_length: no component of the dataset's elements has "
+            "a first dimension of unknown size to measure (element_spec="
+            f"{element_spec!r}). Pass `length_fn`, e.g. "
+            "`length_fn=lambda x, y: tf.shape(x)[0]`."
+        )
+    index = varying[0]
+
+    def length_fn(*element):
+        return tf.shape(tf.nest.flatten(element)[index])[0]
+
+    return length_fn

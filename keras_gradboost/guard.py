@@ -1,9 +1,7 @@
-"""In-graph guards: finiteness of a step, and updates applied only when a
-decision shared by all replicas says so.
-
-A `tf.cond` whose branch calls the optimizer must run in cross-replica
-context: the optimizer's all-reduce uses `merge_call`, which TensorFlow
-forbids inside a `tf.cond` branch in replica context.
+"""In-graph guards: the finiteness of a step (`nonfinite_indicator`), the
+optimizer guard for plain Keras models (`guard_optimizer`) and a
+`NaNWatcher`'s watch state (`WatchState`). The decision shared by all
+replicas, and the update it allows, is `step.CrossReplicaStep`.
 """
 
 import tensorflow as tf
