@@ -113,6 +113,20 @@ def locate_nonfinite(model, data):
 
 
 def _analyse(model, records, y_pred, loss, tape):
+    """The `Finding` of a replay: forward first, then the loss, then the
+    backward pass from the loss down."""
+    finding = _forward_finding(records, y_pred)
+    if finding is not None:
+        return finding
+    if not _finite([loss]):
+        return Finding("loss", None, detail="the model's outputs are finite but the loss is not")
+    return _backward_finding(model, records, loss, tape)
+
+
+def _forward_finding(records, y_pred):
+    """The forward producer (the first layer with finite inputs and a
+    non-finite output), or what else made the output non-finite; None when
+    the forward pass is finite."""
     first_bad = None
     for layer, inputs, outputs in records:
         if _finite(outputs):
@@ -139,17 +153,18 @@ def _analyse(model, records, y_pred, loss, tape):
             detail="every layer's output is finite but the model's output is "
             "not: an operation that is not a layer produced it",
         )
-    if not _finite([loss]):
-        return Finding("loss", None, detail="the model's outputs are finite but the loss is not")
+    return None
 
+
+def _backward_finding(model, records, loss, tape):
+    """From the loss down: the innermost layer whose output gradient is
+    finite but whose input or weight gradient is not (a block containing
+    such a layer qualifies too)."""
     variables = model.trainable_variables
     var_grads = tape.gradient(loss, variables)
     bad_vars = tuple(
         v.path for v, g in zip(variables, var_grads) if g is not None and not _finite([g])
     )
-    # From the loss down: layers whose output gradient is finite but whose
-    # input or weight gradient is not. A block containing such a layer also
-    # qualifies; the innermost one is the producer.
     candidates = []
     for layer, inputs, outputs in reversed(records):
         out_grads = tape.gradient(loss, outputs) if outputs else []
