@@ -126,7 +126,21 @@ class CrossReplicaStep:
         acc = self.accumulator
         when(go, lambda: each(self._add, args=(present, n)))
         due = local_value(each(acc.tick), strategy)
-        tf.cond(due, lambda: self.apply_window(strategy), _nothing)
+        if self.watch is None:
+            tf.cond(due, lambda: self.apply_window(strategy), _nothing)
+            return
+        # A halting bad step discards the window it falls in: the good
+        # micro-batches before it are dropped, so no update is applied at or
+        # after the bad step, wherever it sits in the window.
+        halted = local_value(each(self.watch.halted.read_value), strategy)
+
+        def drop_window():
+            each(acc.reset)
+
+        def close_window_if_due():
+            tf.cond(due, lambda: self.apply_window(strategy), _nothing)
+
+        tf.cond(halted, drop_window, close_window_if_due)
 
     def decide(self, strategy, bad, loss_bad=None):
         """Cross-replica: whether the update may go in (the same bool on

@@ -165,3 +165,39 @@ def test_one_bad_replica_stops_the_update_on_every_replica(mirrored):
     assert skipped == [1, 1]  # both replicas recorded the same decision
     run(tf.constant(False))
     np.testing.assert_allclose(var.numpy(), [0.5, 0.5])  # 0.25 summed over 2 replicas
+
+
+@pytest.mark.parametrize("bad_at", [0, 1, 2, 3])
+def test_a_halting_bad_micro_batch_discards_its_window_wherever_it_sits(bad_at):
+    # Window of 4, bad micro-batch at `bad_at`, then good ones: no update at
+    # or after the bad one (the window's good micro-batches are dropped).
+    var, optimizer = _var_and_sgd((0.0, 0.0))
+    acc = GradientAccumulator([var], steps=4)
+    watch = guard.WatchState(ring=4, halt_every=True)
+    step = step_lib.CrossReplicaStep(
+        lambda g: optimizer.apply(g, [var]), [True], facts=StepFacts(), watch=watch,
+        accumulator=acc,
+    )
+    for i in range(8):
+        bad = float(i == bad_at)
+        _run(step, [np.nan if bad else 1.0, 1.0], n=1.0, bad=bad)
+    assert int(optimizer.iterations.numpy()) == 0
+    np.testing.assert_array_equal(var.numpy(), [0.0, 0.0])
+    assert int(acc.micro_step.numpy()) == 0 and float(acc.count.numpy()) == 0.0
+    strategy = tf.distribute.get_strategy()
+    tf.function(lambda: step_lib.flush_window(strategy, step), autograph=False)()
+    assert int(optimizer.iterations.numpy()) == 0  # nothing left to flush
+
+
+def test_a_window_closed_before_the_halt_is_applied():
+    var, optimizer = _var_and_sgd((0.0, 0.0))
+    acc = GradientAccumulator([var], steps=2)
+    watch = guard.WatchState(ring=4, halt_every=True)
+    step = step_lib.CrossReplicaStep(
+        lambda g: optimizer.apply(g, [var]), [True], facts=StepFacts(), watch=watch,
+        accumulator=acc,
+    )
+    for i, bad in enumerate([0.0, 0.0, 0.0, 1.0, 0.0]):
+        _run(step, [np.nan if bad else 1.0, 1.0], n=1.0, bad=bad)
+    assert int(optimizer.iterations.numpy()) == 1  # micro-batches 0 and 1 only
+    np.testing.assert_allclose(var.numpy(), [-1.0, -1.0])

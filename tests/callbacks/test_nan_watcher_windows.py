@@ -1,0 +1,98 @@
+"""NaNWatcher "stop" / "restore" with accumulate_steps: no update at or after
+the bad micro-batch, wherever it sits in its window and chunk."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+from keras_gradboost import GradBoostModel
+from keras_gradboost.callbacks import NaNWatcher
+from keras_gradboost.callbacks import NonFiniteError
+
+K = 4  # micro-batches per update
+BATCH = 5
+
+
+class BadLog(keras.layers.Layer):
+    def call(self, x):
+        return tf.math.log(x)
+
+
+def _model(cls=keras.Model):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(4, name="d1", kernel_initializer="ones")(inputs)
+    outputs = keras.layers.Dense(2, name="out")(BadLog(name="fault")(h))
+    return cls(inputs, outputs)
+
+
+def _data(bad_step, batches=16):
+    x = np.abs(np.random.default_rng(1).normal(size=(batches * BATCH, 3))).astype("float32") + 1.0
+    x[bad_step * BATCH + 2] = -100.0
+    y = np.random.default_rng(2).normal(size=(batches * BATCH, 2)).astype("float32")
+    return x, y
+
+
+def _large_batch_reference(x, y, windows):
+    """Plain Keras: one step on each whole window's concatenated batches."""
+    ref = _model()
+    ref.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    for w in range(windows):
+        rows = slice(w * K * BATCH, (w + 1) * K * BATCH)
+        ref.train_on_batch(x[rows], y[rows])
+    return ref
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 2, 4])
+@pytest.mark.parametrize("position", [0, 1, 2, 3])
+def test_stop_keeps_the_weights_before_the_bad_micro_batch(position, steps_per_execution):
+    bad_step = K + position  # in the second window
+    x, y = _data(bad_step)
+    model = _model(GradBoostModel)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05),
+        loss="mse",
+        accumulate_steps=K,
+        steps_per_execution=steps_per_execution,
+    )
+    watcher = NaNWatcher(action="stop", verbose=0)
+    with pytest.raises(NonFiniteError) as info:
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[watcher])
+    assert info.value.event.step == bad_step
+    # Only the first window's update; the bad micro-batch's window (its good
+    # micro-batches included) is discarded.
+    assert int(model.optimizer.iterations.numpy()) == 1
+    ref = _large_batch_reference(x, y, windows=1)
+    diff = max(
+        float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), ref.get_weights())
+    )
+    assert diff < 1e-6
+
+
+@pytest.mark.parametrize("position", [1, 3])
+def test_restore_starts_a_fresh_window_after_the_roll_back(position):
+    # The bad micro-batch's window is discarded. The watcher reads one call
+    # late: the step after the bad one runs halted, then the weights go back
+    # to the epoch's start, the learning rate halves and the next update
+    # holds only micro-batches drawn after the roll-back.
+    bad_step = K + position
+    x, y = _data(bad_step)
+    model = _model(GradBoostModel)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", accumulate_steps=K)
+    model.fit(x[: K * BATCH], y[: K * BATCH], batch_size=BATCH, shuffle=False, verbose=0)
+    watcher = NaNWatcher(action="restore", verbose=0, lr_factor=0.5)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[watcher])
+    assert [(e.step, e.action_taken) for e in watcher.events] == [(bad_step, "restored")]
+
+    ref = _large_batch_reference(x, y, windows=1)  # the epoch's start
+    ref.optimizer.learning_rate = 0.025
+    steps = list(range(bad_step + 2, 16))
+    for first in range(0, len(steps), K):
+        group = steps[first : first + K]
+        rows = slice(group[0] * BATCH, (group[-1] + 1) * BATCH)
+        ref.train_on_batch(x[rows], y[rows])
+    diff = max(
+        float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), ref.get_weights())
+    )
+    assert diff < 1e-6
