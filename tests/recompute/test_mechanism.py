@@ -126,6 +126,16 @@ def test_subclassed_and_boosted_models(data):
     assert_same_state(plain, rc)
 
 
+
+def test_a_float_ragged_input_is_refused_by_name():
+    fn = recompute.recomputed(lambda a, r: a * tf.reduce_sum(r), [], "blk")
+    with pytest.raises(TypeError, match=r"block 'blk'.*float RaggedTensor.*dense inputs"):
+        fn(tf.ones(2), tf.ragged.constant([[1.0], [2.0, 3.0]]))
+    # An integer one has no gradient to lose: it passes through as it is.
+    counts = tf.ragged.constant([[1], [2, 3]])
+    fn = recompute.recomputed(lambda a, r: a * tf.cast(tf.reduce_sum(r), a.dtype), [])
+    np.testing.assert_allclose(fn(tf.ones(2), counts), [6.0, 6.0])
+
 # ------------------------------------------------------------ marked layers
 
 
