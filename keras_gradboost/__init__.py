@@ -16,11 +16,11 @@ __version__ = "0.1.0.dev0"
 
 from keras_gradboost import callbacks
 from keras_gradboost import data
-from keras_gradboost.blocks import RecomputePlan
 from keras_gradboost.config import GradBoostConfig
 from keras_gradboost.model import GradBoostModel
 from keras_gradboost.model import boost
-from keras_gradboost.recompute_check import RecomputeCheckError
+from keras_gradboost.recompute import RecomputeCheckError
+from keras_gradboost.recompute import RecomputePlan
 
 __all__ = [
     "GradBoostConfig",

@@ -6,12 +6,11 @@ import warnings
 import keras
 import tensorflow as tf
 
-from keras_gradboost import blocks
 from keras_gradboost import guard
 from keras_gradboost import hooks
 from keras_gradboost import jit_measure
 from keras_gradboost import precision as precision_lib
-from keras_gradboost import recompute_check
+from keras_gradboost import recompute as recompute_lib
 from keras_gradboost.accumulate import GradientAccumulator
 from keras_gradboost.accumulate import sample_count
 from keras_gradboost.locate import as_local_batch
@@ -305,7 +304,7 @@ class GradBoostModel(keras.Model):
         """
         setup = self._gradboost.recompute
         if setup is None:
-            return blocks.RecomputePlan(setting=None)
+            return recompute_lib.RecomputePlan(setting=None)
         return setup.report(self, batch_size)
 
     @property
@@ -381,10 +380,7 @@ class GradBoostModel(keras.Model):
         if rt.recompute_check_pending:
             rt.recompute_check_pending = False
             batch = as_local_batch(batches[0], self.distribute_strategy)
-            if rt.recompute.pending:
-                x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
-                rt.recompute.resolve_budget(self, x)
-            recompute_check.check(self, rt.recompute, batch)
+            rt.recompute.check(self, batch)
 
     def _needs_new_accumulator(self):
         rt = self._gradboost
@@ -510,10 +506,8 @@ class GradBoostModel(keras.Model):
         """Settles what the recompute forward needs from the first batch
         (the budget's choice, the input spec); outside any tape."""
         setup = self._gradboost.recompute
-        if setup is not None and setup.pending:
-            setup.resolve_budget(self, x)
-        elif setup is not None and setup.input_spec is None:
-            setup.observe(x)
+        if setup is not None:
+            setup.prepare(self, x)
 
     def _training_forward(self, x):
         """The forward pass of the training step (through the recompute
@@ -560,9 +554,8 @@ class GradBoostModel(keras.Model):
 
     def _fit(self, *args, **kwargs):
         rt = self._gradboost
-        setup = rt.recompute
-        if setup is not None and setup.pending and setup.batch_hint is None:
-            setup.batch_hint = _batch_size_hint(_bind_fit_args(args, kwargs))
+        if rt.recompute is not None:  # a budget's batch size (binds only then)
+            rt.recompute.before_fit(lambda: _bind_fit_args(args, kwargs))
         if rt.config.accumulate_steps == 1 and rt.scaler is None:
             return super().fit(*args, **kwargs)
         bound = _bind_fit_args(args, kwargs)
@@ -743,17 +736,3 @@ def _bind_fit_args(args, kwargs):
     return arguments
 
 
-def _batch_size_hint(fit_args):
-    """The batch size `fit` will draw, when it can be told in advance."""
-    x = fit_args.get("x")
-    if isinstance(x, tf.data.Dataset):
-        size = tf.nest.flatten(x.element_spec)[0].shape[0]
-        if size is None:  # batches of no fixed size: look at the first
-            first = next(iter(x.take(1)))
-            size = tf.nest.flatten(first)[0].shape[0]
-        return size
-    arrays = [a for a in tf.nest.flatten(x) if hasattr(a, "shape")]
-    if arrays and x is not None:
-        batch = fit_args.get("batch_size") or 32
-        return min(batch, int(arrays[0].shape[0]))
-    return None

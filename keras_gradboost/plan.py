@@ -23,11 +23,11 @@ import types
 import keras
 import tensorflow as tf
 
-from keras_gradboost import blocks
 from keras_gradboost import hooks
 from keras_gradboost import precision as precision_lib
 from keras_gradboost.config import GradBoostConfig
 from keras_gradboost.config import jit_compile_setting
+from keras_gradboost.recompute.setup import RecomputeSetup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +137,7 @@ class TrainPlan:
 
         recompute = None
         if config.recompute is not None:
-            recompute = blocks.RecomputeSetup(model, config.recompute)
+            recompute = RecomputeSetup(model, config.recompute)
         if config.accumulate_steps > 1:
             notes.extend(inexact_accumulation_warnings(model, config, kwargs.get("loss")))
         return cls(

@@ -123,7 +123,7 @@ def test_multi_worker_strategies_are_refused_with_a_clear_error():
 def test_mirrored_recompute_equals_no_recompute():
     """Each replica's thread recomputes its own blocks, with its own Dropout
     masks and BatchNormalization statistics restored."""
-    from test_recompute import residual_model
+    from recompute.models import residual_model
 
     rng = np.random.default_rng(2)
     x = rng.normal(size=(64, 5)).astype("float32")

@@ -6,7 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gradboost import hooks
-from keras_gradboost import recompute
+from keras_gradboost.recompute import mechanism
 
 
 class RecomputeCheckError(RuntimeError):
@@ -35,7 +35,7 @@ def check(model, setup, batch, rtol=None):
 
     Args:
         model: the GradBoostModel.
-        setup: its `blocks.RecomputeSetup`.
+        setup: its `RecomputeSetup`.
         batch: one (local) training batch.
         rtol: tolerance relative to each gradient's largest magnitude.
             Defaults to 1e-5 in float32 and 1e-2 with a mixed policy.
@@ -46,7 +46,7 @@ def check(model, setup, batch, rtol=None):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
     if rtol is None:
         rtol = 1e-5 if model.dtype_policy.compute_dtype == "float32" else 1e-2
-    state = recompute.snapshot(model.non_trainable_variables + model.metrics_variables)
+    state = mechanism.snapshot(model.non_trainable_variables + model.metrics_variables)
     variables = model.trainable_variables
 
     def gradients(only):
@@ -65,22 +65,12 @@ def check(model, setup, batch, rtol=None):
     reference = gradients(())
     names = setup.names()
     for key in sorted(setup.chosen, key=setup.keys.index):
-        worst = (0.0, None)
-        for variable, want, got in zip(variables, reference, gradients((key,))):
-            if (want is None) != (got is None):
-                worst = (float("inf"), variable.path)
-                break
-            if want is None:
-                continue
-            difference = float(np.max(np.abs(want - got), initial=0.0))
-            allowed = rtol * float(np.max(np.abs(want), initial=0.0)) + 1e-12
-            if difference > allowed and difference > worst[0]:
-                worst = (difference, variable.path)
-        if worst[1] is not None:
+        difference, path = _worst(variables, reference, gradients((key,)), rtol)
+        if path is not None:
             raise RecomputeCheckError(
                 f"recompute_check: recomputing block {names[key]!r} changes "
-                f"the gradient of {worst[1]!r} (largest difference "
-                f"{worst[0]:.3g}; a None gradient on one side counts as inf). "
+                f"the gradient of {path!r} (largest difference "
+                f"{difference:.3g}; a None gradient on one side counts as inf). "
                 "The block's second forward pass does not repeat the first: "
                 "typical causes are random ops that do not use a Keras "
                 "seed generator (tf.random.* instead of keras.random.* with a "
@@ -88,6 +78,23 @@ def check(model, setup, batch, rtol=None):
                 "Python during call(), or a frozen input whose gradient is "
                 "None. Fix the block, or leave it out of `recompute`.",
                 names[key],
-                worst[1],
-                worst[0],
+                path,
+                difference,
             )
+
+
+def _worst(variables, reference, gradients, rtol):
+    """`(largest difference, variable path)` over the gradients that differ
+    from `reference` by more than `rtol` of its largest magnitude (inf for a
+    None gradient on one side only), or `(0.0, None)`."""
+    worst = (0.0, None)
+    for variable, want, got in zip(variables, reference, gradients):
+        if (want is None) != (got is None):
+            return (float("inf"), variable.path)
+        if want is None:
+            continue
+        difference = float(np.max(np.abs(want - got), initial=0.0))
+        allowed = rtol * float(np.max(np.abs(want), initial=0.0)) + 1e-12
+        if difference > allowed and difference > worst[0]:
+            worst = (difference, variable.path)
+    return worst

@@ -105,19 +105,7 @@ def recomputed(fn, state, name="block", weights=()):
 
     def call(*args, **kwargs):
         flat = tf.nest.flatten((args, kwargs))
-        positions = []
-        for i, value in enumerate(flat):
-            if isinstance(value, tf.Tensor):
-                positions.append(i)
-            elif (
-                isinstance(value, (tf.RaggedTensor, tf.SparseTensor))
-                and value.dtype.is_floating
-            ):
-                raise TypeError(
-                    f"Cannot recompute block {name!r}: it takes a float "
-                    f"{type(value).__name__}, whose gradient the recompute "
-                    "would lose. Recompute a block with dense inputs instead."
-                )
+        positions = _tensor_positions(flat, name)
 
         def rebuild(tensors):
             values = list(flat)
@@ -170,6 +158,29 @@ def recomputed(fn, state, name="block", weights=()):
         return tf.nest.pack_sequence_as(structure[0], flat_outputs)
 
     return call
+
+
+def _tensor_positions(flat, name):
+    """The indices of the dense tensors among a call's flattened arguments.
+
+    Raises:
+        TypeError: an argument is a float ragged or sparse tensor, whose
+            gradient the recompute would lose.
+    """
+    positions = []
+    for i, value in enumerate(flat):
+        if isinstance(value, tf.Tensor):
+            positions.append(i)
+        elif (
+            isinstance(value, (tf.RaggedTensor, tf.SparseTensor))
+            and value.dtype.is_floating
+        ):
+            raise TypeError(
+                f"Cannot recompute block {name!r}: it takes a float "
+                f"{type(value).__name__}, whose gradient the recompute "
+                "would lose. Recompute a block with dense inputs instead."
+            )
+    return positions
 
 
 def _after(upstream, tensors):

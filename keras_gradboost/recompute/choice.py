@@ -1,0 +1,243 @@
+"""Choosing what to recompute: blocks by name or pattern, or "auto".
+
+Two kinds of block:
+
+* a layer that holds layers (a residual block, a transformer encoder layer, a
+  sub-model), recomputed by putting `mechanism.recomputed` in front of its
+  `call`;
+* for a functional model without such layers, a segment of its layer graph
+  between two single-tensor cut points (Chen et al., 2016, "Training Deep Nets
+  with Sublinear Memory Cost"), recomputed by running the model as a chain of
+  segments.
+"""
+
+import dataclasses
+import fnmatch
+import math
+
+import keras
+import tensorflow as tf
+
+from keras_gradboost import hooks
+
+
+@dataclasses.dataclass(eq=False)
+class Segment:
+    """Part of a functional model's graph, from one cut tensor to the next.
+
+    Attributes:
+        name: `"<first layer>..<last layer>"`.
+        model: a functional model over those layers (sharing them).
+        layers: the layers it calls.
+        last: whether it produces the model's outputs (never recomputed:
+            the backward needs its insides first).
+    """
+
+    name: str
+    model: keras.Model
+    layers: list
+    last: bool = False
+
+    def __call__(self, x):
+        return self.model(x, training=True)
+
+
+def _holds_layers(layer):
+    return bool(hooks.child_layers(layer))
+
+
+def nested_blocks(model):
+    """Every layer below `model` that holds layers, outermost first."""
+    return [
+        layer
+        for layer in hooks.flatten_layers(model, include_self=False)
+        if _holds_layers(layer)
+    ]
+
+
+def auto_layer_blocks(model):
+    """The nested blocks "auto" recomputes.
+
+    Starts from the outermost layers that hold layers and replaces a block by
+    its own blocks while it holds two or more of them: a stack of encoder
+    layers is split into the layers, while an encoder layer that holds one
+    attention block stays whole.
+    """
+
+    def blocks_in(layer):
+        return [c for c in hooks.child_layers(layer) if _holds_layers(c)]
+
+    chosen = []
+    pending = blocks_in(model)
+    while pending:
+        block = pending.pop(0)
+        inner = blocks_in(block)
+        if len(inner) >= 2 or (len(inner) == 1 and len(pending) == 0 and not chosen):
+            pending = inner + pending  # a stack (or a wrapper around one)
+        else:
+            chosen.append(block)
+    return chosen
+
+
+def match_blocks(model, patterns):
+    """The layers of `model` (nested ones included) matching the names or
+    glob patterns, in model order.
+
+    Raises:
+        ValueError: naming a pattern that matches no layer, with the names of
+            the blocks that exist.
+    """
+    layers = hooks.flatten_layers(model, include_self=False)
+    layers = [layer for layer in layers if not isinstance(layer, keras.layers.InputLayer)]
+    chosen = []
+    for pattern in patterns:
+        found = [layer for layer in layers if fnmatch.fnmatchcase(layer.name, pattern)]
+        if not found:
+            blocks = [layer.name for layer in nested_blocks(model)]
+            others = [layer.name for layer in layers if layer.name not in blocks]
+            raise ValueError(
+                "Invalid value for argument `recompute`: the pattern "
+                f"{pattern!r} matches no layer of model {model.name!r}. "
+                f"Blocks (layers that hold layers): {blocks or 'none'}. "
+                f"Other layers: {_shorten(others)}."
+            )
+        chosen.extend(layer for layer in found if layer not in chosen)
+    return [layer for layer in layers if layer in chosen]
+
+
+def _shorten(names, limit=20):
+    if len(names) <= limit:
+        return names
+    return names[:limit] + [f"... {len(names) - limit} more"]
+
+
+def cut_points(model):
+    """Indices `i` of the calls of a functional model's graph after which one
+    tensor alone carries everything later calls need.
+
+    Returns:
+        `(calls, cuts)`: the graph's calls (`hooks.functional_nodes`) and the
+        sorted indices of the calls whose end is a cut point.
+    """
+    calls = hooks.functional_nodes(model)
+    outputs = {id(t) for t in tf.nest.flatten(model.outputs)}
+    last_use = {}
+    for i, (_, inputs, _) in enumerate(calls):
+        for t in inputs:
+            last_use[id(t)] = i
+    cuts = []
+    live = {id(t) for t in tf.nest.flatten(model.inputs)}
+    for i, (_, inputs, produced) in enumerate(calls):
+        live |= {id(t) for t in produced}
+        live = {t for t in live if last_use.get(t, -1) > i or t in outputs}
+        if i < len(calls) - 1 and len(live) == 1 and len(produced) == 1:
+            (only,) = live
+            if only == id(produced[0]) and only not in outputs:
+                cuts.append(i)
+    return calls, cuts
+
+
+
+def segments(model, count=None, cuts=None):
+    """Splits a functional model's graph into segments at cut points.
+
+    Args:
+        model: a functional model.
+        count: how many segments (about; at most the cut points + 1).
+            Defaults to the square root of the number of layer calls.
+        cuts: use exactly these cut indices instead (from `cut_points`).
+
+    Returns:
+        A list of `Segment`s, at least 2, or `[]` if the graph has no cut
+        point.
+    """
+    calls, all_cuts = cut_points(model)
+    if not all_cuts:
+        return []
+    if cuts is None:
+        cuts = _spread(all_cuts, len(calls), count)
+    pieces = []
+    start_tensors = model.input
+    start = 0
+    for index in list(cuts) + [len(calls) - 1]:
+        last = index == len(calls) - 1
+        end_tensors = model.output if last else calls[index][2][0]
+        layers = []
+        for layer, _, _ in calls[start : index + 1]:
+            if layer not in layers:
+                layers.append(layer)
+        name = f"{layers[0].name}..{layers[-1].name}" if len(layers) > 1 else layers[0].name
+        piece = keras.Model(start_tensors, end_tensors, name=f"segment_{len(pieces)}")
+        pieces.append(Segment(name, piece, layers, last))
+        start_tensors, start = end_tensors, index + 1
+    return pieces
+
+
+def _spread(all_cuts, calls, count=None):
+    """About `count` - 1 of `all_cuts`, sorted, each the nearest to an even
+    split of the `calls` layer calls; `count` defaults to sqrt(`calls`)."""
+    count = count or max(2, round(math.sqrt(calls)))
+    cuts = []
+    for k in range(1, count):
+        target = k * calls / count - 1
+        best = min(all_cuts, key=lambda c: abs(c - target))
+        if best not in cuts:
+            cuts.append(best)
+    cuts.sort()
+    return cuts
+
+
+def choose(model, setting):
+    """The blocks for a `recompute` setting that needs no shapes.
+
+    Args:
+        model: the model (functional, Sequential-derived or subclassed).
+        setting: `"auto"` or a tuple of names/patterns.
+
+    Returns:
+        `(layers, segments)`: layers to recompute, or segments to run the
+        model as (the last is not recomputed); one of them is empty.
+
+    Raises:
+        ValueError: nothing matches, or "auto" finds no block.
+    """
+    if setting != "auto":
+        return match_blocks(model, setting), []
+    layers = auto_layer_blocks(model)
+    if layers:
+        return layers, []
+    if hooks.is_functional(model):
+        pieces = segments(model)
+        if pieces:
+            return [], pieces
+    raise ValueError(
+        'recompute="auto" found nothing to recompute in model '
+        f"{model.name!r}: it has no layer that holds layers and "
+        + (
+            "its layer graph has no single-tensor cut point. "
+            if hooks.is_functional(model)
+            else "is not a functional model (whose graph could be cut). "
+        )
+        + "Name the layers to recompute instead: recompute=[\"name\", ...]."
+    )
+
+
+def budget_candidates(model):
+    """The blocks a `{"budget_mb": N}` setting chooses among.
+
+    Returns:
+        `(layers, segments)` as in `choose`: the layers "auto" would
+        recompute, or else a segment between every two cut points of a
+        functional model's graph.
+
+    Raises:
+        ValueError: there is neither.
+    """
+    layers = auto_layer_blocks(model)
+    pieces = []
+    if not layers and hooks.is_functional(model):
+        _, cuts = cut_points(model)
+        pieces = segments(model, cuts=cuts) if cuts else []
+    if not layers and not pieces:
+        choose(model, "auto")  # raises the "nothing to recompute" error
+    return layers, pieces

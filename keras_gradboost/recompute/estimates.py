@@ -1,0 +1,269 @@
+"""Estimates of what recomputing each block saves, the budget's choice, and
+the `RecomputePlan` that reports them.
+
+The estimates come from the traced training graph: the forward tensors the
+backward pass reads are what the forward keeps for it; a block's share is
+those made inside its calls.
+"""
+
+import dataclasses
+
+import tensorflow as tf
+
+MIB = 2**20
+
+
+@dataclasses.dataclass
+class BlockEstimate:
+    """One candidate block and its estimated activation memory.
+
+    Attributes:
+        name: the layer's name, or the segment's `"first..last"`.
+        recomputed: whether the plan recomputes it.
+        cached_bytes: bytes of activations produced inside the block that the
+            backward pass keeps without recompute (its outputs excluded).
+        input_bytes: bytes of its float inputs (kept when it is recomputed).
+        recompute_flops: estimated cost of one extra forward of the block.
+    """
+
+    name: str
+    recomputed: bool
+    cached_bytes: int
+    input_bytes: int
+    recompute_flops: float
+
+
+@dataclasses.dataclass
+class RecomputePlan:
+    """What `compile(recompute=...)` recomputes, with memory estimates.
+
+    The estimates are of activation memory the backward pass keeps (weights,
+    gradients and optimizer slots are not included), from the traced
+    training graph at `batch_size`.
+
+    Attributes:
+        setting: the `recompute` compile argument.
+        batch_size: the batch size the estimates are for (None: not estimated).
+        blocks: `BlockEstimate` per candidate block.
+        bytes_without: estimated activation bytes without recompute.
+        bytes_with: estimated peak activation bytes with this plan (what is
+            kept plus the largest recomputed block, rebuilt during backward).
+    """
+
+    setting: object
+    batch_size: object = None
+    blocks: list = dataclasses.field(default_factory=list)
+    bytes_without: object = None
+    bytes_with: object = None
+
+    @property
+    def recomputed(self):
+        """Names of the recomputed blocks."""
+        return [b.name for b in self.blocks if b.recomputed]
+
+    def __str__(self):
+        lines = [f"Recompute plan (recompute={self.setting!r})"]
+        if self.batch_size is None:
+            lines.append("  blocks: " + (", ".join(self.recomputed) or "none"))
+            return "\n".join(lines)
+        lines.append(
+            f"  batch size {self.batch_size}: activations kept for backward "
+            f"~{self.bytes_without / MIB:.1f} MiB without recompute, "
+            f"~{self.bytes_with / MIB:.1f} MiB peak with this plan"
+        )
+        width = max([len(b.name) for b in self.blocks] + [5])
+        lines.append(
+            f"  {'block':<{width}}  recompute  cached MiB  inputs MiB  GFLOP"
+        )
+        for b in self.blocks:
+            lines.append(
+                f"  {b.name:<{width}}  {'yes' if b.recomputed else 'no':<9}  "
+                f"{b.cached_bytes / MIB:>10.2f}  {b.input_bytes / MIB:>10.2f}  "
+                f"{b.recompute_flops / 1e9:>5.2f}"
+            )
+        return "\n".join(lines)
+
+
+_ALIASES = {"Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient"}
+
+
+def _root(tensor):
+    """The tensor whose buffer `tensor` shares (through reshapes/identities)."""
+    while tensor.op.type in _ALIASES and tensor.op.inputs:
+        index = tensor.value_index if tensor.op.type == "IdentityN" else 0
+        tensor = tensor.op.inputs[index]
+    return tensor
+
+
+def _bytes(tensor):
+    shape = tensor.shape
+    if not shape.is_fully_defined() or tensor.dtype in (tf.resource, tf.variant):
+        return 0
+    return shape.num_elements() * tensor.dtype.size
+
+
+def _flops(op):
+    if op.type in ("MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D", "Conv1D", "Conv3D", "DepthwiseConv2dNative"):
+        out = op.outputs[0].shape
+        a = op.inputs[0].shape
+        if out.is_fully_defined() and a.is_fully_defined() and a.rank:
+            # output elements x reduced size x 2 (multiply-add)
+            if op.type.startswith("Conv") or op.type.startswith("Depthwise"):
+                kernel = op.inputs[1].shape
+                reduced = kernel[:-1].num_elements() if kernel.is_fully_defined() else 1
+            elif op.type == "Einsum":
+                reduced = max(1, a.num_elements() // max(1, out.num_elements()))
+            else:
+                transpose = op.get_attr("transpose_a") if op.type == "MatMul" else op.get_attr("adj_x")
+                reduced = a[-2] if transpose else a[-1]
+            return 2.0 * out.num_elements() * reduced
+    return float(sum(_bytes(t) / max(1, t.dtype.size) for t in op.outputs))
+
+
+class _Probe:
+    """Records, while a forward is traced, which graph operations each block
+    call created and which tensors went in and came out."""
+
+    def __init__(self):
+        self.calls = {}  # block key -> list of (first op, end op, inputs, outputs)
+
+    def run(self, key, fn, *args, **kwargs):
+        graph = tf.compat.v1.get_default_graph()
+        inputs = [t for t in tf.nest.flatten((args, kwargs)) if isinstance(t, tf.Tensor)]
+        start = len(graph.get_operations())
+        outputs = fn(*args, **kwargs)
+        end = len(graph.get_operations())
+        flat = [t for t in tf.nest.flatten(outputs) if isinstance(t, tf.Tensor)]
+        self.calls.setdefault(key, []).append((start, end, inputs, flat))
+        return outputs
+
+def estimate(model, forward, input_spec, keys):
+    """Traces one training step and measures what each block keeps.
+
+    Args:
+        model: the model (its trainable variables are differentiated).
+        forward: `forward(x, probe)` runs the model's training forward on `x`,
+            calling each candidate block through `probe.run(key, fn, ...)`.
+        input_spec: nested `tf.TensorSpec`s with a concrete batch size.
+        keys: the candidate blocks' keys, in order.
+
+    Returns:
+        `(bytes_without, per_block, sizes)`: total cached bytes; per key a
+        dict with `cached` and `inputs` (bytes), `flops`, `inside` (names of
+        the cached tensors made inside the block) and `input_roots` (input
+        tensor names to bytes); and the size of every cached tensor by name.
+    """
+    probe = _Probe()
+    graph, backward_start = _trace_step(model, forward, probe, input_spec)
+    operations = graph.get_operations()
+    cached = _cached(operations, backward_start)
+    total = sum(_bytes(t) for t in cached.values())
+    per_block = {
+        key: _block_figures(probe.calls.get(key, []), operations, cached)
+        for key in keys
+    }
+    sizes = {name: _bytes(t) for name, t in cached.items()}
+    return total, per_block, sizes
+
+
+def _trace_step(model, forward, probe, input_spec):
+    """The graph of one traced training step (forward through `probe`, then
+    the gradients of the trainable variables), and the index of its first
+    backward operation."""
+    marker = []
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            y = forward(x, probe)
+            target = tf.add_n(
+                [
+                    tf.reduce_sum(tf.cast(t, tf.float32))
+                    for t in tf.nest.flatten(y)
+                    if t.dtype.is_floating
+                ]
+            )
+        marker.append(len(tf.compat.v1.get_default_graph().get_operations()))
+        grads = tape.gradient(target, model.trainable_variables)
+        return [g for g in grads if g is not None]
+
+    graph = tf.function(step, autograph=False).get_concrete_function(input_spec).graph
+    return graph, marker[0]
+
+
+def _cached(operations, backward_start):
+    """The forward tensors the backward reads, by name: what the forward
+    keeps for it (weights and constants aside)."""
+    forward_ops = {op.name: i for i, op in enumerate(operations[:backward_start])}
+    cached = {}
+    for op in operations[backward_start:]:
+        for t in op.inputs:
+            root = _root(t)
+            if root.op.name in forward_ops and root.op.type not in ("ReadVariableOp", "Const"):
+                cached[root.name] = root
+    return cached
+
+
+def _block_figures(calls, operations, cached):
+    """One block's figures (see `estimate`) from its `_Probe` calls."""
+    inside, outputs, input_roots, flops = set(), set(), {}, 0.0
+    for start, end, inputs, outs in calls:
+        outputs |= {_root(t).name for t in outs}
+        for t in inputs:
+            if t.dtype.is_floating:
+                input_roots[_root(t).name] = _bytes(t)
+        for op in operations[start:end]:
+            flops += _flops(op)
+            for t in op.outputs:
+                if t.name in cached and t.name not in outputs:
+                    inside.add(t.name)
+    inside -= outputs | set(input_roots)
+    return {
+        "cached": sum(_bytes(cached[n]) for n in inside),
+        "inputs": sum(input_roots.values()),
+        "flops": flops,
+        "inside": inside,
+        "input_roots": input_roots,
+    }
+
+
+def plan_bytes(total, per_block, sizes, chosen):
+    """Estimated peak activation bytes when the `chosen` keys are recomputed:
+    what stays cached, plus the recomputed blocks' inputs, plus the largest
+    recomputed block, rebuilt during the backward pass."""
+    dropped = set()
+    for key in chosen:
+        dropped |= per_block[key]["inside"]
+    kept = total - sum(sizes[name] for name in dropped)
+    extra = {}
+    for key in chosen:
+        for name, size in per_block[key]["input_roots"].items():
+            if name not in sizes or name in dropped:
+                extra[name] = size
+    transient = max([per_block[key]["cached"] for key in chosen], default=0)
+    return kept + sum(extra.values()) + transient
+
+
+def budget_choice(budget_bytes, total, per_block, sizes, keys):
+    """The fewest blocks, best saving per recompute cost first, whose
+    estimate fits `budget_bytes`.
+
+    Returns:
+        `(chosen keys, estimated bytes, fits)`.
+    """
+    chosen = []
+    estimate_now = total
+    if estimate_now <= budget_bytes:
+        return chosen, estimate_now, True
+    ranked = sorted(
+        keys,
+        key=lambda k: -(per_block[k]["cached"] - per_block[k]["inputs"])
+        / max(per_block[k]["flops"], 1.0),
+    )
+    for key in ranked:
+        if per_block[key]["cached"] <= per_block[key]["inputs"]:
+            continue  # recomputing it would not save anything
+        chosen.append(key)
+        estimate_now = plan_bytes(total, per_block, sizes, chosen)
+        if estimate_now <= budget_bytes:
+            return chosen, estimate_now, True
+    return chosen, estimate_now, False

@@ -1,0 +1,275 @@
+"""The per-model recompute setup: a model's `recompute` setting turned into
+blocks, the training forward that recomputes them, and when each decision is
+made.
+
+Its lifecycle, each step one method the model calls:
+
+* `compile()`: `RecomputeSetup(model, setting)` chooses the blocks (unless the
+  setting is a budget) and `apply()` marks them;
+* `fit()`: `before_fit(fit_args)` takes a budget's batch size from `fit`'s
+  arguments;
+* the first traced training batch: `prepare(model, x)` chooses a budget's
+  blocks, or records the input specs the estimates need;
+* `recompute_check=True`: `check(model, batch)` compares the gradients on the
+  first batch.
+"""
+
+import copy
+import warnings
+
+import keras
+import tensorflow as tf
+
+from keras_gradboost import hooks
+from keras_gradboost.recompute import mechanism
+from keras_gradboost.recompute.check import check as check_gradients
+from keras_gradboost.recompute.choice import budget_candidates
+from keras_gradboost.recompute.choice import choose
+from keras_gradboost.recompute.estimates import MIB
+from keras_gradboost.recompute.estimates import BlockEstimate
+from keras_gradboost.recompute.estimates import RecomputePlan
+from keras_gradboost.recompute.estimates import budget_choice
+from keras_gradboost.recompute.estimates import estimate
+from keras_gradboost.recompute.estimates import plan_bytes
+
+
+class RecomputeSetup:
+    """A model's `recompute` setting turned into blocks, and the training
+    forward that recomputes them.
+
+    Args:
+        model: the GradBoostModel.
+        setting: the normalised `recompute` compile argument (not None).
+
+    Raises:
+        ValueError: a pattern matches nothing, or "auto" finds no block.
+    """
+
+    def __init__(self, model, setting):
+        self.setting = setting
+        self.budget = isinstance(setting, dict)
+        self.batch_hint = setting.get("batch_size") if self.budget else None
+        self.input_spec = None  # per-example specs, seen at the first trace
+        self.layers, self.segments = [], []
+        self.chosen = set()  # keys: id(layer), or segment index
+        self.plan = None  # the RecomputePlan made for a budget
+        if not self.budget:
+            self.layers, self.segments = choose(model, setting)
+            self.chosen = set(self.keys) - {
+                i for i, s in enumerate(self.segments) if s.last
+            }
+        self.pending = self.budget
+
+    @property
+    def keys(self):
+        if self.segments:
+            return list(range(len(self.segments)))
+        return [id(layer) for layer in self.layers]
+
+    def names(self):
+        if self.segments:
+            return {i: s.name for i, s in enumerate(self.segments)}
+        return {id(layer): layer.name for layer in self.layers}
+
+    # -------------------------------------------------------------- lifecycle
+
+    def apply(self):
+        """Marks the candidate layers, so a plan can recompute them."""
+        for layer in self.layers:
+            mechanism.mark(layer)
+
+    def before_fit(self, fit_args):
+        """Takes a budget's batch size from `fit`'s arguments, when neither
+        the setting nor an earlier `fit` gave one and its blocks are not yet
+        chosen.
+
+        Args:
+            fit_args: a function returning `fit`'s arguments as a dict; called
+                only then.
+        """
+        if self.pending and self.batch_hint is None:
+            self.batch_hint = batch_size_hint(fit_args())
+
+    def prepare(self, model, x):
+        """Settles what the training forward needs from the first traced
+        batch `x`: a budget's choice, or else the input specs. Call it
+        outside any tape, before `forward`."""
+        if self.pending:
+            self.resolve_budget(model, x)
+        elif self.input_spec is None:
+            self.observe(x)
+
+    def check(self, model, batch):
+        """`recompute_check=True`: settles a budget's choice on `batch` and
+        compares the gradients with and without each block recomputed.
+
+        Raises:
+            RecomputeCheckError: naming the first block that changes a
+                gradient.
+        """
+        if self.pending:
+            x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+            self.resolve_budget(model, x)
+        check_gradients(model, self, batch)
+
+    # ---------------------------------------------------------------- forward
+
+    def forward(self, model, x, only=None, probe=None):
+        """The training forward, recomputing the chosen blocks (or `only`
+        these keys), or recording each block's operations into `probe`."""
+        chosen = self.chosen if only is None else set(only)
+        if self.segments:
+            h = x
+            for i, segment in enumerate(self.segments):
+                if probe is not None:
+                    h = probe.run(i, segment, h)
+                elif i in chosen and not segment.last:
+                    state = mechanism.state_variables(segment.model)
+                    h = mechanism.recomputed(
+                        segment, state, segment.name, segment.model.trainable_variables
+                    )(h)
+                else:
+                    h = segment(h)
+            return h
+        if probe is not None:
+            context = mechanism.probing(probe, self.keys)
+        else:
+            context = mechanism.active(chosen)
+        with context:
+            if hooks.call_has_training_arg(model):
+                return model(x, training=True)
+            return model(x)
+
+    # ----------------------------------------------------- budget and report
+
+    def observe(self, x):
+        """Records the per-example input specs of a traced training batch."""
+        self.input_spec = tf.nest.map_structure(
+            lambda t: tf.TensorSpec(t.shape[1:], t.dtype), x
+        )
+        batch = tf.nest.flatten(x)[0].shape[0]
+        if batch is not None and self.batch_hint is None:
+            self.batch_hint = int(batch)
+
+    def _spec(self, model, batch_size):
+        spec = self.input_spec
+        if spec is None and hooks.is_functional(model):
+            spec = tf.nest.map_structure(
+                lambda t: tf.TensorSpec(t.shape[1:], t.dtype), model.input
+            )
+        if spec is None or batch_size is None:
+            return None
+        return tf.nest.map_structure(
+            lambda s: tf.TensorSpec([batch_size] + list(s.shape), s.dtype), spec
+        )
+
+    def _estimate(self, model, spec):
+        return estimate(
+            model, lambda v, p: self.forward(model, v, probe=p), spec, self.keys
+        )
+
+    def resolve_budget(self, model, x):
+        """Chooses the blocks for `{"budget_mb": N}` (at the first trace).
+
+        Args:
+            model: the model.
+            x: a training batch's inputs (tensors or `tf.TensorSpec`s).
+        """
+        self.observe(x)
+        spec = self._spec(model, self.batch_hint)
+        if spec is None:
+            raise ValueError(
+                f"recompute={self.setting!r} needs the batch size to estimate "
+                "activation memory, and the training batches do not have a "
+                'fixed one. Add it: recompute={"budget_mb": '
+                f'{self.setting["budget_mb"]:g}, "batch_size": B}}.'
+            )
+        self.layers, self.segments = budget_candidates(model)
+        self.apply()
+        estimated = self._estimate(model, spec)
+        budget = self.setting["budget_mb"] * MIB
+        keys = [k for k in self.keys if not (self.segments and self.segments[k].last)]
+        chosen, best, fits = budget_choice(budget, *estimated, keys)
+        self.chosen = set(chosen)
+        self.plan = self._plan(estimated, self.batch_hint)
+        self.pending = False
+        if not fits:
+            warnings.warn(
+                f"recompute={self.setting!r}: the activation memory cannot be "
+                f"brought under {self.setting['budget_mb']:g} MiB at batch size "
+                f"{self.batch_hint}; the best estimate, recomputing every "
+                f"block that saves memory, is {best / MIB:.1f} MiB "
+                f"(without recompute: {estimated[0] / MIB:.1f} MiB). Lower the "
+                "batch size (with accumulate_steps to keep the effective "
+                "batch), use mixed precision, or raise the budget.",
+                stacklevel=2,
+            )
+
+    def _plan(self, estimated, batch_size):
+        total, per_block, sizes = estimated
+        names = self.names()
+        rows = [
+            BlockEstimate(
+                name=names[k],
+                recomputed=k in self.chosen,
+                cached_bytes=per_block[k]["cached"],
+                input_bytes=per_block[k]["inputs"],
+                recompute_flops=per_block[k]["flops"],
+            )
+            for k in self.keys
+        ]
+        return RecomputePlan(
+            setting=self.setting,
+            batch_size=batch_size,
+            blocks=rows,
+            bytes_without=total,
+            bytes_with=plan_bytes(total, per_block, sizes, sorted(self.chosen)),
+        )
+
+    def report(self, model, batch_size=None):
+        """A `RecomputePlan` with estimates when the input shapes are known."""
+        batch_size = batch_size or self.batch_hint
+        if self.pending:  # what the budget would choose, not committed
+            spec = self._spec(model, batch_size)
+            if spec is None:
+                return RecomputePlan(setting=self.setting)
+            trial = copy.copy(self)
+            trial.batch_hint = batch_size
+            trial.resolve_budget(model, spec)
+            return trial.plan
+        if self.plan is not None and batch_size == self.plan.batch_size:
+            return self.plan
+        spec = self._spec(model, batch_size)
+        if spec is None:
+            names = self.names()
+            return RecomputePlan(
+                setting=self.setting,
+                blocks=[
+                    BlockEstimate(names[k], k in self.chosen, 0, 0, 0.0)
+                    for k in self.keys
+                ],
+            )
+        return self._plan(self._estimate(model, spec), batch_size)
+
+
+def batch_size_hint(fit_args):
+    """The batch size `fit` will draw, when it can be told in advance.
+
+    Args:
+        fit_args: `fit`'s arguments as a dict (`x`, `batch_size`, ...).
+
+    Returns:
+        An int, or None: `x` is neither a `tf.data.Dataset` nor arrays.
+    """
+    x = fit_args.get("x")
+    if isinstance(x, tf.data.Dataset):
+        size = tf.nest.flatten(x.element_spec)[0].shape[0]
+        if size is None:  # batches of no fixed size: look at the first
+            first = next(iter(x.take(1)))
+            size = tf.nest.flatten(first)[0].shape[0]
+        return size
+    arrays = [a for a in tf.nest.flatten(x) if hasattr(a, "shape")]
+    if arrays and x is not None:
+        batch = fit_args.get("batch_size") or 32
+        return min(batch, int(arrays[0].shape[0]))
+    return None

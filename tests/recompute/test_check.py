@@ -1,0 +1,60 @@
+"""recompute_check=True: it names the block whose second forward differs,
+and changes nothing when the gradients agree."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+from keras_gradboost import GradBoostModel
+from keras_gradboost import RecomputeCheckError
+from recompute.models import WIDTH
+from recompute.models import ResBlock
+from recompute.models import assert_same_state
+from recompute.models import residual_model
+from recompute.models import train
+
+
+def test_recompute_check_without_recompute_is_an_error():
+    with pytest.raises(ValueError, match="recompute_check=True.*`recompute` is None"):
+        residual_model().compile(optimizer="sgd", loss="mse", recompute_check=True)
+
+
+@keras.saving.register_keras_serializable(package="test_recompute")
+class NoisyBlock(keras.layers.Layer):
+    """Uses a stateful TF random op: a second forward differs."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(WIDTH)
+
+    def call(self, x):
+        h = self.dense(x)
+        return h * tf.random.uniform(tf.shape(h), 0.5, 1.5)
+
+
+def test_recompute_check_names_the_block_that_desyncs(data):
+    x, y = data
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    h = ResBlock(width=5, name="good")(inputs)
+    h = NoisyBlock(name="noisy")(h)
+    model = GradBoostModel(inputs, keras.layers.Dense(3)(h))
+    model.compile(optimizer="sgd", loss="mse", recompute="auto", recompute_check=True)
+    before = model.get_weights()
+    with pytest.raises(RecomputeCheckError, match="block 'noisy'") as info:
+        model.fit(x, y, batch_size=16, verbose=0)
+    assert info.value.block == "noisy" and info.value.variable.startswith("noisy/")
+    # Nothing was trained or changed by the check.
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_recompute_check_passes_and_changes_nothing(data):
+    x, y = data
+    plain, checked = residual_model(), residual_model()
+    train(plain, x, y, recompute="auto")
+    train(checked, x, y, recompute="auto", recompute_check=True)
+    assert checked._gradboost.recompute_check_pending is False
+    assert_same_state(plain, checked)
+

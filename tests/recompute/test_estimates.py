@@ -1,0 +1,81 @@
+"""Estimates and the plan: activation memory per block, the structural check
+that a recomputed graph keeps only block inputs, and the budget's choice."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_gradboost import recompute
+from recompute.models import assert_same_state
+from recompute.models import residual_model
+from recompute.models import train
+from recompute.models import wide_model
+
+
+def test_plan_estimates_shrink_with_recompute():
+    model = wide_model()
+    model.compile(optimizer="sgd", loss="mse", recompute="auto")
+    plan = model.recompute_plan(batch_size=256)
+    assert plan.batch_size == 256 and len(plan.blocks) == 4
+    for block in plan.blocks:
+        # Inside each block: Dense(2w) output, gelu, dropout, BN: several
+        # (256, 128) float32 tensors, much more than the (256, 64) input.
+        assert block.cached_bytes >= 3 * 256 * 128 * 4
+        assert block.input_bytes == 256 * 64 * 4
+    assert plan.bytes_with < 0.5 * plan.bytes_without
+    assert "res_3" in str(plan)
+    # Twice the batch, twice the activations.
+    double = model.recompute_plan(batch_size=512)
+    assert double.bytes_without == pytest.approx(2 * plan.bytes_without, rel=0.05)
+
+
+def test_recomputed_graph_keeps_only_block_inputs():
+    """The mechanism itself: in the traced training step with recompute on,
+    the backward pass no longer consumes the blocks' insides."""
+    model = wide_model()
+    model.compile(optimizer="sgd", loss="mse", recompute="auto")
+    setup = model._gradboost.recompute
+    spec = tf.TensorSpec((256, 64))
+    without, _, _ = recompute.estimate(model, lambda v, p: model(v, training=True), spec, [])
+    with_rc, _, _ = recompute.estimate(model, lambda v, p: setup.forward(model, v), spec, [])
+    assert with_rc < 0.3 * without
+
+
+def test_budget_picks_fewer_blocks_for_a_larger_budget(data):
+    model = wide_model()
+    model.compile(optimizer="sgd", loss="mse", recompute="auto")
+    full = model.recompute_plan(batch_size=256)
+    middle = (full.bytes_with + full.bytes_without) / 2 / recompute.MIB
+    chosen = {}
+    for budget in (full.bytes_without / recompute.MIB + 1, middle, full.bytes_with / recompute.MIB + 0.01):
+        m = wide_model()
+        m.compile(optimizer="sgd", loss="mse", recompute={"budget_mb": budget, "batch_size": 256})
+        plan = m.recompute_plan()
+        assert plan.bytes_with <= budget * recompute.MIB
+        chosen[budget] = len(plan.recomputed)
+    assert list(chosen.values())[0] == 0
+    assert 0 < list(chosen.values())[1] < 4
+    assert list(chosen.values())[2] == 4
+
+
+def test_budget_out_of_reach_warns_with_best_estimate():
+    model = wide_model()
+    model.compile(optimizer="sgd", loss="mse", recompute={"budget_mb": 0.001})
+    x = np.zeros((32, 64), "float32")
+    y = np.zeros((32, 3), "float32")
+    with pytest.warns(UserWarning, match=r"cannot be brought under 0.001 MiB at batch size 32.*best estimate"):
+        model.fit(x, y, batch_size=32, verbose=0)
+    assert model.recompute_plan().recomputed == ["res_0", "res_1", "res_2", "res_3"]
+
+
+def test_budget_trains_exactly(data):
+    x, y = data
+    plain = residual_model()
+    rc = residual_model()
+    train(plain, x, y)
+    with pytest.warns(UserWarning, match="cannot be brought under"):
+        train(rc, x, y, recompute={"budget_mb": 0.001})
+    assert rc.recompute_plan().batch_size == 16
+    assert len(rc.recompute_plan().recomputed) == 3
+    assert_same_state(plain, rc)
+

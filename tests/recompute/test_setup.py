@@ -1,0 +1,152 @@
+"""The per-model setup: its lifecycle (the budget's batch size from fit's
+arguments, the first batch, the check) and save/load."""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+from conftest import max_weight_diff
+from keras_gradboost import recompute
+from recompute.models import flat_model
+from recompute.models import residual_model
+from recompute.models import train
+
+
+def test_save_and_load_keeps_recompute(data, tmp_path):
+    x, y = data
+    model = residual_model(rate=0.0)  # Keras does not save seed states
+    train(model, x, y, recompute=["res_1"])
+    path = os.path.join(tmp_path, "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.gradboost_config.recompute == ("res_1",)
+    assert loaded.recompute_plan().recomputed == ["res_1"]
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    loaded.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert max_weight_diff(model, loaded) < 1e-6
+
+
+
+# ------------------------------------------------------------------ lifecycle
+
+
+def _dataset(batch, drop_remainder=True):
+    x = np.zeros((20, 5), "float32")
+    return tf.data.Dataset.from_tensor_slices((x, x)).batch(batch, drop_remainder)
+
+
+def _samples():
+    yield np.zeros((4, 5), "float32")
+
+
+@pytest.mark.parametrize(
+    "fit_args, expected",
+    [
+        ({"x": np.zeros((64, 5))}, 32),  # fit's default batch size
+        ({"x": np.zeros((64, 5)), "batch_size": 16}, 16),
+        ({"x": np.zeros((10, 5)), "batch_size": 16}, 10),  # fewer samples
+        ({"x": [np.zeros((64, 5)), np.zeros((64, 2))], "batch_size": 8}, 8),
+        ({"x": {"a": np.zeros((64, 5))}, "batch_size": None}, 32),
+        ({"x": _dataset(8)}, 8),  # from the element spec
+        ({"x": _dataset(8, drop_remainder=False)}, 8),  # from the first batch
+        ({"x": None}, None),
+        ({}, None),
+        ({"x": _samples()}, None),  # a generator: not told in advance
+    ],
+)
+def test_batch_size_hint_from_fit_arguments(fit_args, expected):
+    assert recompute.batch_size_hint(fit_args) == expected
+
+
+class _Arguments:
+    """A `fit_args` function that counts its calls."""
+
+    def __init__(self, batch_size):
+        self.calls = 0
+        self.batch_size = batch_size
+
+    def __call__(self):
+        self.calls += 1
+        return {"x": np.zeros((64, 5)), "batch_size": self.batch_size}
+
+
+def test_before_fit_takes_the_budgets_batch_size_once():
+    # A budget chooses nothing at construction: no model is needed.
+    setup = recompute.RecomputeSetup(None, {"budget_mb": 1.0})
+    first, second = _Arguments(16), _Arguments(8)
+    setup.before_fit(first)
+    setup.before_fit(second)  # an earlier fit gave one
+    assert setup.batch_hint == 16
+    assert (first.calls, second.calls) == (1, 0)
+
+
+def test_before_fit_keeps_the_settings_batch_size():
+    setup = recompute.RecomputeSetup(None, {"budget_mb": 1.0, "batch_size": 4})
+    arguments = _Arguments(16)
+    setup.before_fit(arguments)
+    assert setup.batch_hint == 4 and arguments.calls == 0
+
+
+def test_before_fit_binds_nothing_without_a_budget():
+    setup = recompute.RecomputeSetup(residual_model(), "auto")
+    arguments = _Arguments(16)
+    setup.before_fit(arguments)
+    assert setup.batch_hint is None and arguments.calls == 0
+
+
+def test_prepare_records_the_first_batchs_specs_once():
+    model = residual_model()
+    setup = recompute.RecomputeSetup(model, "auto")
+    setup.prepare(model, tf.TensorSpec((None, 5)))  # a trace of no fixed batch
+    assert setup.input_spec == tf.TensorSpec((5,), tf.float32)
+    assert setup.batch_hint is None
+    setup.prepare(model, tf.zeros((16, 7)))  # later batches change nothing
+    assert setup.input_spec == tf.TensorSpec((5,), tf.float32)
+    assert setup.batch_hint is None
+
+
+def test_prepare_chooses_the_budgets_blocks_at_the_first_batch():
+    model = residual_model()
+    model.compile(optimizer="sgd", loss="mse", recompute={"budget_mb": 1e6})
+    setup = model._gradboost.recompute
+    assert setup.pending and setup.layers == []
+    setup.prepare(model, tf.zeros((16, 5)))
+    assert not setup.pending
+    assert [layer.name for layer in setup.layers] == ["res_0", "res_1", "res_2"]
+    assert all(recompute.is_marked(layer) for layer in setup.layers)
+    assert setup.chosen == set()  # everything fits a huge budget
+    assert setup.plan.batch_size == 16 and model.recompute_plan() is setup.plan
+    setup.prepare(model, tf.zeros((8, 5)))  # settled: nothing changes
+    assert model.recompute_plan().batch_size == 16
+
+
+def test_prepare_without_a_batch_size_says_to_add_one():
+    model = residual_model()
+    setup = recompute.RecomputeSetup(model, {"budget_mb": 1.0})
+    with pytest.raises(ValueError, match=r'needs the batch size.*"batch_size": B'):
+        setup.prepare(model, tf.TensorSpec((None, 5)))
+    assert setup.pending
+
+
+def test_check_settles_the_budget_first(data):
+    x, y = data
+    model = residual_model()
+    model.compile(optimizer="sgd", loss="mse", recompute={"budget_mb": 0.001})
+    setup = model._gradboost.recompute
+    with pytest.warns(UserWarning, match="cannot be brought under"):
+        setup.check(model, (x[:16], y[:16]))  # the blocks agree: no error
+    assert not setup.pending and setup.plan.batch_size == 16
+    assert model.recompute_plan().recomputed == ["res_0", "res_1", "res_2"]
+
+
+def test_budget_candidates_are_autos_layers_or_every_segment():
+    layers, pieces = recompute.budget_candidates(residual_model())
+    assert [layer.name for layer in layers] == ["res_0", "res_1", "res_2"]
+    assert pieces == []
+    model = flat_model()
+    layers, pieces = recompute.budget_candidates(model)
+    _, cuts = recompute.cut_points(model)
+    assert layers == [] and len(pieces) == len(cuts) + 1 and pieces[-1].last
