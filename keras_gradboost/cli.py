@@ -177,10 +177,11 @@ def check_args(args, parser):
     if is_path:
         if not os.path.isfile(model):
             parser.error(f"argument --model: no such file: {model!r}")
-        if not model.endswith(".keras") or not zipfile.is_zipfile(model):
+        problem = _keras_file_problem(model)
+        if problem:
             parser.error(
-                f"argument --model: {model!r} is not a .keras file "
-                "(saved with model.save('name.keras'))"
+                f"argument --model: {model!r} is not a .keras file ({problem}); "
+                "expected one saved with model.save('name.keras')"
             )
     if args.data is not None:
         if not is_path:
@@ -201,11 +202,34 @@ def check_args(args, parser):
     return names
 
 
+def _keras_file_problem(path):
+    """What makes `path` not a loadable `.keras` archive, or None."""
+    if not path.endswith(".keras"):
+        return "the name does not end in .keras"
+    if not zipfile.is_zipfile(path):
+        return "not a zip archive"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            config = json.loads(archive.read("config.json"))
+    except KeyError:
+        return "no config.json inside"
+    except (ValueError, OSError, zipfile.BadZipFile) as error:
+        return f"config.json cannot be read: {error}"
+    if not isinstance(config, dict) or "class_name" not in config:
+        return "config.json names no model class"
+    return None
+
+
 def _check_data(parser, path):
     import numpy as np
 
     if not os.path.isfile(path):
         parser.error(f"argument --data: no such file: {path!r}")
+    if not zipfile.is_zipfile(path):
+        parser.error(
+            f"argument --data: {path!r} is not an .npz archive; expected one "
+            "written by numpy.savez(path, x=..., y=...)"
+        )
     try:
         with np.load(path) as data:
             keys = set(data.files)

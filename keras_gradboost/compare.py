@@ -47,8 +47,10 @@ What a row holds (all measured in the child):
 """
 
 import json
+import math
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -272,9 +274,19 @@ def run_one(spec):
 # ---------------------------------------------------------------- the child
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# Keras wraps a layer's error in a header and a list of the call's arguments;
+# the informative line is the one between them.
+_KERAS_WRAPPING = ("Exception encountered when calling", "Arguments received by", "\u2022")
+
+
 def _one_line(error):
-    lines = [l.strip() for l in str(error).splitlines() if l.strip()]
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:200]
+    """`TypeName: the informative line of the message`, at most 200 chars."""
+    lines = [_ANSI.sub("", l).strip() for l in str(error).splitlines()]
+    lines = [l for l in lines if l]
+    told = [l for l in lines if not l.startswith(_KERAS_WRAPPING)]
+    line = (told or lines or [""])[0]
+    return f"{type(error).__name__}: {line}"[:200]
 
 
 def saved_compile_config(path):
@@ -381,6 +393,7 @@ def build(spec):
     if spec.get("data"):
         with np.load(spec["data"]) as data:
             x, y = data["x"], data["y"]
+        notes.extend(nonfinite_notes({"x": x, "y": y}))
     else:
         x = _synthetic_inputs(model, samples, notes, rng)
         y = None
@@ -391,6 +404,22 @@ def build(spec):
     if y is None:
         y = _synthetic_targets(model, x, loss, samples, rng)
     return model, x, y, loss, optimizer, notes
+
+
+def nonfinite_notes(arrays):
+    """A note per float array of `arrays` (name -> array) that holds NaN or
+    inf values: training on it cannot give a finite loss."""
+    import numpy as np
+
+    notes = []
+    for name, array in arrays.items():
+        array = np.asarray(array)
+        if array.dtype.kind != "f":
+            continue
+        bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+        if bad:
+            notes.append(f"--data {name}: {bad} of {array.size} values are not finite")
+    return notes
 
 
 def environment():
@@ -610,6 +639,9 @@ def measure(spec):
         share, forward_ms, full_ms = backward_share(model, next(iter(data)), step_ms)
 
     plan = model.recompute_plan()
+    loss_now = final_loss(losses)
+    if not math.isfinite(loss_now):
+        notes.append(f"the training loss is not finite ({loss_now})")
     return {
         **xla_fields(model),
         "model": spec["model"],
@@ -624,7 +656,7 @@ def measure(spec):
         "full_step_ms": full_ms,
         "peak_mib": None if grown is None else grown / 2**20,
         "retraces": retraces,
-        "final_loss": final_loss(losses),
+        "final_loss": loss_now,
         "jit_compile": bool(model.jit_compile),
         "policy": model.dtype_policy_applied or model.dtype_policy.name,
         "accumulate_steps": model.gradboost_config.accumulate_steps,

@@ -6,6 +6,7 @@ import numbers
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16", "auto")
 LOSS_SCALES = ("auto", "dynamic")
 _FLOAT32_MAX = 3.4028234663852886e38
+_INT64_MAX = 2**63 - 1
 
 
 def _invalid(name, value, expected, error=ValueError):
@@ -67,6 +68,12 @@ class GradBoostConfig:
             )
         if steps < 1:
             raise _invalid("accumulate_steps", steps, "an int >= 1")
+        if steps > _INT64_MAX:
+            raise _invalid(
+                "accumulate_steps",
+                steps,
+                f"an int >= 1 and <= {_INT64_MAX} (the micro-batch counter is an int64)",
+            )
         object.__setattr__(self, "accumulate_steps", int(steps))
 
         if self.precision is not None and self.precision not in PRECISIONS:

@@ -1,6 +1,7 @@
 """GradBoostModel and boost(): compile kwargs -> plan -> train_step."""
 
 import inspect
+import numbers
 import warnings
 
 import keras
@@ -260,7 +261,16 @@ class GradBoostModel(keras.Model):
 
     @property
     def step_facts(self):
-        """`StepFacts` of the training step: finiteness, skips, None grads."""
+        """`StepFacts` of the training step: finiteness, skips, None grads.
+
+        Raises:
+            RuntimeError: before `compile()`, which makes them.
+        """
+        if self._gradboost.facts is None:
+            raise RuntimeError(
+                "`step_facts` are made by `compile()`: call `model.compile(...)` "
+                "before reading them."
+            )
         return self._gradboost.facts
 
     @property
@@ -301,7 +311,11 @@ class GradBoostModel(keras.Model):
         Returns:
             A `RecomputePlan` (`print()` it for a table); without a known
             batch size and input shape, it lists the blocks only.
+
+        Raises:
+            TypeError, ValueError: if `batch_size` is not None or an int >= 1.
         """
+        _check_batch_size(batch_size)
         setup = self._gradboost.recompute
         if setup is None:
             return recompute_lib.RecomputePlan(setting=None)
@@ -736,3 +750,18 @@ def _bind_fit_args(args, kwargs):
     return arguments
 
 
+def _check_batch_size(batch_size):
+    if batch_size is None:
+        return
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
+        raise TypeError(
+            "Invalid type for argument `batch_size`. Received: "
+            f"batch_size={batch_size!r} of type {type(batch_size).__name__}. "
+            "Expected an int >= 1 or None (the training batch size)."
+        )
+    if batch_size < 1:
+        raise ValueError(
+            "Invalid value for argument `batch_size`. Received: "
+            f"batch_size={batch_size!r}. Expected an int >= 1 or None (the "
+            "training batch size)."
+        )

@@ -325,7 +325,20 @@ def _bad_argument_cases(tmp):
     import zipfile
 
     with zipfile.ZipFile(saved, "w") as archive:
+        archive.writestr("config.json", '{"class_name": "Functional", "config": {}}')
+    empty = tmp / "empty.keras"
+    zipfile.ZipFile(empty, "w").close()
+    corrupt = tmp / "corrupt.keras"
+    with zipfile.ZipFile(corrupt, "w") as archive:
+        archive.writestr("config.json", "{not json")
+    classless = tmp / "classless.keras"
+    with zipfile.ZipFile(classless, "w") as archive:
         archive.writestr("config.json", "{}")
+    text_data = tmp / "text.npz"
+    text_data.write_text("x,y\n1,2\n")
+    npy_data = tmp / "array.npz"
+    with open(npy_data, "wb") as f:
+        np.save(f, np.zeros(3))
     no_y = tmp / "no_y.npz"
     np.savez(no_y, x=np.zeros((4, 5)))
     uneven = tmp / "uneven.npz"
@@ -341,7 +354,13 @@ def _bad_argument_cases(tmp):
         (["compare", "--repeat", "2.5"], "argument --repeat: invalid value '2.5'; expected an int >= 1"),
         (["compare", "--model", "resnet"], "argument --model: unknown model 'resnet'; expected one of mlp"),
         (["compare", "--model", str(tmp / "missing.keras")], "argument --model: no such file"),
-        (["compare", "--model", str(not_zip)], "is not a .keras file"),
+        (["compare", "--model", str(not_zip)], "is not a .keras file (not a zip archive)"),
+        (["compare", "--model", str(empty)], "is not a .keras file (no config.json inside)"),
+        (["compare", "--model", str(corrupt)], "is not a .keras file (config.json cannot be read"),
+        (["compare", "--model", str(classless)], "(config.json names no model class)"),
+        (["compare", "--model", str(saved), "--data", str(text_data)], "argument --data: '"),
+        (["compare", "--model", str(saved), "--data", str(text_data)], "is not an .npz archive"),
+        (["compare", "--model", str(saved), "--data", str(npy_data)], "is not an .npz archive"),
         (["compare", "--data", str(no_y)], "argument --data: only used with --model PATH.keras"),
         (["compare", "--model", str(saved), "--data", str(tmp / "none.npz")], "argument --data: no such file"),
         (["compare", "--model", str(saved), "--data", str(no_y)], "holds ['x']; expected arrays named 'x' and 'y'"),
@@ -503,3 +522,25 @@ def test_xla_fields_of_a_measured_model():
     assert fields["xla"] == (
         f"{state} (measured {measured['xla_ms']:.2f} vs {measured['no_xla_ms']:.2f} ms)"
     )
+
+
+def test_a_keras_layer_error_keeps_its_informative_line():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError) as info:
+        model(np.zeros((2, 5), "float32"))
+    assert str(info.value).startswith("Exception encountered when calling")
+    line = compare_lib._one_line(info.value)
+    assert line.startswith("ValueError: Input 0 ")
+    assert "expected axis -1 of input shape to have value 3" in line
+    assert "\x1b" not in line and "Arguments received" not in line
+    assert compare_lib._one_line(RuntimeError("first\nsecond")) == "RuntimeError: first"
+
+
+def test_nonfinite_data_gets_a_note():
+    x = np.ones((4, 3), "float32")
+    x[1, 2] = np.nan
+    y = np.full((4,), np.inf, "float32")
+    assert compare_lib.nonfinite_notes({"x": x, "y": y, "ids": np.arange(4)}) == [
+        "--data x: 1 of 12 values are not finite",
+        "--data y: 4 of 4 values are not finite",
+    ]

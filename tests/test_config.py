@@ -16,6 +16,7 @@ def test_defaults_are_inactive():
     [
         ({"accumulate_steps": 0}, ValueError, "accumulate_steps=0. Expected an int >= 1"),
         ({"accumulate_steps": -3}, ValueError, "accumulate_steps=-3"),
+        ({"accumulate_steps": 2**63}, ValueError, "(the micro-batch counter is an int64)"),
         ({"accumulate_steps": 2.0}, TypeError, "accumulate_steps=2.0"),
         ({"accumulate_steps": True}, TypeError, "accumulate_steps=True"),
         ({"accumulate_steps": "4"}, TypeError, "accumulate_steps='4'"),

@@ -1,5 +1,7 @@
 """GradBoostModel's three forms, boost(), plain-Keras equivalence, save/load."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -291,3 +293,27 @@ def test_user_callback_list_is_left_as_given(regression_data):
     model.fit(x, y, batch_size=26, verbose=0, callbacks=callbacks)
     assert callbacks.callbacks == before
     assert int(model.optimizer.iterations.numpy()) == 4
+
+
+def test_step_facts_before_compile_say_to_compile_first():
+    model = small_model(GradBoostModel)
+    with pytest.raises(RuntimeError, match=r"call `model.compile\(...\)` before"):
+        model.step_facts
+
+
+@pytest.mark.parametrize(
+    "batch_size, error, fragment",
+    [
+        ("32", TypeError, "batch_size='32' of type str"),
+        (2.0, TypeError, "batch_size=2.0 of type float"),
+        (True, TypeError, "batch_size=True of type bool"),
+        (0, ValueError, "batch_size=0. Expected an int >= 1 or None"),
+        (-4, ValueError, "batch_size=-4"),
+    ],
+)
+def test_recompute_plan_checks_batch_size(batch_size, error, fragment):
+    model = small_model(GradBoostModel)
+    model.compile(optimizer="sgd", loss="mse", recompute=["hidden"])
+    with pytest.raises(error, match=re.escape(fragment)):
+        model.recompute_plan(batch_size=batch_size)
+    assert model.recompute_plan(batch_size=8).setting == ("hidden",)
