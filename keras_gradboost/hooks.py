@@ -131,6 +131,17 @@ def stop_recording():
     return record.stop_recording()
 
 
+def keras_saveable_class():
+    """`keras.src.saving.keras_saveable.KerasSaveable`, the base of what
+    Keras' saving walk visits (layers, optimizers, metrics): an object of a
+    subclass, found as an attribute of a model, is saved and loaded through
+    its `save_own_variables` / `load_own_variables`. It has no public
+    name."""
+    from keras.src.saving.keras_saveable import KerasSaveable
+
+    return KerasSaveable
+
+
 def jit_blockers(model):
     """Why Keras turns `jit_compile` off for `model`, as short reasons.
 
@@ -223,6 +234,8 @@ def check():
             y = x * 2.0
     assert tape.gradient(y, x) is None
     assert keras_supports_jit(model) is True and jit_blockers(model) == []
+    assert issubclass(keras.layers.Layer, keras_saveable_class())
+    assert issubclass(keras.optimizers.Optimizer, keras_saveable_class())
     from keras.src.utils.io_utils import print_msg as _print_msg
 
     assert callable(_print_msg)

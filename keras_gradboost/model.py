@@ -7,6 +7,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_gradboost import checkpoint
 from keras_gradboost import guard
 from keras_gradboost import hooks
 from keras_gradboost import jit_measure
@@ -30,6 +31,8 @@ class _Runtime:
 
     def __init__(self):
         self.plan = None
+        # Training state loaded before `compile()`, put back by it.
+        self.loaded_state = None
         self.start(None)
 
     def start(self, plan):
@@ -226,6 +229,16 @@ class GradBoostModel(keras.Model):
             rt.facts = StepFacts()
             if plan.loss_scale is not None:
                 rt.scaler = precision_lib.LossScaler(*plan.loss_scale)
+        if rt.loaded_state is not None:  # loaded before this compile()
+            state, rt.loaded_state = rt.loaded_state, None
+            checkpoint.restore(self, state)
+
+    @property
+    def _gradboost_training_state(self):
+        """The object through which Keras' saving keeps the loss scale, the
+        skip counters and a pending accumulation window (see
+        `keras_gradboost.checkpoint`)."""
+        return checkpoint.TrainingState(self)
 
     def get_compile_config(self):
         config = super().get_compile_config()
@@ -409,6 +422,13 @@ class GradBoostModel(keras.Model):
             self.trainable_variables, rt.config.accumulate_steps
         )
         rt.flush_function = None
+
+    def _ensure_accumulator(self):
+        """The accumulator, made now (in the strategy's scope) if needed."""
+        if self._needs_new_accumulator():
+            with self.distribute_strategy.scope():
+                self._new_accumulator()
+        return self._gradboost.accumulator
 
     def _accumulator(self):
         """The accumulator, created at trace time if the model was built by
@@ -639,16 +659,15 @@ def _functional_twin(cls):
 
 class _EpochEnd(keras.callbacks.Callback):
     """Flushes accumulated gradients and checks loss-scale health at the end of
-    each epoch; `fit` puts it first so ModelCheckpoint & co. see the update."""
+    each epoch; `fit` puts it first so ModelCheckpoint & co. see the update.
+
+    Micro-batches pending when a `fit` starts (left by an interrupted `fit`,
+    a loop of `train_on_batch`, or loaded mid-window) stay in the window and
+    count towards its first update, as if training had never stopped."""
 
     def __init__(self, model):
         super().__init__()
         self._target = model
-
-    def on_train_begin(self, logs=None):
-        # Micro-batches left by an interrupted fit() are applied, not mixed
-        # into this run's first update.
-        self._target.flush_accumulated_gradients()
 
     def on_epoch_end(self, epoch, logs=None):
         self._target._epoch_end()

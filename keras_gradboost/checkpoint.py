@@ -1,0 +1,192 @@
+"""GradBoostModel's training state in Keras' saved weights.
+
+Keras' saving walks a model's attributes and saves each saveable object it
+finds through `save_own_variables(store)`, and loads it back through
+`load_own_variables(store)`: `model.save(".keras")`, `save_weights` /
+`load_weights`, `ModelCheckpoint` and `BackupAndRestore` all go through it.
+A GradBoostModel shows that walk one more object, `TrainingState`, saved
+under its own path (`_gradboost_training_state`), with:
+
+* the loss scale and its count of finite steps since the last change;
+* the step facts' skip counters (the loss-scale health warnings read them);
+* the accumulation window: the gradient sums of the micro-batches added
+  since the last update, their sample count, the position in the window
+  and which variables get a gradient.
+
+So a model saved mid-window and loaded again goes on as if it had never
+been saved. A plain Keras model loading the same file does not visit that
+path, and a file without it (saved before, or by a plain model) loads as
+before. The scale, the counters and the window position are the same on
+every replica (every replica records the same all-reduced decisions). The
+window's sums differ per replica, but only their sum over the replicas
+matters (the update all-reduces them): that sum is saved, and a load puts
+it on the first replica, so a window saved under `MirroredStrategy` loads on
+one device and the other way round.
+"""
+
+import warnings
+import weakref
+
+import numpy as np
+
+from keras_gradboost import hooks
+
+_SCALE = "loss_scale"
+_GOOD_STEPS = "loss_scale_good_steps"
+_FACTS = ("skipped_steps", "checked_steps", "nonfinite_steps")
+_STEPS = "accumulate_steps"
+_COUNT = "window_samples"
+_MICRO = "window_micro_batches"
+_MASK = "window_gradient_mask"
+_SUM = "window_sum_"
+_REPLICAS = "window_replicas"
+
+
+class TrainingState(hooks.keras_saveable_class()):
+    """The saveable object through which Keras' saving reaches a
+    GradBoostModel's training state (`collect` / `restore`).
+
+    Args:
+        model: the GradBoostModel.
+    """
+
+    def __init__(self, model):
+        # A weak reference: the saving walk visits this object's attributes
+        # too, and must not walk into the model again.
+        self._model = weakref.ref(model)
+
+    def _obj_type(self):
+        # Keras' saving accepts a fixed set of object types; a loss-like
+        # object has no children of its own to walk.
+        return "Loss"
+
+    def save_own_variables(self, store):
+        model = self._model()
+        for key, value in collect(model._gradboost, model.distribute_strategy).items():
+            store[key] = value
+
+    def load_own_variables(self, store):
+        state = {key: np.asarray(store[key]) for key in store.keys()}
+        if not state:
+            return  # a file saved without it
+        model = self._model()
+        if model._gradboost.plan is None:  # put back by the next compile()
+            model._gradboost.loaded_state = state
+        else:
+            restore(model, state)
+
+
+def _local(variable, strategy):
+    return list(strategy.experimental_local_results(variable))
+
+
+def _first(variable, strategy):
+    return np.asarray(_local(variable, strategy)[0].numpy())
+
+
+def collect(rt, strategy):
+    """The entries to save for a model's runtime state `rt` (empty before
+    `compile()`)."""
+    state = {}
+    if rt.facts is not None:
+        for name in _FACTS:
+            state[name] = _first(getattr(rt.facts, name), strategy)
+    if rt.scaler is not None:
+        state[_SCALE] = _first(rt.scaler.scale, strategy)
+        state[_GOOD_STEPS] = _first(rt.scaler.good_steps, strategy)
+    acc = rt.accumulator
+    if acc is not None:
+        counts = [float(c.numpy()) for c in _local(acc.count, strategy)]
+        state[_STEPS] = np.asarray(acc.steps, np.int64)
+        state[_COUNT] = np.asarray(sum(counts), np.float32)
+        state[_MICRO] = _first(acc.micro_step, strategy)
+        state[_MASK] = np.asarray(acc.grad_mask, bool)
+        state[_REPLICAS] = np.asarray(strategy.num_replicas_in_sync, np.int64)
+        for i, total in enumerate(acc.sums):
+            parts = [
+                np.asarray(part.numpy())
+                for part, count in zip(_local(total, strategy), counts)
+                if count > 0  # a replica that added nothing holds stale sums
+            ]
+            state[f"{_SUM}{i}"] = sum(parts) if parts else np.zeros(total.shape, np.float32)
+    return state
+
+
+def _assign_all(variable, value, strategy):
+    for part in _local(variable, strategy):
+        part.assign(value)
+
+
+def restore(model, state):
+    """Puts saved entries back into a compiled GradBoostModel's runtime
+    state; warns, naming it, about any entry the model cannot take."""
+    rt = model._gradboost
+    strategy = model.distribute_strategy
+    ignored = []
+    if rt.facts is not None and "checked_steps" in state:
+        for name in _FACTS:
+            _assign_all(getattr(rt.facts, name), state[name], strategy)
+        rt.last_health = (
+            int(state["skipped_steps"]),
+            int(state["checked_steps"]),
+        )
+    if _SCALE in state:
+        if rt.scaler is None:
+            ignored.append(f"the loss scale {float(state[_SCALE]):g} (loss scaling is off)")
+        else:
+            _assign_all(rt.scaler.scale, state[_SCALE], strategy)
+            _assign_all(rt.scaler.good_steps, state[_GOOD_STEPS], strategy)
+    if _MICRO in state:
+        ignored.extend(_restore_window(model, state, strategy))
+    if ignored:
+        warnings.warn(
+            "The loaded weights hold gradboost training state this model "
+            f"cannot take: {'; '.join(ignored)}. It is dropped; compile the "
+            "model as it was saved to keep it.",
+            stacklevel=3,
+        )
+
+
+def _restore_window(model, state, strategy):
+    """Restores a saved accumulation window; returns what it could not."""
+    rt = model._gradboost
+    pending = int(state[_MICRO])
+    sums = [state[f"{_SUM}{i}"] for i in range(sum(k.startswith(_SUM) for k in state))]
+    variables = model.trainable_variables
+    if rt.config.accumulate_steps == 1:
+        return [] if pending == 0 else [
+            f"{pending} accumulated micro-batches (accumulate_steps=1)"
+        ]
+    shapes = [tuple(v.shape) for v in variables]
+    if [tuple(s.shape) for s in sums] != shapes:
+        return [
+            f"{pending} accumulated micro-batches of {len(sums)} variables "
+            f"(the model has {len(variables)} of other shapes)"
+        ]
+    acc = model._ensure_accumulator()
+    acc.grad_mask = [bool(m) for m in state[_MASK]]
+    for i, total in enumerate(acc.sums):
+        for j, part in enumerate(_local(total, strategy)):
+            part.assign(sums[i] if j == 0 else np.zeros_like(sums[i]))
+    for j, part in enumerate(_local(acc.count, strategy)):
+        part.assign(state[_COUNT] if j == 0 else 0.0)
+    _assign_all(acc.micro_step, pending, strategy)
+    saved_replicas = int(state.get(_REPLICAS, strategy.num_replicas_in_sync))
+    if saved_replicas != strategy.num_replicas_in_sync and pending:
+        warnings.warn(
+            f"The loaded accumulation window was saved with {saved_replicas} "
+            f"replicas and goes on with {strategy.num_replicas_in_sync}: exact "
+            "when `fit` built it (each replica ran its part of every batch), "
+            "not when `train_on_batch` did under the strategy (each replica "
+            "ran the whole batch, so its samples count once per replica).",
+            stacklevel=4,
+        )
+    saved_steps = int(state[_STEPS])
+    if saved_steps != acc.steps and pending:
+        warnings.warn(
+            f"The loaded accumulation window was saved with accumulate_steps="
+            f"{saved_steps}; this model uses accumulate_steps={acc.steps}: its "
+            f"{pending} pending micro-batches count towards the next update.",
+            stacklevel=4,
+        )
+    return []
