@@ -337,6 +337,66 @@ class GradBoostModel(keras.Model):
         """Names of the output layers `compile(precision=...)` kept float32."""
         return list(self._gradboost.float32_layers)
 
+    # ------------------------------------------------- hooks for callbacks
+
+    def training_forward(self, x):
+        """The forward pass the training step runs, as a probe.
+
+        Runs `x` through the model with `training=True` and through the
+        recompute blocks that `compile(recompute=...)` chose, exactly as
+        `train_step` does; the first call settles what the recompute forward
+        needs from a batch (a budget's choice of blocks, the input spec),
+        as the first traced step would. It computes no gradient and applies
+        no update: callbacks use it to time or trace the step's forward
+        (`StepTimeMonitor`'s split). Call it inside your own
+        `tf.GradientTape` to differentiate it.
+
+        Args:
+            x: the inputs of one training batch (tensors).
+
+        Returns:
+            The model's outputs.
+        """
+        self._prepare_forward(x)
+        return self._training_forward(x)
+
+    def attach_watch(self, watch):
+        """Makes the training step check its gradients and record each
+        checked step in `watch`, until the returned undo is called.
+
+        With the watch attached, the step checks gradients for non-finite
+        values (as it does with loss scaling), drops the update of a
+        non-finite step, and records each checked step in `watch` (whose
+        halt flag drops later updates too). `NaNWatcher` attaches its watch
+        for the duration of `fit`. Attach before the train function is
+        traced (the step reads both at trace time).
+
+        Args:
+            watch: a `keras_gradboost.guard.WatchState`.
+
+        Returns:
+            A function that puts back the previous watch and gradient-check
+            setting; it does nothing once called, or when another watch was
+            attached since.
+
+        Raises:
+            RuntimeError: if the model is not compiled.
+        """
+        facts = self.step_facts
+        if facts is None:
+            raise RuntimeError("Call `compile()` before attaching a watch.")
+        previous = (facts.checks_gradients, facts.watch)
+        facts.checks_gradients = True
+        facts.watch = watch
+        attached = [True]
+
+        def undo():
+            if attached[0] and facts.watch is watch:
+                facts.checks_gradients, facts.watch = previous
+            attached[0] = False
+
+        return undo
+
     # ------------------------------------------------------------- train step
 
     def make_train_function(self, force=False):
