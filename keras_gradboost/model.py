@@ -60,8 +60,12 @@ class GradBoostModel(keras.Model):
     Example:
 
     ```python
-    inputs = keras.Input((784,))
-    x = keras.layers.Dense(256, activation="relu")(inputs)
+    import keras
+    import numpy as np
+    import keras_gradboost
+
+    inputs = keras.Input((20,))
+    x = keras.layers.Dense(32, activation="relu")(inputs)
     outputs = keras.layers.Dense(10, activation="softmax")(x)
     model = keras_gradboost.GradBoostModel(inputs, outputs)
     model.compile(
@@ -70,6 +74,8 @@ class GradBoostModel(keras.Model):
         accumulate_steps=4,
         precision="auto",
     )
+    x_train = np.random.rand(512, 20).astype("float32")
+    y_train = np.random.randint(0, 10, size=(512,))
     model.fit(x_train, y_train, batch_size=64)  # updates on 256 samples
     ```
     """
@@ -856,7 +862,15 @@ def boost(model):
     Example:
 
     ```python
-    base = keras.applications.MobileNetV3Small(weights=None)
+    import keras
+    import keras_gradboost
+
+    # Any built model: e.g. keras.applications.MobileNetV3Small(weights=None).
+    base = keras.Sequential([
+        keras.Input((20,)),
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dense(10, activation="softmax"),
+    ])
     model = keras_gradboost.boost(base)
     model.compile(optimizer="adam", loss="categorical_crossentropy",
                   accumulate_steps=4)

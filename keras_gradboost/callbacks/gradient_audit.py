@@ -173,9 +173,22 @@ class GradientAuditor(CallbackBase):
     Example:
 
     ```python
-    auditor = keras_gradboost.callbacks.GradientAuditor(every_n_steps=50)
-    model.fit(x, y, callbacks=[auditor])
-    print(auditor.report().summary())
+    import keras
+    import numpy as np
+    import keras_gradboost
+
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8, activation="relu", name="body")(inputs)
+    side = keras.layers.Dense(1, name="side")(h)
+    head = keras.layers.Dense(1, name="head")(h)
+    # The path from `side` to the loss is cut: its variables get no gradient.
+    model = keras.Model(inputs, head + keras.ops.stop_gradient(side))
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.random.rand(64, 4).astype("float32")
+    y = np.random.rand(64, 1).astype("float32")
+    auditor = keras_gradboost.callbacks.GradientAuditor(every_n_steps=4)
+    model.fit(x, y, batch_size=8, callbacks=[auditor])  # warns about `side`
+    print(auditor.summary())
     ```
     """
 

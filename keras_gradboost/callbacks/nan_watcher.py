@@ -209,9 +209,23 @@ class NaNWatcher(CallbackBase):
     Example:
 
     ```python
+    import keras
+    import numpy as np
+    import keras_gradboost
+
+    model = keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(1),
+    ])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.random.rand(64, 4).astype("float32")
+    y = np.random.rand(64, 1).astype("float32")
+    x[10] = np.nan  # one bad example: its step is skipped
     watcher = keras_gradboost.callbacks.NaNWatcher(action="skip")
-    model.fit(x, y, callbacks=[watcher])
-    print(watcher.events)
+    model.fit(x, y, batch_size=16, callbacks=[watcher])
+    print(watcher.summary())
+    watcher.report().nonfinite_steps  # 1
     ```
     """
 

@@ -410,10 +410,29 @@ class RetraceCounter(CallbackBase):
     Example:
 
     ```python
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    import keras_gradboost
+
+    def sequences():  # batches of length 5, then of length 9
+        for length in (5, 9):
+            for _ in range(8):
+                yield np.ones(length, "int32"), np.float32(1.0)
+
+    ds = tf.data.Dataset.from_generator(
+        sequences,
+        output_signature=(tf.TensorSpec((None,), tf.int32),
+                          tf.TensorSpec((), tf.float32)),
+    ).padded_batch(4)
+    inputs = keras.Input((None,), dtype="int32")
+    h = keras.layers.Embedding(10, 4)(inputs)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    model = keras.Model(inputs, keras.layers.Dense(1)(h))
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
     counter = keras_gradboost.callbacks.RetraceCounter(max_retraces=2)
     model.fit(ds, epochs=2, callbacks=[counter])
-    for event in counter.events:
-        print(event.report())
+    print(counter.summary())  # one XLA recompile: dim 1 varies
     ```
     """
 

@@ -268,8 +268,20 @@ class StepTimeMonitor(CallbackBase):
     Example:
 
     ```python
-    monitor = keras_gradboost.callbacks.StepTimeMonitor(window=50)
-    model.fit(x, y, epochs=2, callbacks=[monitor])
+    import keras
+    import numpy as np
+    import keras_gradboost
+
+    model = keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(1),
+    ])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.random.rand(64, 4).astype("float32")
+    y = np.random.rand(64, 1).astype("float32")
+    monitor = keras_gradboost.callbacks.StepTimeMonitor(window=5)
+    model.fit(x, y, batch_size=4, epochs=2, callbacks=[monitor])
     print(monitor.summary())
     monitor.report().median_step_ms
     ```
