@@ -6,7 +6,9 @@ error (progress lines) passes through. `RESULTS.md` is then overwritten with
 the date, the machine's load average at the start and the end, the Python,
 TensorFlow and Keras versions, and each entry's command, duration, exit
 status and output in a code block. An entry that fails is recorded with its
-last lines of standard error; the others still run.
+last lines of standard error; the others still run. A hand-written last
+section (`HAND_WRITTEN`, the figures quoted elsewhere), if the file has one,
+is kept at the end.
 
 `--quick` runs each entry with fewer steps and rounds (the scripts' own
 `--quick` where they have one), to check the set-up, not to quote figures.
@@ -64,6 +66,8 @@ ENTRIES = {
     ),
 }
 STDERR_TAIL = 5
+# The heading of the hand-written last section of RESULTS.md, kept on rewrite.
+HAND_WRITTEN = "## Figures quoted elsewhere"
 
 
 def command(name, quick):
@@ -184,6 +188,18 @@ def markdown(info, results):
     return "\n".join(lines)
 
 
+def hand_written(path):
+    """The hand-written last section of the markdown file at `path`, from its
+    `HAND_WRITTEN` heading to the end; "" when there is none."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    at = text.find("\n" + HAND_WRITTEN + "\n")
+    return text[at + 1:] if at >= 0 else ""
+
+
 def _parser():
     parser = argparse.ArgumentParser(
         prog="run_all.py",
@@ -247,8 +263,11 @@ def main(argv=None):
              "stdout": stdout, "stderr_tail": tail}
         )
     info.update(finished=datetime.datetime.now(datetime.timezone.utc), load_end=_load())
+    kept = hand_written(args.output)
     with open(args.output, "w") as f:
         f.write(markdown(info, results))
+        if kept:
+            f.write("\n" + kept)
     print(f"\nwrote {args.output}")
     return 0 if all(r["status"] == 0 for r in results) else 1
 

@@ -7,28 +7,44 @@ Public API:
     GradBoostConfig: the validated gradboost compile arguments.
     RecomputePlan: what `GradBoostModel.recompute_plan()` returns.
     RecomputeCheckError: raised by `recompute_check=True`.
+    JitMeasurement: what `compile(jit_compile="measure")` chose
+        (`GradBoostModel.jit_measurement`).
+    XLAUnsupportedOpError: XLA cannot compile the training step.
+    StepFacts: what the training step publishes (`GradBoostModel.step_facts`).
+    TrainPlan: what `compile()` decided (`GradBoostModel.train_plan`).
     callbacks: drop-in callbacks (NaNWatcher, StepTimeMonitor,
         RetraceCounter, GradientAuditor).
     data: input-pipeline helpers (bucket_by_length).
+    tracing: the trace-time wrappers of the callbacks (`tracing.uninstall`).
 """
 
 __version__ = "0.1.0.dev0"
 
 from keras_gradboost import callbacks
 from keras_gradboost import data
+from keras_gradboost import tracing
 from keras_gradboost.config import GradBoostConfig
+from keras_gradboost.jit_measure import JitMeasurement
+from keras_gradboost.jit_measure import XLAUnsupportedOpError
 from keras_gradboost.model import GradBoostModel
 from keras_gradboost.model import boost
+from keras_gradboost.plan import TrainPlan
 from keras_gradboost.recompute import RecomputeCheckError
 from keras_gradboost.recompute import RecomputePlan
+from keras_gradboost.state import StepFacts
 
 __all__ = [
     "GradBoostConfig",
     "GradBoostModel",
+    "JitMeasurement",
     "RecomputeCheckError",
     "RecomputePlan",
+    "StepFacts",
+    "TrainPlan",
+    "XLAUnsupportedOpError",
     "boost",
     "callbacks",
     "data",
+    "tracing",
     "__version__",
 ]

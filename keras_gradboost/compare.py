@@ -74,20 +74,19 @@ CONFIGS = {
     },
 }
 # all_on switches everything on with the "auto" choices, so that it is not
-# slower than the baseline (measured on a 2-core CPU; see README):
+# slower than the baseline (measured on a 2-core CPU; the figures are in
+# benchmarks/RESULTS.md, "Figures quoted elsewhere"):
 # - jit_compile="auto" is Keras' own: XLA on a GPU, not on a CPU, where XLA
-#   made the built-in MLP ~1.2x and the CNN ~3.7x slower per step;
-#   jit_compile="measure" picks the same on this CPU under all_on's
-#   mixed_bfloat16 (no XLA: MLP 22.0 vs 34.1 ms, CNN 88.5 vs 256.0 ms per
-#   call) but adds 2-7 s of first steps (XLA compilation and XLA calls), and
-#   with 3 timed calls a loaded machine could tip it the wrong way: it is
-#   not worth it for all_on;
+#   made the built-in MLP and CNN slower per step; jit_compile="measure"
+#   picks the same on this CPU under all_on's mixed_bfloat16 but adds
+#   seconds of first steps (XLA compilation and XLA calls), and with 3 timed
+#   calls a loaded machine could tip it the wrong way: it is not worth it
+#   for all_on;
 # - precision="auto" then picks mixed_bfloat16 on a CPU with bfloat16
-#   instructions (~0.66x the float32 step on the MLP), mixed_float16 on a GPU;
+#   instructions (faster than float32 on the MLP), mixed_float16 on a GPU;
 # - recompute only what must be: the budget is half the memory available
 #   when the child starts (see `resolve_kwargs`), so a model whose
-#   activations fit pays no extra forward pass (recompute="auto" cost the
-#   MLP ~1.3x).
+#   activations fit pays no extra forward pass (recompute="auto" costs one).
 HALF_AVAILABLE = "half_available"
 BUILTIN_MODELS = ("mlp", "cnn", "transformer", "residual_mlp")
 # Sizes of the built-ins under `compare` (zoo defaults otherwise).

@@ -48,11 +48,27 @@ def bucket_by_length(
     Example:
 
     ```python
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    import keras_gradboost
+
+    def gen():  # token sequences of 4 to 63 tokens, and a label
+        rng = np.random.default_rng(0)
+        for _ in range(256):
+            length = int(rng.integers(4, 64))
+            yield rng.integers(1, 100, length).astype("int32"), np.int32(length % 2)
+
     ds = tf.data.Dataset.from_generator(
         gen, output_signature=(tf.TensorSpec((None,), tf.int32),
                                tf.TensorSpec((), tf.int32)))
     ds = keras_gradboost.data.bucket_by_length(ds, [16, 32, 64], batch_size=32)
-    model.fit(ds.repeat(), steps_per_epoch=100)   # at most 3 shapes
+    inputs = keras.Input((None,), dtype="int32")
+    h = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(100, 8)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2)(h))
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    model.fit(ds.repeat(), steps_per_epoch=10)   # at most 3 shapes
     ```
     """
     if not isinstance(dataset, tf.data.Dataset):

@@ -82,8 +82,12 @@ class GradBoostModel(keras.Model):
     Example:
 
     ```python
-    inputs = keras.Input((784,))
-    x = keras.layers.Dense(256, activation="relu")(inputs)
+    import keras
+    import numpy as np
+    import keras_gradboost
+
+    inputs = keras.Input((20,))
+    x = keras.layers.Dense(32, activation="relu")(inputs)
     outputs = keras.layers.Dense(10, activation="softmax")(x)
     model = keras_gradboost.GradBoostModel(inputs, outputs)
     model.compile(
@@ -92,6 +96,8 @@ class GradBoostModel(keras.Model):
         accumulate_steps=4,
         precision="auto",
     )
+    x_train = np.random.rand(512, 20).astype("float32")
+    y_train = np.random.randint(0, 10, size=(512,))
     model.fit(x_train, y_train, batch_size=64)  # updates on 256 samples
     ```
     """
@@ -338,6 +344,66 @@ class GradBoostModel(keras.Model):
     def float32_layers(self):
         """Names of the output layers `compile(precision=...)` kept float32."""
         return list(self._gradboost.float32_layers)
+
+    # ------------------------------------------------- hooks for callbacks
+
+    def training_forward(self, x):
+        """The forward pass the training step runs, as a probe.
+
+        Runs `x` through the model with `training=True` and through the
+        recompute blocks that `compile(recompute=...)` chose, exactly as
+        `train_step` does; the first call settles what the recompute forward
+        needs from a batch (a budget's choice of blocks, the input spec),
+        as the first traced step would. It computes no gradient and applies
+        no update: callbacks use it to time or trace the step's forward
+        (`StepTimeMonitor`'s split). Call it inside your own
+        `tf.GradientTape` to differentiate it.
+
+        Args:
+            x: the inputs of one training batch (tensors).
+
+        Returns:
+            The model's outputs.
+        """
+        self._prepare_forward(x)
+        return self._training_forward(x)
+
+    def attach_watch(self, watch):
+        """Makes the training step check its gradients and record each
+        checked step in `watch`, until the returned undo is called.
+
+        With the watch attached, the step checks gradients for non-finite
+        values (as it does with loss scaling), drops the update of a
+        non-finite step, and records each checked step in `watch` (whose
+        halt flag drops later updates too). `NaNWatcher` attaches its watch
+        for the duration of `fit`. Attach before the train function is
+        traced (the step reads both at trace time).
+
+        Args:
+            watch: a `keras_gradboost.guard.WatchState`.
+
+        Returns:
+            A function that puts back the previous watch and gradient-check
+            setting; it does nothing once called, or when another watch was
+            attached since.
+
+        Raises:
+            RuntimeError: if the model is not compiled.
+        """
+        facts = self.step_facts
+        if facts is None:
+            raise RuntimeError("Call `compile()` before attaching a watch.")
+        previous = (facts.checks_gradients, facts.watch)
+        facts.checks_gradients = True
+        facts.watch = watch
+        attached = [True]
+
+        def undo():
+            if attached[0] and facts.watch is watch:
+                facts.checks_gradients, facts.watch = previous
+            attached[0] = False
+
+        return undo
 
     # ------------------------------------------------------------- train step
 
@@ -721,7 +787,15 @@ def boost(model):
     Example:
 
     ```python
-    base = keras.applications.MobileNetV3Small(weights=None)
+    import keras
+    import keras_gradboost
+
+    # Any built model: e.g. keras.applications.MobileNetV3Small(weights=None).
+    base = keras.Sequential([
+        keras.Input((20,)),
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dense(10, activation="softmax"),
+    ])
     model = keras_gradboost.boost(base)
     model.compile(optimizer="adam", loss="categorical_crossentropy",
                   accumulate_steps=4)

@@ -70,9 +70,10 @@ def float16_cpu_warning(policy, jit_compile, on_gpu):
     if policy != "mixed_float16" or on_gpu or jit_compile:
         return None
     return (
-        'precision="mixed_float16" on a CPU without XLA is very slow (about '
-        "290x float32 measured on an MLP): TensorFlow's grappler `remapping` "
-        "pass rewrites float16 MatMuls into a slow fused CPU kernel. Use "
+        'precision="mixed_float16" on a CPU without XLA is very slow (many '
+        "times slower than float32; see benchmarks/RESULTS.md): TensorFlow's "
+        "grappler `remapping` pass rewrites float16 MatMuls into a slow fused "
+        "CPU kernel. Use "
         'precision="auto" or "mixed_bfloat16", or compile with '
         "jit_compile=True, or turn the pass off with "
         "tf.config.optimizer.set_experimental_options({'remapping': False})."

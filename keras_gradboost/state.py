@@ -53,7 +53,7 @@ class StepFacts:
             makes the step skip non-finite updates).
         watch: a `guard.WatchState` the step records each checked step in
             (and whose halt flag drops updates), or `None`. `NaNWatcher` sets
-            it for the duration of `fit`.
+            it for the duration of `fit` (`GradBoostModel.attach_watch`).
     """
 
     def __init__(self):

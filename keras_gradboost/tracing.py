@@ -214,8 +214,16 @@ def uninstall(model):
     Example:
 
     ```python
+    import keras
+    import numpy as np
+    import keras_gradboost
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.random.rand(32, 4).astype("float32")
+    y = np.random.rand(32, 1).astype("float32")
     model.fit(x, y, callbacks=[keras_gradboost.callbacks.RetraceCounter()])
-    keras_gradboost.tracing.uninstall(model)
+    keras_gradboost.tracing.uninstall(model)  # True: the wrappers are gone
     ```
     """
     targets = []  # (owner, attribute name, tracer)

@@ -47,3 +47,23 @@ def max_weight_diff(a, b):
     return max(
         float(np.max(np.abs(wa - wb))) for wa, wb in zip(a.get_weights(), b.get_weights())
     )
+
+
+_MIRRORED = []
+
+
+def shared_mirrored_strategy():
+    """One MirroredStrategy over the two logical CPUs for the whole session,
+    reducing through one device: the collective all-reduces of a second
+    strategy in one process can collide with an earlier one's instance keys
+    ("Shape mismatch in the collective instance")."""
+    if not _MIRRORED:
+        devices = tf.config.list_logical_devices("CPU")
+        assert len(devices) >= 2, "conftest.py splits the CPU into two devices"
+        _MIRRORED.append(
+            tf.distribute.MirroredStrategy(
+                [d.name for d in devices[:2]],
+                cross_device_ops=tf.distribute.ReductionToOneDevice(),
+            )
+        )
+    return _MIRRORED[0]

@@ -87,3 +87,16 @@ def test_run_returns_status_output_and_stderr_tail(run_all, tmp_path, capsys):
     assert (status, out) == (3, "table\n")
     assert tail == [f"log {i}" for i in range(3, 8)]
     assert "log 0" in capsys.readouterr().err  # passed through as it came
+
+
+def test_the_hand_written_section_is_kept_on_rewrite(run_all, tmp_path, monkeypatch):
+    monkeypatch.setattr(run_all, "run", lambda args: (0, "ratio 1.00x\n", []))
+    output = tmp_path / "RESULTS.md"
+    section = f"{run_all.HAND_WRITTEN}\n\nHand-written: 1.04x.\n"
+    output.write_text(f"# Benchmark results\n\nold run\n\n{section}")
+    assert run_all.main(["--only", "compare", "--output", str(output)]) == 0
+    text = output.read_text()
+    assert "old run" not in text and "```text\nratio 1.00x\n```" in text
+    assert text.endswith("\n" + section) and text.count(run_all.HAND_WRITTEN) == 1
+    # The repository's own file has the section.
+    assert run_all.hand_written(run_all.DEFAULT_OUTPUT).startswith(run_all.HAND_WRITTEN)

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import keras
 from conftest import max_weight_diff
+from conftest import shared_mirrored_strategy
 from keras_gradboost import GradBoostModel
 
 BATCH = 8
@@ -112,9 +113,7 @@ def test_state_loaded_before_compile_is_put_back_by_compile(tmp_path):
 
 
 def _mirrored():
-    devices = tf.config.list_logical_devices("CPU")
-    assert len(devices) >= 2, "conftest.py splits the CPU into two devices"
-    return tf.distribute.MirroredStrategy([d.name for d in devices[:2]])
+    return shared_mirrored_strategy()
 
 
 class _SaveAfterBatch(keras.callbacks.Callback):

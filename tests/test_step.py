@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 import keras
+from conftest import shared_mirrored_strategy
 from keras_gradboost import guard
 from keras_gradboost import step as step_lib
 from keras_gradboost.accumulate import GradientAccumulator
@@ -133,11 +134,9 @@ def test_flush_window_applies_a_partial_window_and_nothing_when_empty():
     assert int(optimizer.iterations.numpy()) == 1
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def mirrored():
-    devices = tf.config.list_logical_devices("CPU")
-    assert len(devices) >= 2, "conftest.py splits the CPU into two devices"
-    return tf.distribute.MirroredStrategy([d.name for d in devices[:2]])
+    return shared_mirrored_strategy()
 
 
 def test_one_bad_replica_stops_the_update_on_every_replica(mirrored):

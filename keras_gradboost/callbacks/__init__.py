@@ -5,11 +5,13 @@ from keras_gradboost.callbacks.gradient_audit import GradientAuditor
 from keras_gradboost.callbacks.gradient_audit import MissingGradient
 from keras_gradboost.callbacks.gradient_audit import MissingGradientError
 from keras_gradboost.callbacks.nan_watcher import NaNEvent
+from keras_gradboost.callbacks.nan_watcher import NaNReport
 from keras_gradboost.callbacks.nan_watcher import NaNWatcher
 from keras_gradboost.callbacks.nan_watcher import NonFiniteError
 from keras_gradboost.callbacks.retrace import RetraceCounter
 from keras_gradboost.callbacks.retrace import RetraceError
 from keras_gradboost.callbacks.retrace import RetraceEvent
+from keras_gradboost.callbacks.retrace import RetraceReport
 from keras_gradboost.callbacks.step_time import StepSplit
 from keras_gradboost.callbacks.step_time import StepTimeMonitor
 from keras_gradboost.callbacks.step_time import StepTimeReport
@@ -20,11 +22,13 @@ __all__ = [
     "MissingGradient",
     "MissingGradientError",
     "NaNEvent",
+    "NaNReport",
     "NaNWatcher",
     "NonFiniteError",
     "RetraceCounter",
     "RetraceError",
     "RetraceEvent",
+    "RetraceReport",
     "StepSplit",
     "StepTimeMonitor",
     "StepTimeReport",

@@ -12,7 +12,7 @@ import tensorflow as tf
 from keras_gradboost import hooks
 from keras_gradboost import tracing
 from keras_gradboost.callbacks import args
-from keras_gradboost.callbacks.gate import RunGate
+from keras_gradboost.callbacks.base import CallbackBase
 
 ON_MISSING = ("warn", "raise", "ignore")
 
@@ -114,7 +114,7 @@ class AuditReport:
         return "\n".join(lines)
 
 
-class GradientAuditor(RunGate):
+class GradientAuditor(CallbackBase):
     """Names the variables that get no gradient, and why; watches per-layer
     gradient norms for dead, vanishing and exploding layers.
 
@@ -173,9 +173,22 @@ class GradientAuditor(RunGate):
     Example:
 
     ```python
-    auditor = keras_gradboost.callbacks.GradientAuditor(every_n_steps=50)
-    model.fit(x, y, callbacks=[auditor])
-    print(auditor.report().summary())
+    import keras
+    import numpy as np
+    import keras_gradboost
+
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8, activation="relu", name="body")(inputs)
+    side = keras.layers.Dense(1, name="side")(h)
+    head = keras.layers.Dense(1, name="head")(h)
+    # The path from `side` to the loss is cut: its variables get no gradient.
+    model = keras.Model(inputs, head + keras.ops.stop_gradient(side))
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.random.rand(64, 4).astype("float32")
+    y = np.random.rand(64, 1).astype("float32")
+    auditor = keras_gradboost.callbacks.GradientAuditor(every_n_steps=4)
+    model.fit(x, y, batch_size=8, callbacks=[auditor])  # warns about `side`
+    print(auditor.summary())
     ```
     """
 
@@ -192,36 +205,15 @@ class GradientAuditor(RunGate):
         verbose=1,
     ):
         super().__init__()
-        if on_missing not in ON_MISSING:
-            raise ValueError(
-                "Invalid value for argument `on_missing`. Received: "
-                f"on_missing={on_missing!r}. Expected one of "
-                f"{', '.join(map(repr, ON_MISSING))}."
-            )
-        for name, value in (("every_n_steps", every_n_steps), ("zero_checks", zero_checks)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"Invalid value for argument `{name}`. Received: "
-                    f"{name}={value!r}. Expected a positive int."
-                )
-        if not (isinstance(vanishing_ratio, (int, float)) and 0 < vanishing_ratio < 1):
-            raise ValueError(
-                "Invalid value for argument `vanishing_ratio`. Received: "
-                f"vanishing_ratio={vanishing_ratio!r}. Expected a float in (0, 1)."
-            )
-        if not (isinstance(exploding_ratio, (int, float)) and exploding_ratio > 1):
-            raise ValueError(
-                "Invalid value for argument `exploding_ratio`. Received: "
-                f"exploding_ratio={exploding_ratio!r}. Expected a float > 1."
-            )
-        self.on_missing = on_missing
-        self.every_n_steps = every_n_steps
-        self.zero_checks = zero_checks
-        self.vanishing_ratio = float(vanishing_ratio)
-        self.exploding_ratio = float(exploding_ratio)
+        self.on_missing = args.check_choice("on_missing", on_missing, ON_MISSING)
+        self.every_n_steps = args.check_int("every_n_steps", every_n_steps, minimum=1)
+        self.zero_checks = args.check_int("zero_checks", zero_checks, minimum=1)
+        self.vanishing_ratio = args.check_number(
+            "vanishing_ratio", vanishing_ratio, above=0, below=1
+        )
+        self.exploding_ratio = args.check_number("exploding_ratio", exploding_ratio, above=1)
         self.show_non_trainable = args.check_bool("show_non_trainable", show_non_trainable)
         self.verbose = args.check_verbose(verbose)
-        self._undo = []
         self._tracer = None
         self._reset()
 
@@ -244,35 +236,19 @@ class GradientAuditor(RunGate):
         if getattr(model, "optimizer", None) is not None:
             self._tracer, _ = tracing.gradient_tracer(model)
 
-    def _teardown(self):
-        while self._undo:
-            self._undo.pop()()
-
-    def on_train_begin(self, logs=None):
-        self._teardown()  # leftovers of a fit() that ended in an exception
-        self._reset()
+    def _install(self):
         model = self.model
         self._tracer, installed = tracing.gradient_tracer(model)
         if installed or model.train_function is None:
             model.make_train_function()
         tracer = self._tracer
         tracer.listeners.append(self._on_trace)
-        self._undo.append(lambda: tracer.listeners.remove(self._on_trace))
+        self._on_teardown(lambda: tracer.listeners.remove(self._on_trace))
         tracer.every.assign(self.every_n_steps)
-        self._undo.append(lambda: tracer.every.assign(tracer.OFF))
+        self._on_teardown(lambda: tracer.every.assign(tracer.OFF))
         self._last_at = int(tracer.at.numpy())
         self._owners = _variable_owners(model)
-        _, undo = hooks.hold_batches(
-            model,
-            before_call=self._before_call,
-            after_call=self._after_call,
-            is_current=lambda: self._in_run("train"),
-            teardown=self._teardown,
-        )
-        self._undo.append(undo)
-
-    def on_train_end(self, logs=None):
-        self._teardown()
+        self._hold(self._before_call, self._after_call)
 
     # ----------------------------------------------------- missing grads
 

@@ -11,7 +11,7 @@ import tensorflow as tf
 from keras_gradboost import guard
 from keras_gradboost import hooks
 from keras_gradboost.callbacks import args
-from keras_gradboost.callbacks.gate import RunGate
+from keras_gradboost.callbacks.base import CallbackBase
 from keras_gradboost.locate import as_local_batch
 from keras_gradboost.precision import computes_in_float16
 from keras_gradboost.locate import locate_nonfinite
@@ -104,7 +104,40 @@ class NaNEvent:
         return "\n".join(lines)
 
 
-class NaNWatcher(RunGate):
+@dataclasses.dataclass
+class NaNReport:
+    """What a `NaNWatcher` saw in the last `fit`.
+
+    Attributes:
+        action: the watcher's `action` argument.
+        events: the `NaNEvent`s, one per train call with non-finite steps.
+        nonfinite_steps: non-finite training steps read so far in the fit
+            (the count `logs["nonfinite_steps"]` shows).
+        actions: `{action taken: events}`, e.g. `{"skipped": 2}`.
+    """
+
+    action: str = "stop"
+    events: list = dataclasses.field(default_factory=list)
+    nonfinite_steps: int = 0
+    actions: dict = dataclasses.field(default_factory=dict)
+
+    def summary(self):
+        if not self.events and not self.nonfinite_steps:
+            return f"NaNWatcher (action={self.action!r}): no non-finite step."
+        lines = [
+            f"NaNWatcher (action={self.action!r}): {self.nonfinite_steps} "
+            f"non-finite steps, {len(self.events)} events."
+        ]
+        if self.actions:
+            lines.append(
+                "  actions: "
+                + ", ".join(f"{name} {n}" for name, n in self.actions.items())
+            )
+        lines += [event.report() for event in self.events]
+        return "\n".join(lines)
+
+
+class NaNWatcher(CallbackBase):
     """Stops, skips or rolls back a non-finite training step, and says where
     it came from.
 
@@ -136,12 +169,11 @@ class NaNWatcher(RunGate):
     runs only when a sum is not finite). The larger cost on a multi-core CPU
     is the guarantee itself: no update may start before the last gradient
     (the first layer's) is checked, whereas Keras alone updates the last
-    layers while the first layer's backward pass still runs. On a 2-core
-    CPU, MLP 784-1024-1024-10, batch 256, Adam, that is about 4% of the step
-    time (1.04x); with `tf.config.threading.
-    set_inter_op_parallelism_threads(1)` (no ops side by side) the watcher
-    costs nothing measurable (0.99-1.00x). `enable_check_numerics()` costs
-    2.1x there.
+    layers while the first layer's backward pass still runs. With
+    `tf.config.threading.set_inter_op_parallelism_threads(1)` (no ops side
+    by side) that wait costs nothing. The measured figures, with those of
+    `tf.debugging.enable_check_numerics()` for comparison, are in
+    `benchmarks/RESULTS.md`.
 
     Works with any compiled Keras model: with a `GradBoostModel` the skip is
     part of its train step; with a plain model the optimizer's `apply`
@@ -176,9 +208,23 @@ class NaNWatcher(RunGate):
     Example:
 
     ```python
+    import keras
+    import numpy as np
+    import keras_gradboost
+
+    model = keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(1),
+    ])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.random.rand(64, 4).astype("float32")
+    y = np.random.rand(64, 1).astype("float32")
+    x[10] = np.nan  # one bad example: its step is skipped
     watcher = keras_gradboost.callbacks.NaNWatcher(action="skip")
-    model.fit(x, y, callbacks=[watcher])
-    print(watcher.events)
+    model.fit(x, y, batch_size=16, callbacks=[watcher])
+    print(watcher.summary())
+    watcher.report().nonfinite_steps  # 1
     ```
     """
 
@@ -196,39 +242,26 @@ class NaNWatcher(RunGate):
         verbose=1,
     ):
         super().__init__()
-        if action not in ACTIONS:
-            raise ValueError(
-                "Invalid value for argument `action`. Received: "
-                f"action={action!r}. Expected one of {', '.join(map(repr, ACTIONS))}."
-            )
-        if isinstance(max_skips, bool) or not isinstance(max_skips, int) or max_skips < 1:
-            raise ValueError(
-                "Invalid value for argument `max_skips`. Received: "
-                f"max_skips={max_skips!r}. Expected an int >= 1."
-            )
-        if not 0 < lr_factor < 1:
-            raise ValueError(
-                "Invalid value for argument `lr_factor`. Received: "
-                f"lr_factor={lr_factor!r}. Expected a float in (0, 1)."
-            )
-        self.action = action
+        self.action = args.check_choice("action", action, ACTIONS)
         self.locate = args.check_bool("locate", locate)
         self.dump_dir = args.check_directory("dump_dir", dump_dir)
-        self.max_skips = max_skips
+        self.max_skips = args.check_int("max_skips", max_skips, minimum=1)
+        args.check_number("lr_factor", lr_factor, above=0, below=1)
         self.lr_factor = lr_factor
         self.verbose = args.check_verbose(verbose)
-        self.events = []
-        self._undo = []
         # (model/optimizer/function/steps_per_execution key, guarded train
         # function, WatchState)
         self._guarded = None
+        self._reset()
 
     # ------------------------------------------------------------ set-up
 
-    def on_train_begin(self, logs=None):
-        self._teardown()  # leftovers of a fit() that ended in an exception
+    def _reset(self):
         self.events = []
         self._epoch = 0
+        self._seen = 0  # bad steps handled
+
+    def _install(self):
         model = self.model
         from keras_gradboost.model import GradBoostModel
 
@@ -242,6 +275,40 @@ class NaNWatcher(RunGate):
         fresh = self._guarded is None or any(
             a is not b and a != b for a, b in zip(self._guarded[0], key)
         )
+        gradboost = isinstance(model, GradBoostModel)
+        self._refuse(model, gradboost)
+        watch = self._new_watch(model) if fresh else self._guarded[2]
+        if gradboost:
+            self._on_teardown(model.attach_watch(watch))
+        else:
+            self._on_teardown(guard.guard_optimizer(model.optimizer, watch=watch))
+        if fresh:
+            guarded = hooks.make_train_function_with_logs(
+                model,
+                lambda: {
+                    "nonfinite_steps": tf.cast(watch.count.read_value(), tf.float32)
+                },
+            )
+            self._guarded = (key, guarded, watch)
+        self._on_teardown(hooks.replace_base_train_function(model, self._guarded[1]))
+        # fit() calls make_train_function() first: if a fit() ended in an
+        # exception (no on_train_end), the next fit() undoes the watcher here.
+        model.make_train_function = lambda force=False: self._teardown() or (
+            type(model).make_train_function(model, force=force)
+        )
+        self._undo.append(lambda: vars(model).pop("make_train_function", None))
+        self._watch = watch
+        watch.reset()  # one host round trip per fit
+        self._done = 0  # steps run in this fit (as the in-graph watch.step)
+        self._epoch_first = 0  # index of the epoch's first step
+        self._batches = {}  # step index -> batch, for the last few calls
+        self._pending = None  # the last call's (count tensor, first, end step)
+        self._hold(self._before_call, self._after_call)
+        if self.action == "restore":
+            self._snapshot()
+
+    def _refuse(self, model, gradboost):
+        """Raises for a model the watcher cannot guard as asked."""
         lr = model.optimizer.get_config().get("learning_rate")
         if self.action == "restore" and not isinstance(lr, (int, float)):
             raise ValueError(
@@ -249,7 +316,6 @@ class NaNWatcher(RunGate):
                 f"rate; this optimizer's is {type(lr).__name__} (a schedule). "
                 'Use action="skip" or "stop" with a schedule.'
             )
-        gradboost = isinstance(model, GradBoostModel)
         if not gradboost and isinstance(
             model.optimizer, keras.optimizers.LossScaleOptimizer
         ):
@@ -259,67 +325,15 @@ class NaNWatcher(RunGate):
                 "from). Use keras_gradboost.GradBoostModel with "
                 'loss_scale="dynamic" instead.'
             )
-        if fresh:
-            with model.distribute_strategy.scope():
-                watch = guard.WatchState(
-                    # Bad steps of the chunk read late and of the one after.
-                    ring=2 * model.steps_per_execution + 2,
-                    halt_every=self.action in ("stop", "restore"),
-                    max_in_row=None if self.action == "warn" else self.max_skips,
-                )
-        else:
-            watch = self._guarded[2]
-        if gradboost:
-            facts = model.step_facts
-            previous = (facts.checks_gradients, facts.watch)
-            facts.checks_gradients = True
-            facts.watch = watch
 
-            def undo_facts():
-                facts.checks_gradients, facts.watch = previous
-
-            self._undo.append(undo_facts)
-        else:
-            self._undo.append(guard.guard_optimizer(model.optimizer, watch=watch))
-        if fresh:
-            guarded = hooks.make_train_function_with_logs(
-                model,
-                lambda: {
-                    "nonfinite_steps": tf.cast(watch.count.read_value(), tf.float32)
-                },
+    def _new_watch(self, model):
+        with model.distribute_strategy.scope():
+            return guard.WatchState(
+                # Bad steps of the chunk read late and of the one after.
+                ring=2 * model.steps_per_execution + 2,
+                halt_every=self.action in ("stop", "restore"),
+                max_in_row=None if self.action == "warn" else self.max_skips,
             )
-            self._guarded = (key, guarded, watch)
-        self._undo.append(hooks.replace_base_train_function(model, self._guarded[1]))
-        # fit() calls make_train_function() first: if a fit() ended in an
-        # exception (no on_train_end), the next fit() undoes the watcher here.
-        model.make_train_function = lambda force=False: self._teardown() or (
-            type(model).make_train_function(model, force=force)
-        )
-        self._undo.append(lambda: vars(model).pop("make_train_function", None))
-        self._watch = watch
-        watch.reset()  # one host round trip per fit
-        self._seen = 0  # bad steps handled
-        self._done = 0  # steps run in this fit (as the in-graph watch.step)
-        self._epoch_first = 0  # index of the epoch's first step
-        self._batches = {}  # step index -> batch, for the last few calls
-        self._pending = None  # the last call's (count tensor, first, end step)
-        _, undo_hold = hooks.hold_batches(
-            model,
-            before_call=self._before_call,
-            after_call=self._after_call,
-            is_current=lambda: self._in_run("train"),
-            teardown=self._teardown,
-        )
-        self._undo.append(undo_hold)
-        if self.action == "restore":
-            self._snapshot()
-
-    def _teardown(self):
-        while self._undo:
-            self._undo.pop()()
-
-    def on_train_end(self, logs=None):
-        self._teardown()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._check_pending()
@@ -423,6 +437,21 @@ class NaNWatcher(RunGate):
             with _float32_policies(self.model):
                 event.float32_finite = locate_nonfinite(self.model, data).phase is None
         return event
+
+    # ----------------------------------------------------------- results
+
+    def report(self):
+        """What the watcher saw in the last `fit`, as a `NaNReport`."""
+        actions = {}
+        for event in self.events:
+            if event.action_taken:
+                actions[event.action_taken] = actions.get(event.action_taken, 0) + 1
+        return NaNReport(
+            action=self.action,
+            events=list(self.events),
+            nonfinite_steps=self._seen,
+            actions=actions,
+        )
 
     # ----------------------------------------------------------- restore
 

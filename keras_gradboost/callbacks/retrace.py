@@ -16,7 +16,7 @@ import tensorflow as tf
 from keras_gradboost import hooks
 from keras_gradboost import tracing
 from keras_gradboost.callbacks import args
-from keras_gradboost.callbacks.gate import RunGate
+from keras_gradboost.callbacks.base import CallbackBase
 
 _ROOTS = ("x", "y", "sample_weight")
 
@@ -310,10 +310,44 @@ class RetraceEvent:
         return "\n".join(lines)
 
 
+@dataclasses.dataclass
+class RetraceReport:
+    """What a `RetraceCounter` counted.
+
+    Attributes:
+        retraces: retraces of the step functions (see
+            `RetraceCounter.retraces`).
+        recompiles: XLA recompilations of a step function for a new
+            concrete shape beyond the first.
+        per_function: `{"train" | "test" | "predict": {"retraces": n,
+            "recompiles": m}}` for the functions that had any.
+        events: one `RetraceEvent` per retrace/recompile.
+        seconds_lost: the events' estimated time lost, summed (None when
+            none is known yet).
+    """
+
+    retraces: int = 0
+    recompiles: int = 0
+    per_function: dict = dataclasses.field(default_factory=dict)
+    events: list = dataclasses.field(default_factory=list)
+    seconds_lost: object = None
+
+    def summary(self):
+        lines = [
+            f"RetraceCounter: {self.retraces} retraces, {self.recompiles} XLA "
+            "recompiles."
+        ]
+        if self.seconds_lost is not None:
+            lines.append(f"  time lost (estimate): {self.seconds_lost:.2f} s")
+        for event in self.events:
+            lines.append(event.report())
+        return "\n".join(lines)
+
+
 # ------------------------------------------------------------------ callback
 
 
-class RetraceCounter(RunGate):
+class RetraceCounter(CallbackBase):
     """Counts retraces and XLA recompilations of the step functions, and says
     which input changed and how to fix it.
 
@@ -376,10 +410,29 @@ class RetraceCounter(RunGate):
     Example:
 
     ```python
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    import keras_gradboost
+
+    def sequences():  # batches of length 5, then of length 9
+        for length in (5, 9):
+            for _ in range(8):
+                yield np.ones(length, "int32"), np.float32(1.0)
+
+    ds = tf.data.Dataset.from_generator(
+        sequences,
+        output_signature=(tf.TensorSpec((None,), tf.int32),
+                          tf.TensorSpec((), tf.float32)),
+    ).padded_batch(4)
+    inputs = keras.Input((None,), dtype="int32")
+    h = keras.layers.Embedding(10, 4)(inputs)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    model = keras.Model(inputs, keras.layers.Dense(1)(h))
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
     counter = keras_gradboost.callbacks.RetraceCounter(max_retraces=2)
     model.fit(ds, epochs=2, callbacks=[counter])
-    for event in counter.events:
-        print(event.report())
+    print(counter.summary())  # one XLA recompile: dim 1 varies
     ```
     """
 
@@ -387,26 +440,12 @@ class RetraceCounter(RunGate):
 
     def __init__(self, max_retraces=None, strict=False, verbose=0):
         super().__init__()
-        if max_retraces is not None and (
-            isinstance(max_retraces, bool)
-            or not isinstance(max_retraces, int)
-            or max_retraces < 0
-        ):
-            raise ValueError(
-                "Invalid value for argument `max_retraces`. Received: "
-                f"max_retraces={max_retraces!r}. Expected an int >= 0 or None."
-            )
-        if not isinstance(strict, bool):
-            raise TypeError(
-                "Invalid type for argument `strict`. Received: "
-                f"strict={strict!r} of type {type(strict).__name__}. Expected "
-                "a bool."
-            )
-        self.max_retraces = max_retraces
-        self.strict = strict
+        self.max_retraces = args.check_int(
+            "max_retraces", max_retraces, minimum=0, allow_none=True
+        )
+        self.strict = args.check_bool("strict", strict)
         self.verbose = args.check_verbose(verbose)
         self._tracer = None
-        self._undo = []
         self._call_undo = {}
         self._reset()
 
@@ -437,13 +476,11 @@ class RetraceCounter(RunGate):
         listeners = self._tracer.listeners
         if self._on_trace not in listeners:
             listeners.append(self._on_trace)
-            self._undo.append(lambda: listeners.remove(self._on_trace))
+            self._on_teardown(lambda: listeners.remove(self._on_trace))
 
-    def _teardown(self):
+    def _release(self):
         for function in list(self._call_undo):
             self._unwrap(function)
-        while self._undo:
-            self._undo.pop()()
 
     def _wrap(self, function):
         """Holds the batches of `function`'s calls while the callback listens."""
@@ -451,25 +488,20 @@ class RetraceCounter(RunGate):
         model = self.model
         if getattr(model, f"{function}_function", None) is None:
             getattr(model, f"make_{function}_function")()
-        _, undo = hooks.hold_batches(
-            model,
+        self._call_undo[function] = self._wrap_function(
             before_call=lambda batches: self._before_call(function, batches),
             after_call=lambda batches, logs: self._after_call(function, batches, logs),
             function=function,
             # predict_on_batch calls the predict function unannounced.
-            is_current=None if function == "predict" else lambda: self._in_run(function),
-            teardown=self._teardown,
+            gated=function != "predict",
         )
-        self._call_undo[function] = undo
 
     def _unwrap(self, function):
         undo = self._call_undo.pop(function, None)
         if undo is not None:
             undo()
 
-    def on_train_begin(self, logs=None):
-        self._teardown()  # leftovers of a fit() that ended in an exception
-        self._reset()
+    def _install(self):
         self._attach()
         self._wrap("train")
 
@@ -661,18 +693,21 @@ class RetraceCounter(RunGate):
                 lost = max(0.0, event.call_seconds - steady)
                 event.seconds_lost = lost / event.call_events
 
-    def summary(self):
-        """A readable account of the retraces and recompiles."""
-        lines = [
-            f"RetraceCounter: {self.retraces} retraces, {self.recompiles} XLA "
-            "recompiles."
-        ]
+    def report(self):
+        """The counts and events so far, as a `RetraceReport`."""
         lost = [e.seconds_lost for e in self.events if e.seconds_lost is not None]
-        if lost:
-            lines.append(f"  time lost (estimate): {sum(lost):.2f} s")
-        for event in self.events:
-            lines.append(event.report())
-        return "\n".join(lines)
+        return RetraceReport(
+            retraces=self.retraces,
+            recompiles=self.recompiles,
+            per_function=self.per_function,
+            events=list(self.events),
+            seconds_lost=sum(lost) if lost else None,
+        )
+
+    def summary(self):
+        """A readable account of the retraces and recompiles
+        (`report().summary()`)."""
+        return self.report().summary()
 
 
 def _concrete_pair(new_sigs, pending):

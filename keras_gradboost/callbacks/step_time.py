@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from keras_gradboost import hooks
 from keras_gradboost.callbacks import args
-from keras_gradboost.callbacks.gate import RunGate
+from keras_gradboost.callbacks.base import CallbackBase
 
 SPLIT_REPEATS = 7
 
@@ -224,7 +224,7 @@ class StepTimeReport:
 # -------------------------------------------------------------- callback
 
 
-class StepTimeMonitor(RunGate):
+class StepTimeMonitor(CallbackBase):
     """Measures the training step: steady-state time, the first step's
     trace/compile cost, examples/s, and, once, the split of one step into
     input wait, forward, backward and optimizer update.
@@ -268,8 +268,20 @@ class StepTimeMonitor(RunGate):
     Example:
 
     ```python
-    monitor = keras_gradboost.callbacks.StepTimeMonitor(window=50)
-    model.fit(x, y, epochs=2, callbacks=[monitor])
+    import keras
+    import numpy as np
+    import keras_gradboost
+
+    model = keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(1),
+    ])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.random.rand(64, 4).astype("float32")
+    y = np.random.rand(64, 1).astype("float32")
+    monitor = keras_gradboost.callbacks.StepTimeMonitor(window=5)
+    model.fit(x, y, batch_size=4, epochs=2, callbacks=[monitor])
     print(monitor.summary())
     monitor.report().median_step_ms
     ```
@@ -279,43 +291,19 @@ class StepTimeMonitor(RunGate):
 
     def __init__(self, window=20, split_at="auto", log_dir=None, profile_steps=None, verbose=0):
         super().__init__()
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(
-                "Invalid value for argument `window`. Received: "
-                f"window={window!r}. Expected a positive int."
-            )
-        if split_at is not None and split_at != "auto" and (
-            isinstance(split_at, bool) or not isinstance(split_at, int) or split_at < 1
-        ):
-            raise ValueError(
-                "Invalid value for argument `split_at`. Received: "
-                f"split_at={split_at!r}. Expected \"auto\", an int >= 1 or None."
-            )
+        self.window = args.check_int("window", window, minimum=1)
+        self.split_at = _check_split_at(split_at)
         if profile_steps is not None:
-            ok = (
-                isinstance(profile_steps, (tuple, list))
-                and len(profile_steps) == 2
-                and all(isinstance(s, int) and not isinstance(s, bool) for s in profile_steps)
-                and 0 <= profile_steps[0] <= profile_steps[1]
-            )
-            if not ok:
-                raise ValueError(
-                    "Invalid value for argument `profile_steps`. Received: "
-                    f"profile_steps={profile_steps!r}. Expected a pair of ints "
-                    "(first, last) with 0 <= first <= last."
-                )
+            profile_steps = args.check_int_pair("profile_steps", profile_steps)
             if log_dir is None:
                 raise ValueError(
                     "Argument `profile_steps` needs `log_dir`: the profiler "
                     f"writes its trace there. Received: profile_steps={profile_steps!r}, "
                     "log_dir=None."
                 )
-        self.window = window
-        self.split_at = split_at
         self.log_dir = args.check_directory("log_dir", log_dir)
         self.profile_steps = tuple(profile_steps) if profile_steps else None
         self.verbose = args.check_verbose(verbose)
-        self._undo = []
         self._reset()
 
     def _reset(self):
@@ -332,21 +320,12 @@ class StepTimeMonitor(RunGate):
 
     # ------------------------------------------------------------ hooks
 
-    def on_train_begin(self, logs=None):
-        self._teardown()  # leftovers of a fit() that ended in an exception
-        self._reset()
+    def _install(self):
         if self.model.train_function is None:
             self.model.make_train_function()
         if self.log_dir is not None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
-        _, undo = hooks.hold_batches(
-            self.model,
-            before_call=self._before_call,
-            after_call=self._after_call,
-            is_current=lambda: self._in_run("train"),
-            teardown=self._teardown,
-        )
-        self._undo.append(undo)
+        self._hold(self._before_call, self._after_call)
 
     def on_epoch_begin(self, epoch, logs=None):
         # The epoch boundary (validation, checkpoints) is not step time.
@@ -357,13 +336,11 @@ class StepTimeMonitor(RunGate):
         if self.verbose:
             print(self.summary(), flush=True)
 
-    def _teardown(self):
+    def _release(self):
         self._stop_profiler()
         if self._writer is not None:
             self._writer.close()  # flushes; a later fit opens a new one
             self._writer = None
-        while self._undo:
-            self._undo.pop()()
 
     # ---------------------------------------------------- per train call
 
@@ -517,6 +494,20 @@ class StepTimeMonitor(RunGate):
         return self.report().summary()
 
 
+def _check_split_at(value):
+    """`split_at`: "auto", an int >= 1 or None."""
+    expected = '"auto", an int >= 1 or None'
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, str):
+        raise args.value_error("split_at", value, expected)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise args.type_error("split_at", value, expected)
+    if value < 1:
+        raise args.value_error("split_at", value, expected)
+    return value
+
+
 def write_scalar(name, value, step):
     """A TensorBoard scalar through the default summary writer.
 
@@ -561,12 +552,10 @@ def split_times(model, batch, repeats=SPLIT_REPEATS):
     saved += [(v, np.array(v.numpy())) for v in model.metrics_variables]
     jit = bool(getattr(model, "jit_compile", False))
     gradboost = isinstance(model, GradBoostModel)
-    if gradboost:
-        model._prepare_forward(x)
 
     def forward(x, y, sample_weight):
         if gradboost:  # its recompute blocks, as in its step
-            y_pred = model._training_forward(x)
+            y_pred = model.training_forward(x)
         elif hooks.call_has_training_arg(model):
             y_pred = model(x, training=True)
         else:

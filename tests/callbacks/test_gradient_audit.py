@@ -211,17 +211,17 @@ def test_reused_auditor_and_second_fit_without_retrace():
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs, error, match",
     [
-        ({"on_missing": "stop"}, "on_missing='stop'"),
-        ({"every_n_steps": 0}, "every_n_steps=0"),
-        ({"zero_checks": 1.5}, "zero_checks=1.5"),
-        ({"vanishing_ratio": 2}, "vanishing_ratio=2"),
-        ({"exploding_ratio": 0.5}, "exploding_ratio=0.5"),
+        ({"on_missing": "stop"}, ValueError, "on_missing='stop'"),
+        ({"every_n_steps": 0}, ValueError, "every_n_steps=0"),
+        ({"zero_checks": 1.5}, TypeError, "zero_checks=1.5"),
+        ({"vanishing_ratio": 2}, ValueError, "vanishing_ratio=2"),
+        ({"exploding_ratio": 0.5}, ValueError, "exploding_ratio=0.5"),
     ],
 )
-def test_bad_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
         GradientAuditor(**kwargs)
 
 

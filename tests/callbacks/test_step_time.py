@@ -58,19 +58,19 @@ def test_advice(step_ms, share, expected):
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs, error, match",
     [
-        ({"window": 0}, "Received: window=0. Expected a positive int"),
-        ({"window": 2.5}, "window=2.5"),
-        ({"window": True}, "window=True"),
-        ({"split_at": 0}, "split_at=0"),
-        ({"split_at": "late"}, "split_at='late'"),
-        ({"profile_steps": (3, 1), "log_dir": "x"}, "profile_steps=\\(3, 1\\)"),
-        ({"profile_steps": (1, 2)}, "needs `log_dir`"),
+        ({"window": 0}, ValueError, "Received: window=0. Expected a positive int"),
+        ({"window": 2.5}, TypeError, "window=2.5"),
+        ({"window": True}, TypeError, "window=True"),
+        ({"split_at": 0}, ValueError, "split_at=0"),
+        ({"split_at": "late"}, ValueError, "split_at='late'"),
+        ({"profile_steps": (3, 1), "log_dir": "x"}, ValueError, "profile_steps=\\(3, 1\\)"),
+        ({"profile_steps": (1, 2)}, ValueError, "needs `log_dir`"),
     ],
 )
-def test_bad_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
         StepTimeMonitor(**kwargs)
 
 
