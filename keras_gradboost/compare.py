@@ -469,16 +469,18 @@ def final_loss(running_means):
 
 
 def count_traces(model):
-    """Wraps `model.train_step` (an instance attribute, read when Keras makes
-    the train function) so each trace increments the returned counter."""
-    traces = [0]
-    train_step = model.train_step
+    """Wraps `model.train_step` (with `wrappers.patch`; read when Keras
+    makes the train function) so each trace increments the returned
+    counter."""
+    from keras_gradboost import wrappers
 
-    def counting_train_step(data):
+    traces = [0]
+
+    def counting_train_step(train_step, data):
         traces[0] += 1  # a Python side effect: runs only while tracing
         return train_step(data)
 
-    model.train_step = counting_train_step
+    wrappers.patch(model, "train_step", counting_train_step)
     return traces
 
 

@@ -47,3 +47,16 @@ def max_weight_diff(a, b):
     return max(
         float(np.max(np.abs(wa - wb))) for wa, wb in zip(a.get_weights(), b.get_weights())
     )
+
+
+def recompute_keeps_only_block_inputs(model, spec):
+    """The structural check of recompute: in the traced training forward of
+    `model` (a GradBoostModel compiled with `recompute=`), the backward pass
+    keeps much less than without recompute (only the blocks' inputs).
+    `spec`: a batch's `tf.TensorSpec`."""
+    from keras_gradboost import blocks
+
+    setup = model._gradboost.recompute
+    without, _, _ = blocks.estimate(model, lambda v, p: model(v, training=True), spec, [])
+    with_rc, _, _ = blocks.estimate(model, lambda v, p: setup.forward(model, v), spec, [])
+    return with_rc < 0.3 * without

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from keras_gradboost import guard
 from keras_gradboost import hooks
+from keras_gradboost import wrappers
 from keras_gradboost.callbacks import args
 from keras_gradboost.callbacks.gate import RunGate
 from keras_gradboost.locate import as_local_batch
@@ -292,10 +293,13 @@ class NaNWatcher(RunGate):
         self._undo.append(hooks.replace_base_train_function(model, self._guarded[1]))
         # fit() calls make_train_function() first: if a fit() ended in an
         # exception (no on_train_end), the next fit() undoes the watcher here.
-        model.make_train_function = lambda force=False: self._teardown() or (
-            type(model).make_train_function(model, force=force)
+        self._undo.append(
+            wrappers.patch(
+                model,
+                "make_train_function",
+                lambda make, force=False: self._teardown() or make(force=force),
+            )
         )
-        self._undo.append(lambda: vars(model).pop("make_train_function", None))
         self._watch = watch
         watch.reset()  # one host round trip per fit
         self._seen = 0  # bad steps handled
