@@ -8,7 +8,8 @@ while tracing, so they cost nothing per step.
 Keras captures `model.train_step` when it makes the train function, and
 looks `model.optimizer.apply` up while tracing it. A tracer is
 installed once per model (per optimizer), as an instance attribute through
-the public methods, and stays: without a listener it only forwards the call
+the public methods (a `wrappers.patch`, so it stacks with the other
+wrappers of these methods), and stays: without a listener it only forwards the call
 (at trace time), so no train function has to be traced again for the next
 `fit` that listens. Installing one the first time makes the model's step
 functions again (`model.train_function = None`, which Keras remakes), so
@@ -197,8 +198,9 @@ def uninstall(model):
 
     Raises:
         RuntimeError: while a callback listens (during `fit`, `evaluate` or
-            `predict`: call it after), or when something else wrapped one of
-            these methods after the tracer (remove that wrapper first).
+            `predict`: call it after), or when something other than a
+            keras_gradboost wrapper wrapped one of these methods after the
+            tracer (remove that wrapper first).
 
     Example:
 

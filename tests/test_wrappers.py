@@ -623,9 +623,9 @@ REAL_WRAPPERS = {
 
 
 def _attributes(model):
-    owners = [model, model.optimizer] + [
-        layer for layer in model._flatten_layers(include_self=False)  # noqa: SLF001
-    ]
+    from keras_gradboost import hooks
+
+    owners = [model, model.optimizer] + hooks.flatten_layers(model, include_self=False)
     names = {
         id(model): (
             "train_function", "test_function", "predict_function", "train_step",
