@@ -250,7 +250,13 @@ def aggregate(rounds, names):
 
 def run_one(spec):
     """Runs one configuration in a fresh Python process; returns its row."""
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+    env = {
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        # TensorFlow keeps allocator statistics (peak_mib) on a CPU only with
+        # its BFC allocator, which is not the default on every CPU.
+        "TF_CPU_ALLOCATOR_USE_BFC": "true",
+        **os.environ,
+    }
     command = [sys.executable, "-m", "keras_gradboost.compare", json.dumps(spec)]
     base = {"config": spec["config"], "kwargs": spec["kwargs"]}
     try:
@@ -497,16 +503,18 @@ def final_loss(running_means):
 
 
 def count_traces(model):
-    """Wraps `model.train_step` (an instance attribute, read when Keras makes
-    the train function) so each trace increments the returned counter."""
-    traces = [0]
-    train_step = model.train_step
+    """Wraps `model.train_step` (with `wrappers.patch`; read when Keras
+    makes the train function) so each trace increments the returned
+    counter."""
+    from keras_gradboost import wrappers
 
-    def counting_train_step(data):
+    traces = [0]
+
+    def counting_train_step(train_step, data):
         traces[0] += 1  # a Python side effect: runs only while tracing
         return train_step(data)
 
-    model.train_step = counting_train_step
+    wrappers.patch(model, "train_step", counting_train_step)
     return traces
 
 

@@ -7,6 +7,7 @@ replicas, and the update it allows, is `step.CrossReplicaStep`.
 import tensorflow as tf
 
 from keras_gradboost import hooks
+from keras_gradboost import wrappers
 from keras_gradboost.step import CrossReplicaStep
 
 
@@ -53,12 +54,10 @@ def guard_optimizer(optimizer, counter=None, watch=None):
     skipped call adds 1 to `counter` (an int64 variable), if given. With a
     `WatchState`, every call is recorded in it, and an update is also
     dropped while it is halted. Returns a function that undoes the wrapping
-    (and leaves an instance attribute that was there before in place).
+    (a `wrappers.patch`: it stacks with other wrappers of `apply`).
     """
-    original = optimizer.apply
-    previous = vars(optimizer).get("apply")
 
-    def apply(grads, trainable_variables=None):
+    def apply(original, grads, trainable_variables=None):
         grads = list(grads)
         variables = (
             hooks.optimizer_trainable_variables(optimizer)
@@ -73,16 +72,7 @@ def guard_optimizer(optimizer, counter=None, watch=None):
         )
         step(present, bad=bad)
 
-    optimizer.apply = apply
-
-    def undo():
-        if vars(optimizer).get("apply") is apply:
-            if previous is None:
-                del optimizer.apply
-            else:
-                optimizer.apply = previous
-
-    return undo
+    return wrappers.patch(optimizer, "apply", apply)
 
 
 class WatchState:

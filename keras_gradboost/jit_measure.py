@@ -22,6 +22,7 @@ import time
 import tensorflow as tf
 
 from keras_gradboost import hooks
+from keras_gradboost import wrappers
 
 # Untimed first calls of each variant (tracing, XLA compilation).
 WARMUP_CALLS = 1
@@ -209,7 +210,7 @@ class MeasuringTrainFunction:
         self.on_decided = on_decided
         self.clock = clock
         self.measurer = measurer or Measurer()
-        hooks.runs_batches(self)
+        wrappers.runs_batches(self)
 
     @property
     def result(self):
@@ -218,24 +219,24 @@ class MeasuringTrainFunction:
     def __call__(self, iterator):
         # The batches are drawn here, so a failed XLA compilation can run
         # the very same batches without XLA.
-        batches = hooks.draw_batches(self.model, iterator)
+        batches = wrappers.draw_batches(self.model, iterator)
         if not batches:
             raise StopIteration
         if self.result is not None:  # a stale reference: run the choice
             chosen = self.functions[self.result.jit_compile]
-            return hooks.run_batches(self.model, chosen, batches)
+            return wrappers.run_batches(self.model, chosen, batches)
         jit, _ = self.measurer.next_call()
         clock = self.clock or perf_counter
         start = clock()
         try:
-            logs = hooks.run_batches(self.model, self.functions[jit], batches)
+            logs = wrappers.run_batches(self.model, self.functions[jit], batches)
             _sync(logs)
         except tf.errors.InvalidArgumentError as error:
             found = unsupported_op(error, self.model) if jit else None
             if found is None:
                 raise
             self.measurer.fail_xla(f"XLA cannot compile the step: {found}")
-            logs = hooks.run_batches(self.model, self.functions[False], batches)
+            logs = wrappers.run_batches(self.model, self.functions[False], batches)
         else:
             self.measurer.record(clock() - start)
         if self.result is not None:

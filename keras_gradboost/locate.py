@@ -1,8 +1,9 @@
 """Finding the layer that produced the first non-finite value of a step.
 
 The batch is replayed eagerly: every layer's `call` is wrapped (on the
-instance, for the replay only) to record its inputs and outputs in execution
-order, `tf.debugging.check_numerics` style. The producer is the first layer
+instance with `wrappers.patch`, over what is there, for the replay only) to
+record its inputs and outputs in execution order,
+`tf.debugging.check_numerics` style. The producer is the first layer
 whose output is non-finite although its inputs are finite (a layer that only
 passes a NaN on is a propagator, not the producer). If the forward pass is
 finite, the backward pass is searched the same way from the loss down.
@@ -15,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gradboost import hooks
+from keras_gradboost import wrappers
 
 
 @dataclasses.dataclass
@@ -58,6 +60,26 @@ def as_local_batch(data, strategy):
     return tf.nest.map_structure(local, data)
 
 
+def record_calls(layers, records):
+    """Wraps each layer's `call` (with `wrappers.patch`, over what is there)
+    to append `(layer, float inputs, float outputs)` to `records` as each
+    call completes.
+
+    Returns:
+        The undo of each wrapper, in the order of `layers`.
+    """
+
+    def recording(layer):
+        def call(original, *args, **kwargs):
+            outputs = original(*args, **kwargs)
+            records.append((layer, _floats((args, kwargs)), _floats(outputs)))
+            return outputs
+
+        return call
+
+    return [wrappers.patch(layer, "call", recording(layer)) for layer in layers]
+
+
 def locate_nonfinite(model, data):
     """Replays one training batch eagerly and finds where it went non-finite.
 
@@ -82,17 +104,8 @@ def locate_nonfinite(model, data):
     layers = hooks.flatten_layers(model, include_self=False)
     records = []  # (layer, inputs, outputs), in the order calls complete
 
-    def recording(layer, original):
-        def call(*args, **kwargs):
-            outputs = original(*args, **kwargs)
-            records.append((layer, _floats((args, kwargs)), _floats(outputs)))
-            return outputs
-
-        return call
-
     saved = [(v, v.numpy()) for v in model.non_trainable_variables + model.metrics_variables]
-    for layer in layers:
-        layer.call = recording(layer, layer.call)
+    undos = record_calls(layers, records)
     try:
         with tf.GradientTape(persistent=True) as tape:
             for t in _floats(x):
@@ -105,8 +118,8 @@ def locate_nonfinite(model, data):
             loss = hooks.compute_loss(model, x, y, y_pred, sample_weight, training=True)
         return _analyse(model, records, y_pred, loss, tape)
     finally:
-        for layer in layers:
-            del layer.call
+        for undo in reversed(undos):
+            undo()
         for v, value in saved:
             v.assign(value)
         del tape

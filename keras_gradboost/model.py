@@ -13,6 +13,7 @@ from keras_gradboost import hooks
 from keras_gradboost import jit_measure
 from keras_gradboost import precision as precision_lib
 from keras_gradboost import recompute as recompute_lib
+from keras_gradboost import wrappers
 from keras_gradboost.accumulate import GradientAccumulator
 from keras_gradboost.accumulate import sample_count
 from keras_gradboost.locate import as_local_batch
@@ -421,14 +422,14 @@ class GradBoostModel(keras.Model):
             self.train_function = self._make_measuring_function()
         else:
             super().make_train_function(force=force)
-        base = hooks.base_train_function(self)
+        base = wrappers.base_train_function(self)
         if isinstance(base, jit_measure.MeasuringTrainFunction) and base.result:
             # Left in place by a callback's undo: keep only the choice.
-            hooks.replace_base_train_function(
+            wrappers.replace_base_train_function(
                 self, base.functions[base.result.jit_compile]
             )
         if rt.recompute_check_pending and self.train_function is not rt.check_wrapper:
-            _, undo = hooks.hold_batches(
+            _, undo = wrappers.hold_batches(
                 self, before_call=lambda b: self._check(b, undo)
             )
             rt.check_wrapper = self.train_function
@@ -462,9 +463,9 @@ class GradBoostModel(keras.Model):
             # Made again, when needed, with the chosen setting.
             self.test_function = None
             self.predict_function = None
-        measuring = hooks.base_train_function(self)
+        measuring = wrappers.base_train_function(self)
         if isinstance(measuring, jit_measure.MeasuringTrainFunction):
-            hooks.replace_base_train_function(self, function)
+            wrappers.replace_base_train_function(self, function)
         hooks.print_msg(measurement.message())
 
     def _check(self, batches, undo):

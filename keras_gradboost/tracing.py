@@ -8,7 +8,8 @@ while tracing, so they cost nothing per step.
 Keras captures `model.train_step` when it makes the train function, and
 looks `model.optimizer.apply` up while tracing it. A tracer is
 installed once per model (per optimizer), as an instance attribute through
-the public methods, and stays: without a listener it only forwards the call
+the public methods (a `wrappers.patch`, so it stacks with the other
+wrappers of these methods), and stays: without a listener it only forwards the call
 (at trace time), so no train function has to be traced again for the next
 `fit` that listens. Installing one the first time makes the model's step
 functions again (`model.train_function = None`, which Keras remakes), so
@@ -21,27 +22,20 @@ import tensorflow as tf
 
 from keras_gradboost import guard
 from keras_gradboost import hooks
+from keras_gradboost import wrappers
 from keras_gradboost.state import replica_local_variable
 
 STEP_METHODS = ("train_step", "test_step", "predict_step")
-_MARK = "__keras_gradboost_tracer__"
-_PREVIOUS = "__keras_gradboost_previous__"  # the instance attribute replaced
-_ABSENT = object()
 _STEP_TRACERS = weakref.WeakKeyDictionary()
 _GRADIENT_TRACERS = weakref.WeakKeyDictionary()
 
 
-def _installed(tracer, owner, name):
-    """Whether `tracer` still sits in `owner.<name>`'s call chain: its
-    wrapper is the instance attribute, or another wrapper was put on top of
-    it (an instance attribute that is not ours). With no instance attribute
-    left, someone removed the chain (e.g. NaNWatcher's optimizer guard,
-    undone after a fit, takes a wrapper installed under it along)."""
-    current = vars(owner).get(name)
-    if current is None:
-        return False
-    marked = getattr(current, _MARK, None)
-    return marked is None or marked is tracer
+def _installed(patch):
+    """Whether a tracer's `patch` still sits in its attribute's call chain:
+    a call goes through it, or something that is not a `wrappers.patch`
+    was put on top of it (and may call it). Undone, or with the chain gone
+    (someone deleted the attribute), it is not."""
+    return patch.state() != "removed"
 
 
 class StepTracer:
@@ -50,20 +44,19 @@ class StepTracer:
 
     def __init__(self, model):
         self.listeners = []
-        for name in STEP_METHODS:
-            traced = self._wrap(name[: -len("_step")], getattr(model, name))
-            setattr(traced, _PREVIOUS, vars(model).get(name, _ABSENT))
-            setattr(model, name, traced)
+        # One `wrappers.patch` per step method, in STEP_METHODS order.
+        self.patches = [
+            wrappers.patch(model, name, self._wrap(name[: -len("_step")]))
+            for name in STEP_METHODS
+        ]
 
-    def _wrap(self, kind, step):
-        def traced(data):
+    def _wrap(self, kind):
+        def traced(step, data):
             if self.listeners and tf.inside_function():
                 for listener in list(self.listeners):
                     listener(kind, data)
             return step(data)
 
-        setattr(traced, _MARK, self)
-        traced.__wrapped__ = step
         return traced
 
 
@@ -76,7 +69,7 @@ def step_tracer(model):
         again, through the tracer, when it next needs them).
     """
     tracer = _STEP_TRACERS.get(model)
-    if tracer is not None and _installed(tracer, model, "train_step"):
+    if tracer is not None and _installed(tracer.patches[0]):
         return tracer, False
     tracer = StepTracer(model)
     _STEP_TRACERS[model] = tracer
@@ -113,11 +106,10 @@ class GradientTracer:
             # strategy the trace runs in replica context, where no variable
             # can be made.
             self._make_stats(tuple(_path(v) for v in variables))
-        original = optimizer.apply
 
         # `apply`, not `apply_gradients`: Keras' `apply_gradients` calls it,
         # and so does a custom train step that calls `optimizer.apply`.
-        def apply(grads, trainable_variables=None, *args, **kwargs):
+        def apply(original, grads, trainable_variables=None, *args, **kwargs):
             grads = list(grads)
             if tf.inside_function():
                 variables = (
@@ -128,9 +120,7 @@ class GradientTracer:
                 self._trace(list(zip(grads, variables)))
             return original(grads, trainable_variables, *args, **kwargs)
 
-        setattr(apply, _MARK, self)
-        setattr(apply, _PREVIOUS, vars(optimizer).get("apply", _ABSENT))
-        optimizer.apply = apply
+        self.patch = wrappers.patch(optimizer, "apply", apply)
 
     def _make_stats(self, paths):
         with self.strategy.scope():
@@ -177,7 +167,7 @@ def gradient_tracer(model):
     """
     optimizer = model.optimizer
     tracer = _GRADIENT_TRACERS.get(optimizer)
-    if tracer is not None and _installed(tracer, optimizer, "apply"):
+    if tracer is not None and _installed(tracer.patch):
         return tracer, False
     tracer = GradientTracer(
         optimizer, model.distribute_strategy, model.trainable_variables
@@ -208,8 +198,9 @@ def uninstall(model):
 
     Raises:
         RuntimeError: while a callback listens (during `fit`, `evaluate` or
-            `predict`: call it after), or when something else wrapped one of
-            these methods after the tracer (remove that wrapper first).
+            `predict`: call it after), or when something other than a
+            keras_gradboost wrapper wrapped one of these methods after the
+            tracer (remove that wrapper first).
 
     Example:
 
@@ -226,15 +217,15 @@ def uninstall(model):
     keras_gradboost.tracing.uninstall(model)  # True: the wrappers are gone
     ```
     """
-    targets = []  # (owner, attribute name, tracer)
+    targets = []  # (attribute name, tracer, its patch)
     tracer = _STEP_TRACERS.get(model)
     if tracer is not None:
-        targets += [(model, name, tracer) for name in STEP_METHODS]
+        targets += [(name, tracer, p) for name, p in zip(STEP_METHODS, tracer.patches)]
     optimizer = getattr(model, "optimizer", None)
     gradients = _GRADIENT_TRACERS.get(optimizer) if optimizer is not None else None
     if gradients is not None:
-        targets.append((optimizer, "apply", gradients))
-    for owner, name, owner_tracer in targets:
+        targets.append(("apply", gradients, gradients.patch))
+    for name, owner_tracer, patch in targets:
         if owner_tracer.listeners:
             raise RuntimeError(
                 "keras_gradboost.tracing.uninstall(model) was called while a "
@@ -243,22 +234,15 @@ def uninstall(model):
                 "in an exception leaves its callbacks listening until they "
                 "run in a fit again)."
             )
-        current = vars(owner).get(name)
-        if current is not None and getattr(current, _MARK, None) is not owner_tracer:
+        if patch.state() == "covered":
+            current = getattr(patch.owner, name)
             raise RuntimeError(
                 f"Cannot uninstall the keras_gradboost tracer from `{name}`: "
                 f"something else wrapped it since (received {current!r}). "
                 "Remove that wrapper first, then call uninstall(model)."
             )
-    for owner, name, owner_tracer in targets:
-        current = vars(owner).get(name)
-        if current is None:
-            continue  # already removed along with a wrapper above it
-        previous = getattr(current, _PREVIOUS, _ABSENT)
-        if previous is _ABSENT:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, previous)
+    for _, _, patch in targets:
+        patch()  # under other `wrappers.patch` wrappers: they call past it
     if tracer is not None:
         del _STEP_TRACERS[model]
     if gradients is not None:

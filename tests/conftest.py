@@ -67,3 +67,16 @@ def shared_mirrored_strategy():
             )
         )
     return _MIRRORED[0]
+
+
+def kept_for_backward(model, spec):
+    """The structural check of recompute: the bytes the backward pass keeps
+    from the traced training forward of `model` (a GradBoostModel compiled
+    with `recompute=`), `(with its recompute, without any)`; with recompute
+    it keeps only the blocks' inputs. `spec`: a batch's `tf.TensorSpec`."""
+    from keras_gradboost.recompute import estimate
+
+    setup = model._gradboost.recompute
+    without, _, _ = estimate(model, lambda v, p: model(v, training=True), spec, [])
+    with_rc, _, _ = estimate(model, lambda v, p: setup.forward(model, v), spec, [])
+    return with_rc, without

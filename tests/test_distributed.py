@@ -6,14 +6,13 @@ import tensorflow as tf
 
 import keras
 from conftest import max_weight_diff
+from conftest import shared_mirrored_strategy
 from conftest import small_model
 from keras_gradboost import GradBoostModel
 
 
 def _strategy():
-    devices = tf.config.list_logical_devices("CPU")
-    assert len(devices) >= 2, "conftest.py splits the CPU into two devices"
-    return tf.distribute.MirroredStrategy([d.name for d in devices[:2]])
+    return shared_mirrored_strategy()
 
 
 @pytest.mark.parametrize(

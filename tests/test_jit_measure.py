@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import keras
 from keras_gradboost import hooks
+from keras_gradboost import wrappers
 from keras_gradboost import jit_measure
 from keras_gradboost.callbacks import NaNWatcher
 from keras_gradboost.model import GradBoostModel
@@ -88,7 +89,7 @@ class FakeClock:
     def __call__(self):
         self.ticks += 1
         if self.ticks % 2 == 0:
-            measuring = self.measuring = hooks.base_train_function(self.model)
+            measuring = self.measuring = wrappers.base_train_function(self.model)
             jit, _ = measuring.measurer.next_call()
             self.now += self.ms[jit] / 1000
         return self.now

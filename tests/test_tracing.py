@@ -95,3 +95,22 @@ def test_uninstall_refuses_while_listening_or_when_wrapped_over(regression_data)
         tracing.uninstall(model)
     assert model.predict_step is not type(model).predict_step  # nothing touched
     assert "predict_step" in vars(model)
+
+
+def test_uninstall_under_another_keras_gradboost_wrapper(regression_data):
+    from keras_gradboost import wrappers
+
+    x, y = regression_data
+    model = small_model()
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=_callbacks())
+    calls = []
+    top = wrappers.patch(
+        model, "train_step", lambda step, data: calls.append(1) or step(data)
+    )
+    assert tracing.uninstall(model) is True  # the patch on top calls past it
+    assert [p.around for p in wrappers.patches(model, "train_step")] == [top.around]
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert calls  # traced through the patch, straight to the class method
+    top()
+    assert "train_step" not in vars(model)

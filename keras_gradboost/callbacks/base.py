@@ -1,8 +1,8 @@
 """CallbackBase: what the four callbacks share: the run gate, the wrapper
-wiring through `keras_gradboost.hooks.hold_batches`, one idempotent teardown,
+wiring through `keras_gradboost.wrappers.hold_batches`, one idempotent teardown,
 and `report()` / `summary()`."""
 
-from keras_gradboost import hooks
+from keras_gradboost import wrappers
 from keras_gradboost.callbacks.gate import RunGate
 
 
@@ -67,14 +67,14 @@ class CallbackBase(RunGate):
             self._undo.pop()()
 
     def _wrap_function(self, before_call=None, after_call=None, function="train", gated=True):
-        """`hooks.hold_batches` on the model's `function`, wired to this
+        """`wrappers.hold_batches` on the model's `function`, wired to this
         callback: its gate (`is_current`, unless `gated=False`) and its
         `_teardown`.
 
         Returns:
             The wrapper's undo function (not registered: see `_hold`).
         """
-        _, undo = hooks.hold_batches(
+        _, undo = wrappers.hold_batches(
             self.model,
             before_call=before_call,
             after_call=after_call,

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from keras_gradboost import guard
 from keras_gradboost import hooks
+from keras_gradboost import wrappers
 from keras_gradboost.callbacks import args
 from keras_gradboost.callbacks.base import CallbackBase
 from keras_gradboost.locate import as_local_batch
@@ -270,7 +271,7 @@ class NaNWatcher(CallbackBase):
         # model), and give fit() its own function back afterwards.
         # Other callbacks' hold_batches wrappers may be on top already: the
         # guarded function goes under them.
-        plain = hooks.base_train_function(model)
+        plain = wrappers.base_train_function(model)
         key = (model, model.optimizer, plain, model.steps_per_execution)
         fresh = self._guarded is None or any(
             a is not b and a != b for a, b in zip(self._guarded[0], key)
@@ -283,20 +284,23 @@ class NaNWatcher(CallbackBase):
         else:
             self._on_teardown(guard.guard_optimizer(model.optimizer, watch=watch))
         if fresh:
-            guarded = hooks.make_train_function_with_logs(
+            guarded = wrappers.make_train_function_with_logs(
                 model,
                 lambda: {
                     "nonfinite_steps": tf.cast(watch.count.read_value(), tf.float32)
                 },
             )
             self._guarded = (key, guarded, watch)
-        self._on_teardown(hooks.replace_base_train_function(model, self._guarded[1]))
+        self._on_teardown(wrappers.replace_base_train_function(model, self._guarded[1]))
         # fit() calls make_train_function() first: if a fit() ended in an
         # exception (no on_train_end), the next fit() undoes the watcher here.
-        model.make_train_function = lambda force=False: self._teardown() or (
-            type(model).make_train_function(model, force=force)
+        self._on_teardown(
+            wrappers.patch(
+                model,
+                "make_train_function",
+                lambda make, force=False: self._teardown() or make(force=force),
+            )
         )
-        self._undo.append(lambda: vars(model).pop("make_train_function", None))
         self._watch = watch
         watch.reset()  # one host round trip per fit
         self._done = 0  # steps run in this fit (as the in-graph watch.step)

@@ -13,8 +13,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_gradboost import hooks
 from keras_gradboost import tracing
+from keras_gradboost import wrappers
 from keras_gradboost.callbacks import args
 from keras_gradboost.callbacks.base import CallbackBase
 
@@ -372,7 +372,7 @@ class RetraceCounter(CallbackBase):
     functions) show in the progress bar and History, and so in the epoch
     scalars of `keras.callbacks.TensorBoard`. While the counter listens (from
     `on_train_begin`, `on_test_begin` or `on_predict_begin` to the matching
-    end) the batches go through `keras_gradboost.hooks.hold_batches`, which
+    end) the batches go through `keras_gradboost.wrappers.hold_batches`, which
     traces the step for the dataset's `element_spec` as Keras does, so the
     counter adds no trace of its own. Each wrapper is removed at the matching
     end.
@@ -577,7 +577,7 @@ class RetraceCounter(CallbackBase):
         """The concrete signatures the model's current `function` has run
         with (XLA keeps one executable per concrete shape for as long as the
         function lives), and the last one."""
-        base = hooks.base_function(self.model, function)
+        base = wrappers.base_function(self.model, function)
         fresh = {"traced": [], "seen": set(), "last": None}
         try:
             return _COMPILED.setdefault(base, fresh)

@@ -20,6 +20,7 @@ import keras
 import tensorflow as tf
 
 from keras_gradboost import hooks
+from keras_gradboost import wrappers
 
 _LOCAL = threading.local()  # per thread: MirroredStrategy traces replicas in threads
 
@@ -213,29 +214,34 @@ def _tied(gradient, value):
 
 
 class _Dispatch:
-    """Stands in for a marked layer's `call`: recomputes when chosen."""
+    """A marked layer's `call` wrapper (see `wrappers.patch`): recomputes
+    when chosen, and calls what is below it (the layer's own `call`)
+    everywhere else."""
 
-    def __init__(self, layer, original):
+    def __init__(self, layer):
         self.layer = layer
-        self.original = original
-        self.__wrapped__ = original  # so inspect.signature sees the original
-        self.__name__ = getattr(original, "__name__", "call")
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, original, *args, **kwargs):
         handler = getattr(_LOCAL, "handler", None)
         if handler is None:
-            return self.original(*args, **kwargs)
+            return original(*args, **kwargs)
         with _plain():  # nested marked blocks run as they are
-            return handler(self.layer, self.original, args, kwargs)
+            return handler(self.layer, original, args, kwargs)
 
 
 def mark(layer):
-    """Lets `layer` recompute when a plan chooses it (idempotent)."""
-    if isinstance(vars(layer).get("call"), _Dispatch):
-        return
-    dispatch = _Dispatch(layer, layer.call)
-    object.__setattr__(layer, "call", dispatch)
+    """Lets `layer` recompute when a plan chooses it (idempotent).
+
+    Returns:
+        The `wrappers.patch` of the layer's `call` (call it to unmark).
+    """
+    for p in wrappers.patches(layer, "call"):
+        if isinstance(p.around, _Dispatch):
+            return p
+    return wrappers.patch(layer, "call", _Dispatch(layer))
 
 
 def is_marked(layer):
-    return isinstance(vars(layer).get("call"), _Dispatch)
+    return any(
+        isinstance(p.around, _Dispatch) for p in wrappers.patches(layer, "call")
+    )

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import keras
 from keras_gradboost import GradBoostModel
+from keras_gradboost import wrappers
 from keras_gradboost.callbacks import GradientAuditor
 from keras_gradboost.callbacks import MissingGradient
 from keras_gradboost.callbacks import MissingGradientError
@@ -116,7 +117,7 @@ def test_raise_stops_before_any_update():
         np.testing.assert_array_equal(a, b)
     # Keras calls no on_train_end after the error: the auditor undid itself,
     # so a plain fit trains without it.
-    assert not hasattr(model.train_function, "_held_original")
+    assert not wrappers.is_patched(model.train_function)
     model.fit(x, y, batch_size=8, verbose=0)
     assert any(np.any(a != b) for a, b in zip(before, model.get_weights()))
 
@@ -204,7 +205,7 @@ def test_reused_auditor_and_second_fit_without_retrace():
     assert sorted(m.variable for m in second.missing) == sorted(m.variable for m in first.missing)
     assert len(second.missing) == 4 and second.checks == 2
     # After fit nothing is left wrapped, and a plain fit trains as before.
-    assert not hasattr(model.train_function, "_held_original")
+    assert not wrappers.is_patched(model.train_function)
     before = model.get_weights()
     model.fit(x, y, batch_size=8, verbose=0)
     assert any(np.any(a != b) for a, b in zip(before, model.get_weights()))

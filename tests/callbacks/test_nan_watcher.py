@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import keras
+from conftest import shared_mirrored_strategy
 from keras_gradboost import GradBoostModel
 from keras_gradboost.callbacks import NaNWatcher
 from keras_gradboost.callbacks import NonFiniteError
@@ -299,9 +300,8 @@ def test_bad_arguments(kwargs, fragment):
 
 
 def test_mirrored_strategy_plain_model_skip():
-    devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
     x, y = _data()
-    with tf.distribute.MirroredStrategy(devices).scope():
+    with shared_mirrored_strategy().scope():
         model = _functional()
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     watcher = NaNWatcher(action="skip", verbose=0)

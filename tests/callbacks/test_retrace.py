@@ -7,6 +7,7 @@ import tensorflow as tf
 
 import keras
 from keras_gradboost import GradBoostModel
+from keras_gradboost import wrappers
 from keras_gradboost.callbacks import RetraceCounter
 from keras_gradboost.callbacks import RetraceError
 from keras_gradboost.callbacks.retrace import diagnose
@@ -261,7 +262,7 @@ def test_strict_raises_and_max_retraces_warns_once():
     assert "bucket_by_length" in str(info.value)
     # Keras calls no on_train_end after the error: the counter undid itself,
     # so a plain fit trains without it (no error, no counter logs).
-    assert not hasattr(model.train_function, "_held_original")
+    assert not wrappers.is_patched(model.train_function)
     history = model.fit(_varying(), epochs=1, verbose=0)
     assert "retraces" not in history.history
     model = _model("functional")
@@ -301,7 +302,7 @@ def test_reusable_and_undone():
     assert counter.recompiles == 0 and counter.events == []
     # Nothing left in the train function: no wrapper, and a fit without the
     # counter logs no counter keys.
-    assert not hasattr(model.train_function, "_held_original")
+    assert not wrappers.is_patched(model.train_function)
     history = model.fit(_varying(), epochs=1, verbose=0)
     assert "retraces" not in history.history and "recompiles" not in history.history
 
@@ -339,7 +340,7 @@ def test_xla_recompiles_of_evaluate_and_predict(function):
         assert event.call_seconds > 0 and event.seconds_lost is not None
     # Undone after the call; the same lengths again compile nothing new.
     wrapped = model.test_function if function == "test" else model.predict_function
-    assert not hasattr(wrapped, "_held_original")
+    assert not wrappers.is_patched(wrapped)
     again = RetraceCounter()
     if function == "test":
         model.evaluate(_varying(), verbose=0, callbacks=[again])
@@ -364,7 +365,7 @@ def test_fit_validation_recompiles_are_counted_as_test():
     assert counter.events[-1].changes == ("x: shape (4, 13) -> (4, 17), dim 1 varies",)
     assert history.history["recompiles"][-1] == 3.0
     assert "val_retraces" not in history.history  # evaluate()'s logs untouched
-    assert not hasattr(model.test_function, "_held_original")
+    assert not wrappers.is_patched(model.test_function)
 
 
 @pytest.mark.parametrize("function", ["test", "predict"])

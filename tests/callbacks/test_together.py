@@ -8,6 +8,7 @@ from conftest import small_model
 
 import keras
 from keras_gradboost import GradBoostModel
+from keras_gradboost import wrappers
 from keras_gradboost.callbacks import GradientAuditor
 from keras_gradboost.callbacks import NaNWatcher
 from keras_gradboost.callbacks import RetraceCounter
@@ -199,7 +200,7 @@ def test_exception_in_another_callback_leaves_nothing_behind(cls, tmp_path):
     # profiler: the next fit without these callbacks finds them stale.
     history = model.fit(x, y, batch_size=8, verbose=0)
     assert set(history.history) == {"loss"}
-    assert not hasattr(model.train_function, "_held_original")
+    assert not wrappers.is_patched(model.train_function)
     assert _profiler_free(tmp_path)
     # The same fit with the callbacks again works and reports as usual.
     history = model.fit(x, y, batch_size=8, verbose=0, callbacks=_four(tmp_path))
@@ -217,7 +218,7 @@ def test_exception_inside_the_step_tears_down_at_once(tmp_path):
     with pytest.raises(tf.errors.InvalidArgumentError, match="planted failure"):
         model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=_four(tmp_path))
     # Torn down by the failed call itself, before any other fit.
-    assert not hasattr(model.train_function, "_held_original")
+    assert not wrappers.is_patched(model.train_function)
     assert _profiler_free(tmp_path)
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import kept_for_backward
 from keras_gradboost import recompute
 from recompute.models import assert_same_state
 from recompute.models import residual_model
@@ -34,10 +35,7 @@ def test_recomputed_graph_keeps_only_block_inputs():
     the backward pass no longer consumes the blocks' insides."""
     model = wide_model()
     model.compile(optimizer="sgd", loss="mse", recompute="auto")
-    setup = model._gradboost.recompute
-    spec = tf.TensorSpec((256, 64))
-    without, _, _ = recompute.estimate(model, lambda v, p: model(v, training=True), spec, [])
-    with_rc, _, _ = recompute.estimate(model, lambda v, p: setup.forward(model, v), spec, [])
+    with_rc, without = kept_for_backward(model, tf.TensorSpec((256, 64)))
     assert with_rc < 0.3 * without
 
 
