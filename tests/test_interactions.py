@@ -359,11 +359,14 @@ def make_optimizer(cell):
 
 
 def make_data(bad):
+    """32 samples; with `bad`, a NaN in batch `bad`: in x for an odd index
+    (NaNWatcher must name the forward pass), in y for an even one (the
+    loss)."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH * BATCHES, 5)).astype("float32")
     y = (0.5 * np.tanh(x[:, :3]) + 0.1 * rng.normal(size=(len(x), 3))).astype("float32")
     if bad is not None:
-        x[bad * BATCH + 1, 2] = np.nan
+        (x if bad % 2 else y)[bad * BATCH + 1, 2] = np.nan
     return x, y
 
 
@@ -419,10 +422,14 @@ def optimizer_slots(optimizer):
 
 
 def expected_events(cell):
+    """NaNWatcher's events as (epoch, step, phase, layer). A NaN in the
+    data is produced by no layer: the layer is None (the event's detail
+    names the layer it reached)."""
     if cell.watcher == "none":
         return []
     epochs = 1 if cell.watcher == "stop" else EPOCHS
-    return [(e, cell.bad) for e in range(epochs)]
+    where = ("forward" if cell.bad % 2 else "loss", None)
+    return [(e, cell.bad) + where for e in range(epochs)]
 
 
 # ------------------------------------------------------------------ running
@@ -503,7 +510,9 @@ def run(cell, with_callbacks=True):
         "slots": optimizer_slots(model.optimizer),
         "learning_rate": float(np.asarray(model.optimizer.learning_rate)),
         "stopped": stopped,
-        "events": [(e.epoch, e.step) for e in watcher.events] if watcher else [],
+        "events": [(e.epoch, e.step, e.phase, e.layer) for e in watcher.events]
+        if watcher
+        else [],
         "callbacks": callbacks,
         "plan_before": plan_before,
         "plan_after": _plan_facts(model) if cell.recompute else None,
@@ -554,7 +563,7 @@ def check(cell):
                                "micro-batches, which the reference does not model: make the "
                                "cell's gradients smaller"))
     if got["events"] != expected_events(cell):
-        found.append(("other", f"events (epoch, step): {got['events']}, "
+        found.append(("other", f"events (epoch, step, phase, layer): {got['events']}, "
                                f"expected {expected_events(cell)}"))
     if not np.isclose(got["learning_rate"], ref["learning_rate"], rtol=1e-6):
         found.append(("other", f"learning rate {got['learning_rate']:g}, "
