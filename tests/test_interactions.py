@@ -491,9 +491,8 @@ def run(cell, with_callbacks=True):
         watcher = NaNWatcher(action=cell.watcher, verbose=0)
         callbacks = [watcher] + callbacks
     stopped = None
-    with warnings.catch_warnings():
-        # mixed_float16 on a CPU without XLA: slow (warned), fine here.
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         model.compile(optimizer=make_optimizer(cell), loss="mse", **compile_kwargs(cell))
         plan_before = _plan_facts(model) if cell.recompute else None
         try:
@@ -503,6 +502,7 @@ def run(cell, with_callbacks=True):
             stopped = error
     facts = model.step_facts.read()
     return {
+        "warnings": [str(w.message) for w in caught],
         "weights": model.get_weights(),
         # Micro-batches a dynamic loss scale dropped in its own search.
         "scale_overflows": facts["skipped_steps"] - facts["nonfinite_steps"],
@@ -573,6 +573,11 @@ def check(cell):
         changes = [f"{k} {before[k]} -> {after[k]}" for k in before if before[k] != after[k]]
         found.append(("plan", "recompute_plan() changed by the fit: " + "; ".join(changes)))
     found += [("other", message) for message in _callback_findings(got["callbacks"])]
+    # The one documented warning here: mixed_float16 on a CPU without XLA.
+    slow = [w for w in got["warnings"] if w.startswith('precision="mixed_float16" on a CPU')]
+    if len(slow) != int(cell.scaling == "dynamic16" and not cell.jit_compile):
+        found.append(("other", f"{len(slow)} float16-on-CPU warnings"))
+    found += [("other", f"warning: {w}") for w in got["warnings"] if w not in slow]
     if cell.callbacks == "all":
         # The same cell without the three callbacks (pairwise: "all" meets
         # every value of every other factor).
