@@ -528,13 +528,28 @@ def check(cell):
 
     Returns:
         `(findings, figures)`: the failed checks as `(kind, message)` pairs,
-        kind "training" (weights, updates, stop), "plan" (recompute_plan()
-        changed by the fit) or "other" (events, learning rate, callbacks);
-        and the measured figures for the table.
+        kind "training" (weights, optimizer state, updates, stop), "plan"
+        (recompute_plan() changed by the fit) or "other" (events, learning
+        rate, warnings, callbacks); and the measured figures for the table.
     """
     ref = reference(cell)
     got = run(cell)
-    # How far a clean run moves the weights: the scale of the tolerance.
+    found, figures = _training_findings(cell, got, ref)
+    found += _other_findings(cell, got, ref)
+    if cell.callbacks == "all":
+        # The same cell without the three callbacks (pairwise: "all" meets
+        # every value of every other factor).
+        alone = run(cell, with_callbacks=False)
+        figures["cb_diff"] = max_diff(got["weights"], alone["weights"])
+        if figures["cb_diff"] > CALLBACKS_ATOL:
+            found.append(("other", f"callbacks changed training: {figures['cb_diff']:.3g} "
+                                   "from the same cell without them"))
+    return found, figures
+
+
+def _training_findings(cell, got, ref):
+    # How far a clean run moves the weights (and how large its momenta
+    # get): the scale of the tolerance.
     clean = reference(dataclasses.replace(cell, watcher="none", bad=None))
     moved = max_diff(clean["weights"], clean["initial"])
     diff = max_diff(got["weights"], ref["weights"])
@@ -545,10 +560,7 @@ def check(cell):
     if diff > tol * moved:
         found.append(("training", f"weights: max |w - w_ref| = {diff:.3g}, {diff / moved:.2%} of "
                                   f"the {moved:.3g} a clean run moves them (tolerance {tol:.0e})"))
-    if got["iterations"] != ref["iterations"]:
-        found.append(("training", f"updates: {got['iterations']}, reference {ref['iterations']}"))
     if got["slots"]:
-        # Momenta, against how large they get in a clean run.
         slot_diff = max_diff(got["slots"], ref["slots"])
         slot_scale = max(float(np.max(np.abs(m))) for m in clean["slots"])
         figures["slot_rel"] = slot_diff / slot_scale
@@ -556,8 +568,15 @@ def check(cell):
             found.append(("training", f"optimizer state: max |m - m_ref| = {slot_diff:.3g}, "
                                       f"{figures['slot_rel']:.2%} of the largest clean-run "
                                       "momentum"))
+    if got["iterations"] != ref["iterations"]:
+        found.append(("training", f"updates: {got['iterations']}, reference {ref['iterations']}"))
     if bool(got["stopped"]) != ref["stopped"]:
         found.append(("training", f"stopped: {bool(got['stopped'])}, reference {ref['stopped']}"))
+    return found, figures
+
+
+def _other_findings(cell, got, ref):
+    found = []
     if got["scale_overflows"]:
         found.append(("other", f"the dynamic loss scale overflowed {got['scale_overflows']} "
                                "micro-batches, which the reference does not model: make the "
@@ -578,15 +597,7 @@ def check(cell):
     if len(slow) != int(cell.scaling == "dynamic16" and not cell.jit_compile):
         found.append(("other", f"{len(slow)} float16-on-CPU warnings"))
     found += [("other", f"warning: {w}") for w in got["warnings"] if w not in slow]
-    if cell.callbacks == "all":
-        # The same cell without the three callbacks (pairwise: "all" meets
-        # every value of every other factor).
-        alone = run(cell, with_callbacks=False)
-        figures["cb_diff"] = max_diff(got["weights"], alone["weights"])
-        if figures["cb_diff"] > CALLBACKS_ATOL:
-            found.append(("other", f"callbacks changed training: {figures['cb_diff']:.3g} "
-                                   "from the same cell without them"))
-    return found, figures
+    return found
 
 
 def _callback_findings(callbacks):
