@@ -614,62 +614,18 @@ def _callback_findings(callbacks):
 
 # ------------------------------------------------------- known defects
 
-# The recovery issue's defects (issue 14's numbering), with the kind of
-# finding each one explains.
-DEFECTS = {
-    1: ("training", "restore in the first epoch does not roll the optimizer's momentum "
-                    "back (the snapshot is taken before the optimizer is built; "
-                    "accumulate_steps=1 only)"),
-    2: ("training", "restore with accumulate_steps keeps the stale window: micro-batch 4, "
-                    "accumulated before the bad step, goes into the first update after "
-                    "the roll-back"),
-    3: ("training", "stop with accumulate_steps applies the bad window's good "
-                    "micro-batches when the window closes before NaNWatcher acts"),
-    8: ("plan", "the NaNWatcher replay removes the recompute marks: recompute_plan() "
-                "then reports 0 bytes per block (issue 12, point 3)"),
-}
+# The recovery issue's defects (issue 14's numbering) that a cell may run
+# into, with the kind of finding each explains: {number: (kind, text)}.
+# Defects 1 (restore in the first epoch left the optimizer's slots), 2
+# (restore kept a stale window), 3 (stop applied a halted window's good
+# micro-batches) and 8 (the NaN replay removed the recompute marks) are
+# fixed; their cells now must equal the reference.
+DEFECTS = {}
 
 
 def known_defects(cell):
     """The numbers of the known defects `cell` runs into."""
-    found = []
-    if cell.watcher == "restore" and cell.optimizer == "momentum" and cell.accumulate_steps == 1:
-        # The bad step is in the first epoch. (With accumulate_steps > 1 the
-        # epoch-begin flush, traced before the snapshot, builds the optimizer.)
-        found.append(1)
-    if cell.watcher == "restore" and cell.accumulate_steps > 1 and _stale_at_restore(cell):
-        found.append(2)
-    if cell.watcher == "stop" and cell.accumulate_steps > 1 and _window_closes_halted(cell):
-        found.append(3)
-    if cell.recompute and cell.watcher != "none":
-        found.append(8)
-    return found
-
-
-def _act_step(cell):
-    spe, bad = cell.steps_per_execution, cell.bad
-    bad_call_end = min((bad // spe + 1) * spe, BATCHES) - 1
-    return min(bad_call_end + spe, BATCHES - 1)
-
-
-def _window(cell):
-    """First and last step of the bad step's accumulation window."""
-    first = cell.bad - cell.bad % cell.accumulate_steps
-    return first, min(first + cell.accumulate_steps, BATCHES) - 1
-
-
-def _stale_at_restore(cell):
-    # A micro-batch accumulated before the bad one, and the window still
-    # open after the restore.
-    first, last = _window(cell)
-    return first < cell.bad and _act_step(cell) < last
-
-
-def _window_closes_halted(cell):
-    # A micro-batch accumulated before the bad one, and the window closing
-    # before NaNWatcher acts.
-    first, last = _window(cell)
-    return first < cell.bad and last <= _act_step(cell)
+    return []
 
 
 class KnownDefect(AssertionError):

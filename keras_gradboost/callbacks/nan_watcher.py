@@ -315,9 +315,11 @@ class NaNWatcher(CallbackBase):
         """Raises for a model the watcher cannot guard as asked."""
         lr = model.optimizer.get_config().get("learning_rate")
         if self.action == "restore" and not isinstance(lr, (int, float)):
+            # A schedule's config is a dict naming its class.
+            kind = lr.get("class_name") if isinstance(lr, dict) else None
             raise ValueError(
                 'NaNWatcher(action="restore") lowers a constant learning '
-                f"rate; this optimizer's is {type(lr).__name__} (a schedule). "
+                f"rate; this optimizer's is a schedule ({kind or type(lr).__name__}). "
                 'Use action="skip" or "stop" with a schedule.'
             )
         if not gradboost and isinstance(
@@ -461,6 +463,12 @@ class NaNWatcher(CallbackBase):
 
     def _snapshot(self):
         model = self.model
+        if not model.optimizer.built:
+            # Before the first update the optimizer holds only its step
+            # counter and learning rate: build its slots now, so the first
+            # epoch's snapshot holds them too (a roll-back must reset them).
+            with model.distribute_strategy.scope():
+                model.optimizer.build(model.trainable_variables)
         self._weights = model.get_weights()
         # The learning rate is not state to roll back: restore lowers it.
         self._optimizer_state = [

@@ -369,7 +369,7 @@ def test_two_restores_in_one_epoch_halve_twice_and_schedules_are_refused():
     np.testing.assert_allclose(float(model.optimizer.learning_rate.numpy()), 0.0025)
     schedule = keras.optimizers.schedules.ExponentialDecay(0.01, 10, 0.9)
     model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
-    with pytest.raises(ValueError, match="schedule"):
+    with pytest.raises(ValueError, match=r"is a schedule \(ExponentialDecay\)"):
         model.fit(x, y, batch_size=5, verbose=0, callbacks=[NaNWatcher(action="restore")])
 
 

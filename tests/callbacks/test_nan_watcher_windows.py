@@ -96,3 +96,30 @@ def test_restore_starts_a_fresh_window_after_the_roll_back(position):
         float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), ref.get_weights())
     )
     assert diff < 1e-6
+
+
+@pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
+def test_restore_in_the_first_epoch_rolls_back_the_optimizer_too(cls):
+    # A NaN in the first epoch (the common case: a learning rate too high):
+    # the roll-back must reset Adam's moments and step count as well, so the
+    # run goes on exactly like a fresh Adam at half the learning rate.
+    bad_step = 2
+    x, y = _data(bad_step, batches=8)
+    model = _model(cls)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    watcher = NaNWatcher(action="restore", verbose=0, lr_factor=0.5)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[watcher])
+    assert [(e.step, e.action_taken) for e in watcher.events] == [(bad_step, "restored")]
+
+    ref = _model()
+    ref.compile(optimizer=keras.optimizers.Adam(0.005), loss="mse")
+    for step in range(bad_step + 2, 8):  # the step after the bad one ran halted
+        rows = slice(step * BATCH, (step + 1) * BATCH)
+        ref.train_on_batch(x[rows], y[rows])
+    weight_diff = max(
+        float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), ref.get_weights())
+    )
+    assert weight_diff < 1e-6
+    assert int(model.optimizer.iterations.numpy()) == 8 - bad_step - 2
+    for mine, theirs in zip(model.optimizer.variables, ref.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(mine), np.asarray(theirs), rtol=1e-5, atol=1e-7)
