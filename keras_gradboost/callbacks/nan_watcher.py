@@ -163,6 +163,12 @@ class NaNWatcher(CallbackBase):
     per chunk with bad steps, naming the first. With a dynamic loss scale
     (GradBoostModel), the scale's own overflows are not events.
 
+    With `accumulate_steps` (GradBoostModel), a bad micro-batch that halts
+    training (`"stop"`, `"restore"`, or `max_skips` in a row) discards the
+    accumulation window it falls in: the window's good micro-batches are
+    dropped, never applied, wherever the bad one sits, so no update is
+    applied at or after it. After a `"restore"` a fresh window starts.
+
     `logs["nonfinite_steps"]` (bad steps in this `fit`) shows in the progress
     bar and History.
 
