@@ -11,6 +11,7 @@ from keras_gradboost import GradBoostModel
 from keras_gradboost import recompute
 from keras_gradboost import wrappers
 from keras_gradboost.callbacks import NaNWatcher
+from keras_gradboost.callbacks import nan_watcher as nan_watcher_module
 
 # ------------------------------------------------ recompute x NaNWatcher
 
@@ -601,7 +602,8 @@ def _nan_watcher(model):
     watcher.on_train_begin()
 
     def alive():
-        return wrappers.base_train_function(model) is watcher._guarded[1] and (
+        guarded = vars(model)[nan_watcher_module._GUARDED][1]
+        return wrappers.base_train_function(model) is guarded and (
             wrappers.is_patched(model.make_train_function)
         )
 

@@ -18,6 +18,9 @@ from keras_gradboost.precision import computes_in_float16
 from keras_gradboost.locate import locate_nonfinite
 
 ACTIONS = ("stop", "skip", "restore", "warn")
+# The model attribute holding its guarded train function: `(key, function,
+# WatchState)`, made once per compiled model and watcher setting.
+_GUARDED = "_keras_gradboost_guarded_train_function"
 
 ADVICE = (
     "What usually helps: lower the learning rate (by 10-100x); train once in "
@@ -258,7 +261,6 @@ class NaNWatcher(CallbackBase):
         self.verbose = args.check_verbose(verbose)
         # (model/optimizer/function/steps_per_execution key, guarded train
         # function, WatchState)
-        self._guarded = None
         self._reset()
 
     # ------------------------------------------------------------ set-up
@@ -277,14 +279,18 @@ class NaNWatcher(CallbackBase):
         # model), and give fit() its own function back afterwards.
         # Other callbacks' hold_batches wrappers may be on top already: the
         # guarded function goes under them.
-        plain = wrappers.base_train_function(model)
-        key = (model, model.optimizer, plain, model.steps_per_execution)
-        fresh = self._guarded is None or any(
-            a is not b and a != b for a, b in zip(self._guarded[0], key)
-        )
         gradboost = isinstance(model, GradBoostModel)
         self._refuse(model, gradboost)
-        watch = self._new_watch(model) if fresh else self._guarded[2]
+        key = (
+            model.optimizer,
+            wrappers.base_train_function(model),
+            model.steps_per_execution,
+            self.action in ("stop", "restore"),
+            None if self.action == "warn" else self.max_skips,
+        )
+        cached = vars(model).get(_GUARDED)
+        fresh = cached is None or any(a is not b and a != b for a, b in zip(cached[0], key))
+        watch = self._new_watch(model) if fresh else cached[2]
         if gradboost:
             self._on_teardown(model.attach_watch(watch))
         else:
@@ -296,8 +302,12 @@ class NaNWatcher(CallbackBase):
                     "nonfinite_steps": tf.cast(watch.count.read_value(), tf.float32)
                 },
             )
-            self._guarded = (key, guarded, watch)
-        self._on_teardown(wrappers.replace_base_train_function(model, self._guarded[1]))
+            cached = (key, guarded, watch)
+            # Kept on the model (not on this callback), so a new NaNWatcher
+            # in every fit() reuses the traced function; object.__setattr__
+            # keeps Keras from tracking it.
+            object.__setattr__(model, _GUARDED, cached)
+        self._on_teardown(wrappers.replace_base_train_function(model, cached[1]))
         # fit() calls make_train_function() first: if a fit() ended in an
         # exception (no on_train_end), the next fit() undoes the watcher here.
         self._on_teardown(

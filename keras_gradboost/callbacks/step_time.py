@@ -544,12 +544,23 @@ def split_times(model, batch, repeats=SPLIT_REPEATS):
         one warm-up call each, and the warm-up calls' total (trace and
         compile).
     """
-    from keras_gradboost.model import GradBoostModel
-
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-    trainable = list(model.trainable_variables)
     saved = [(v, np.array(v.numpy())) for v in model.non_trainable_variables]
     saved += [(v, np.array(v.numpy())) for v in model.metrics_variables]
+    functions = _probe_functions(model)
+    try:
+        return _time_interleaved(functions, (x, y, sample_weight), repeats)
+    finally:
+        for v, value in saved:
+            v.assign(value)
+
+
+def _probe_functions(model):
+    """The compiled probes `split_times` times: forward, forward+backward,
+    the full step on throwaway copies, and (accumulating) the add."""
+    from keras_gradboost.model import GradBoostModel
+
+    trainable = list(model.trainable_variables)
     jit = bool(getattr(model, "jit_compile", False))
     gradboost = isinstance(model, GradBoostModel)
 
@@ -605,24 +616,25 @@ def split_times(model, batch, repeats=SPLIT_REPEATS):
             return loss
 
         functions["accumulate"] = tf.function(accumulate, jit_compile=jit, autograph=False)
+    return functions
+
+
+def _time_interleaved(functions, args, repeats):
+    """`({name: median s}, compile_s)`: one warm-up call of each function
+    (their total is the compile time), then `repeats` interleaved rounds."""
     samples = {name: [] for name in functions}
     compile_s = 0.0
-    try:
-        for fn in functions.values():
+    for fn in functions.values():
+        start = time.perf_counter()
+        _sync(fn(*args))
+        compile_s += time.perf_counter() - start
+    # Interleaved, so a busy spell of the machine hits all three alike.
+    for _ in range(repeats):
+        for name, fn in functions.items():
             start = time.perf_counter()
-            _sync(fn(x, y, sample_weight))
-            compile_s += time.perf_counter() - start
-        # Interleaved, so a busy spell of the machine hits all three alike.
-        for _ in range(repeats):
-            for name, fn in functions.items():
-                start = time.perf_counter()
-                _sync(fn(x, y, sample_weight))
-                samples[name].append(time.perf_counter() - start)
-        times = {name: statistics.median(v) for name, v in samples.items()}
-    finally:
-        for v, value in saved:
-            v.assign(value)
-    return times, compile_s
+            _sync(fn(*args))
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(v) for name, v in samples.items()}, compile_s
 
 
 def accumulate_steps(model):

@@ -10,6 +10,7 @@ import keras
 from conftest import shared_mirrored_strategy
 from keras_gradboost import GradBoostModel
 from keras_gradboost.callbacks import NaNWatcher
+from keras_gradboost.callbacks import nan_watcher as nan_watcher_module
 from keras_gradboost.callbacks import NonFiniteError
 
 BAD_STEP = 5  # batch 5 of 8 (batch size 5) holds the poisoned sample
@@ -278,10 +279,10 @@ def test_watcher_is_removed_after_fit_and_reused_without_retracing():
     assert [e.step for e in watcher.events] == [BAD_STEP]
     plain = model.train_function
     assert "apply" not in vars(model.optimizer)
-    guarded = watcher._guarded[1]
+    guarded = vars(model)[nan_watcher_module._GUARDED][1]
     assert guarded is not plain
     model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
-    assert watcher._guarded[1] is guarded  # the same traced function
+    assert vars(model)[nan_watcher_module._GUARDED][1] is guarded  # the same traced function
     assert [e.step for e in watcher.events] == [BAD_STEP]  # still guarded
     assert model.train_function is plain
 

@@ -239,3 +239,43 @@ def test_exception_inside_the_step_tears_down_at_once(tmp_path):
 def test_common_arguments_are_checked(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+class StepTraceCounting(keras.Model):
+    """Counts how often its train step is traced (a Python side effect)."""
+
+    traces = 0
+
+    def train_step(self, data):
+        type(self).traces += 1
+        return super().train_step(data)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: NaNWatcher(verbose=0),
+        lambda: NaNWatcher(action="skip", verbose=0),
+        lambda: StepTimeMonitor(window=2, split_at=None),
+        lambda: RetraceCounter(),
+        lambda: GradientAuditor(verbose=0),
+    ],
+    ids=["NaNWatcher", "NaNWatcher-skip", "StepTimeMonitor", "RetraceCounter", "GradientAuditor"],
+)
+def test_a_fresh_callback_in_every_fit_traces_the_step_once(make):
+    # `model.fit(..., callbacks=[NaNWatcher()])` in a loop: the guarded step
+    # is made once per compiled model, not once per callback instance.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = StepTraceCounting(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((16, 4), "float32")
+    y = np.ones((16, 1), "float32")
+    StepTraceCounting.traces = 0
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[make()])
+    first = StepTraceCounting.traces
+    for _ in range(4):
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[make()])
+    assert StepTraceCounting.traces == first
+    model.fit(x, y, batch_size=8, verbose=0)  # and the plain function is intact
+    assert np.isfinite(model.get_weights()[0]).all()
