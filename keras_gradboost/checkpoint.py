@@ -33,6 +33,7 @@ from keras_gradboost import hooks
 
 _SCALE = "loss_scale"
 _GOOD_STEPS = "loss_scale_good_steps"
+_DYNAMIC = "loss_scale_dynamic"
 _FACTS = ("skipped_steps", "checked_steps", "nonfinite_steps")
 _STEPS = "accumulate_steps"
 _COUNT = "window_samples"
@@ -42,7 +43,7 @@ _SUM = "window_sum_"
 _REPLICAS = "window_replicas"
 
 
-class TrainingState(hooks.keras_saveable_class()):
+class TrainingState(hooks.leaf_saveable_class()):
     """The saveable object through which Keras' saving reaches a
     GradBoostModel's training state (`collect` / `restore`).
 
@@ -54,11 +55,6 @@ class TrainingState(hooks.keras_saveable_class()):
         # A weak reference: the saving walk visits this object's attributes
         # too, and must not walk into the model again.
         self._model = weakref.ref(model)
-
-    def _obj_type(self):
-        # Keras' saving accepts a fixed set of object types; a loss-like
-        # object has no children of its own to walk.
-        return "Loss"
 
     def save_own_variables(self, store):
         model = self._model()
@@ -94,6 +90,7 @@ def collect(rt, strategy):
     if rt.scaler is not None:
         state[_SCALE] = _first(rt.scaler.scale, strategy)
         state[_GOOD_STEPS] = _first(rt.scaler.good_steps, strategy)
+        state[_DYNAMIC] = np.asarray(rt.scaler.dynamic)
     acc = rt.accumulator
     if acc is not None:
         counts = [float(c.numpy()) for c in _local(acc.count, strategy)]
@@ -131,11 +128,7 @@ def restore(model, state):
             int(state["checked_steps"]),
         )
     if _SCALE in state:
-        if rt.scaler is None:
-            ignored.append(f"the loss scale {float(state[_SCALE]):g} (loss scaling is off)")
-        else:
-            _assign_all(rt.scaler.scale, state[_SCALE], strategy)
-            _assign_all(rt.scaler.good_steps, state[_GOOD_STEPS], strategy)
+        ignored.extend(_restore_scale(rt.scaler, state, strategy))
     if _MICRO in state:
         ignored.extend(_restore_window(model, state, strategy))
     if ignored:
@@ -145,6 +138,25 @@ def restore(model, state):
             "model as it was saved to keep it.",
             stacklevel=3,
         )
+
+
+def _restore_scale(scaler, state, strategy):
+    """Restores a saved dynamic loss scale; returns what it could not. A
+    fixed scale is the model's own setting (from `compile()`), never
+    overwritten by a file."""
+    scale = float(state[_SCALE])
+    dynamic = bool(state.get(_DYNAMIC, True))
+    if scaler is None:
+        return [f"the loss scale {scale:g} (loss scaling is off)"]
+    if dynamic and scaler.dynamic:
+        _assign_all(scaler.scale, state[_SCALE], strategy)
+        _assign_all(scaler.good_steps, state[_GOOD_STEPS], strategy)
+        return []
+    if not dynamic and not scaler.dynamic and scale == float(scaler.scale.numpy()):
+        return []
+    saved = "dynamic" if dynamic else "fixed"
+    own = "dynamic" if scaler.dynamic else f"fixed at {float(scaler.scale.numpy()):g}"
+    return [f"the {saved} loss scale {scale:g} (this model's scale is {own})"]
 
 
 def _restore_window(model, state, strategy):

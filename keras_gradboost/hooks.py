@@ -141,6 +141,18 @@ def keras_saveable_class():
     return KerasSaveable
 
 
+def leaf_saveable_class():
+    """A `KerasSaveable` base for an object with no saveable children of
+    its own: its private `_obj_type()` says "Loss", one of the few object
+    types Keras' saving walk accepts (a type of one's own is refused)."""
+
+    class LeafSaveable(keras_saveable_class()):
+        def _obj_type(self):
+            return "Loss"
+
+    return LeafSaveable
+
+
 def jit_blockers(model):
     """Why Keras turns `jit_compile` off for `model`, as short reasons.
 
@@ -234,6 +246,9 @@ def check():
     assert tape.gradient(y, x) is None
     assert keras_supports_jit(model) is True and jit_blockers(model) == []
     assert issubclass(keras.layers.Layer, keras_saveable_class())
+    from keras.src.saving.saving_lib import get_attr_skipset
+
+    assert isinstance(get_attr_skipset(leaf_saveable_class()()._obj_type()), set)
     assert issubclass(keras.optimizers.Optimizer, keras_saveable_class())
     from keras.src.utils.io_utils import print_msg as _print_msg
 

@@ -51,6 +51,10 @@ class _Runtime:
         self.last_health = (0, 0)
         self.recompute_check_pending = bool(plan and plan.config.recompute_check)
         self.check_wrapper = None  # the train function that runs the check
+        # attach_watch(): the attached watches, each in its own list, and the
+        # gradient-check setting before the first.
+        self.watches = []
+        self.checks_before_watch = False
         self.jit_measurement = None  # jit_measure.JitMeasurement
         # Why XLA is off although jit_compile=True or "measure" asked for
         # it: the plan's reason, or one found while training.
@@ -384,25 +388,33 @@ class GradBoostModel(keras.Model):
             watch: a `keras_gradboost.guard.WatchState`.
 
         Returns:
-            A function that puts back the previous watch and gradient-check
-            setting; it does nothing once called, or when another watch was
-            attached since.
+            A function that takes this watch away again (a second call does
+            nothing). Attachments stack: undone in any order, the watch
+            attached last and still attached is the one recorded in, and
+            undoing the last one puts back the gradient-check setting from
+            before the first.
 
         Raises:
             RuntimeError: if the model is not compiled.
         """
-        facts = self.step_facts
-        if facts is None:
-            raise RuntimeError("Call `compile()` before attaching a watch.")
-        previous = (facts.checks_gradients, facts.watch)
-        facts.checks_gradients = True
-        facts.watch = watch
-        attached = [True]
+        facts = self.step_facts  # raises before compile()
+        rt = self._gradboost
+        if not rt.watches:
+            rt.checks_before_watch = facts.checks_gradients
+        entry = [watch]  # this attachment (a watch may be attached twice)
+        rt.watches.append(entry)
+        facts.checks_gradients, facts.watch = True, watch
 
         def undo():
-            if attached[0] and facts.watch is watch:
-                facts.checks_gradients, facts.watch = previous
-            attached[0] = False
+            # Attachments stack: undone in any order, each takes only itself
+            # away; the last one undone puts back the setting before them.
+            if not any(e is entry for e in rt.watches):
+                return
+            rt.watches[:] = [e for e in rt.watches if e is not entry]
+            if rt.watches:
+                facts.watch = rt.watches[-1][0]
+            else:
+                facts.checks_gradients, facts.watch = rt.checks_before_watch, None
 
         return undo
 

@@ -105,8 +105,9 @@ class CrossReplicaStep:
 
         Args:
             present_grads: this replica's gradients, without the `None`s.
-            n: this replica's weight for the accumulation window (its sample
-                count times the replica count), or None without one.
+            n: this replica's sample count for the accumulation window's
+                weighting (`present_grads` already carry the weight), or
+                None without a window.
             bad: this replica's 0/1 "not finite" indicator (float32), or
                 None when nothing is checked (the update always goes in).
             loss_bad: the same for the loss alone (it tells a dynamic loss

@@ -43,6 +43,17 @@ def small_model(cls=keras.Model, regularize=True, seed=0):
     return cls(inputs, outputs)
 
 
+def nested_model():
+    """Input(3) -> Sequential "inner" [Dense "inner_dense"] -> Dense "head",
+    compiled: a layer nested in a layer, for hooks and wrappers."""
+    inputs = keras.Input((3,))
+    inner = keras.Sequential([keras.layers.Dense(4, name="inner_dense")], name="inner")
+    outputs = keras.layers.Dense(2, name="head")(inner(inputs))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
 def max_weight_diff(a, b):
     return max(
         float(np.max(np.abs(wa - wb))) for wa, wb in zip(a.get_weights(), b.get_weights())

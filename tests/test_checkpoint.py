@@ -220,3 +220,21 @@ def test_fit_goes_on_with_a_window_loaded_mid_way(tmp_path):
     assert _state(loaded) == _state(never_saved)
     assert int(loaded.optimizer.iterations.numpy()) == 3
     assert max_weight_diff(loaded, never_saved) == 0.0
+
+
+@pytest.mark.parametrize("loss_scale", [128.0, None])
+def test_a_saved_dynamic_scale_never_overwrites_a_fixed_one(tmp_path, loss_scale):
+    x, y = _data()
+    model = _model(1)  # dynamic, brought down to 4096 by three overflows
+    _train(model, x, y, range(6))
+    path = _save(model, str(tmp_path / "dynamic"), "weights")
+    fixed = _model(1, loss_scale=loss_scale)
+    fixed.optimizer.build(fixed.trainable_variables)
+    with pytest.warns(UserWarning, match="loss scale 4096 \\(") as caught:
+        fixed.load_weights(path)
+    message = " ".join(str(w.message) for w in caught)
+    if loss_scale is None:
+        assert "(loss scaling is off)" in message
+    else:
+        assert "the dynamic loss scale 4096 (this model's scale is fixed at 128)" in message
+        assert float(fixed._gradboost.scaler.scale.numpy()) == 128.0

@@ -7,16 +7,12 @@ it is the only module that touches Keras internals.
 import numpy as np
 
 import keras
+from conftest import nested_model
 from keras_gradboost import hooks
 
 
 def _model():
-    inputs = keras.Input((3,))
-    inner = keras.Sequential([keras.layers.Dense(4, name="inner_dense")], name="inner")
-    outputs = keras.layers.Dense(2, name="head")(inner(inputs))
-    model = keras.Model(inputs, outputs)
-    model.compile(optimizer="sgd", loss="mse")
-    return model
+    return nested_model()
 
 
 def test_flatten_layers_includes_nested_layers():

@@ -42,7 +42,7 @@ def test_training_forward_is_the_steps_forward_and_changes_nothing(recompute):
 def test_attach_watch_and_its_undo():
     model = _flat(depth=1)
     with pytest.raises(RuntimeError, match="compile"):
-        model.attach_watch(object())
+        model.attach_watch(object())  # before compile()
     model.compile(optimizer="sgd", loss="mse")
     facts = model.step_facts
     assert (facts.checks_gradients, facts.watch) == (False, None)
@@ -60,7 +60,13 @@ def test_attach_watch_and_its_undo():
     first()
     assert facts.watch is other
     second()
-    assert (facts.checks_gradients, facts.watch) == (True, watch)
+    # Attachments stack: once both are undone, the setting before them.
+    assert (facts.checks_gradients, facts.watch) == (False, None)
+    first, second = model.attach_watch(watch), model.attach_watch(other)
+    second()
+    assert facts.watch is watch
+    first()
+    assert (facts.checks_gradients, facts.watch) == (False, None)
 
 
 def test_an_attached_watch_skips_a_non_finite_step():

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import kept_for_backward
+from conftest import nested_model
 
 import keras
 from keras_gradboost import GradBoostModel
@@ -73,12 +74,7 @@ def test_recompute_survives_a_nan_watcher_replay():
 
 
 def _model():
-    inputs = keras.Input((3,))
-    inner = keras.Sequential([keras.layers.Dense(4, name="inner_dense")], name="inner")
-    outputs = keras.layers.Dense(2, name="head")(inner(inputs))
-    model = keras.Model(inputs, outputs)
-    model.compile(optimizer="sgd", loss="mse")
-    return model
+    return nested_model()
 
 
 def test_hold_batches_keeps_the_last_chunk_and_undoes():

@@ -372,6 +372,8 @@ class NaNWatcher(CallbackBase):
     # ------------------------------------------------------------- events
 
     def _before_call(self, batches):
+        if getattr(self, "_snapshot_pending", False):
+            self._build_then_snapshot(batches[0])
         # References to batches that exist anyway; kept for 3 calls, long
         # enough for a late read.
         keep = 3 * self.model.steps_per_execution
@@ -479,6 +481,11 @@ class NaNWatcher(CallbackBase):
 
     def _snapshot(self):
         model = self.model
+        self._snapshot_pending = not model.trainable_variables
+        if self._snapshot_pending:
+            # Built by the first trace of its step (no strategy): taken by
+            # `_before_call`, which builds it first.
+            return
         if not model.optimizer.built:
             # Before the first update the optimizer holds only its step
             # counter and learning rate: build its slots now, so the first
@@ -490,6 +497,17 @@ class NaNWatcher(CallbackBase):
         self._optimizer_state = [
             (v, v.numpy()) for v in model.optimizer.variables if v.name != "learning_rate"
         ]
+
+    def _build_then_snapshot(self, batch):
+        """`"restore"` on a model not built before `fit` (a subclassed model,
+        a Sequential without an Input): build it with one inference forward
+        on the first batch (no weight, statistic or optimizer change), then
+        take the epoch's snapshot before its first update."""
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(
+            as_local_batch(batch, self.model.distribute_strategy)
+        )
+        self.model(x, training=False)
+        self._snapshot()
 
     def _restore(self):
         model = self.model

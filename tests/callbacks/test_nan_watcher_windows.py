@@ -123,3 +123,37 @@ def test_restore_in_the_first_epoch_rolls_back_the_optimizer_too(cls):
     assert int(model.optimizer.iterations.numpy()) == 8 - bad_step - 2
     for mine, theirs in zip(model.optimizer.variables, ref.optimizer.variables):
         np.testing.assert_allclose(np.asarray(mine), np.asarray(theirs), rtol=1e-5, atol=1e-7)
+
+
+def test_restore_on_a_model_built_by_its_first_step():
+    # A Sequential without an Input is built by fit's first trace: the
+    # snapshot is taken once it is built, before its first update.
+    bad_step = 3
+    x, y = _data(bad_step, batches=8)
+
+    def sequential():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential(
+            [keras.layers.Dense(4, name="d1", kernel_initializer="ones"),
+             BadLog(name="fault"), keras.layers.Dense(2, name="out")]
+        )
+
+    model = sequential()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    watcher = NaNWatcher(action="restore", verbose=0, lr_factor=0.5)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[watcher])
+    assert [(e.step, e.action_taken) for e in watcher.events] == [(bad_step, "restored")]
+    ref = sequential()
+    ref.compile(optimizer=keras.optimizers.Adam(0.005), loss="mse")
+    for step in range(bad_step + 2, 8):
+        rows = slice(step * BATCH, (step + 1) * BATCH)
+        ref.train_on_batch(x[rows], y[rows])
+    diff = max(
+        float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), ref.get_weights())
+    )
+    assert diff < 1e-6
+    clean = sequential()  # and a clean fit with the watcher just trains
+    clean.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    x_clean = np.abs(x) + 1.0
+    clean.fit(x_clean, y, batch_size=BATCH, verbose=0, callbacks=[NaNWatcher(action="restore", verbose=0)])
+    assert int(clean.optimizer.iterations.numpy()) == 8
