@@ -435,11 +435,11 @@ class GradBoostModel(keras.Model):
         else:
             super().make_train_function(force=force)
         base = wrappers.base_train_function(self)
-        if isinstance(base, jit_measure.MeasuringTrainFunction) and base.result:
-            # Left in place by a callback's undo: keep only the choice.
-            wrappers.replace_base_train_function(
-                self, base.functions[base.result.jit_compile]
-            )
+        decided = rt.jit_measurement
+        if isinstance(base, jit_measure.MeasuringTrainFunction) and decided:
+            # Decided by itself, or by another measuring function (a
+            # NaNWatcher's guarded one): keep only the choice.
+            self._keep_choice(base, base.functions[decided.jit_compile])
         if rt.recompute_check_pending and self.train_function is not rt.check_wrapper:
             _, undo = wrappers.hold_batches(
                 self, before_call=lambda b: self._check(b, undo)
@@ -465,6 +465,12 @@ class GradBoostModel(keras.Model):
             functions[jit] = self.train_function
         return jit_measure.MeasuringTrainFunction(self, functions, self._jit_decided)
 
+    def _keep_choice(self, measuring, function):
+        """Puts the chosen `function` in the place of the `measuring` one, so
+        whoever put that in (a callback) takes the choice away with it."""
+        if not wrappers.swap_base(self, "train_function", measuring, function):
+            wrappers.replace_base_train_function(self, function)
+
     def _jit_decided(self, measurement, function):
         rt = self._gradboost
         rt.jit_measurement = measurement
@@ -477,7 +483,7 @@ class GradBoostModel(keras.Model):
             self.predict_function = None
         measuring = wrappers.base_train_function(self)
         if isinstance(measuring, jit_measure.MeasuringTrainFunction):
-            wrappers.replace_base_train_function(self, function)
+            self._keep_choice(measuring, function)
         hooks.print_msg(measurement.message())
 
     def _check(self, batches, undo):

@@ -208,6 +208,35 @@ def replace_base(owner, name, new):
     return undo
 
 
+def swap_base(owner, name, old, new):
+    """Puts `new` where `old` stands under the patches of `owner.<name>`:
+    in the `replace_base` entry that holds it, or as the original value.
+    Unlike `replace_base` nothing is added, so whoever put `old` in takes
+    `new` away with its own undo.
+
+    Returns:
+        Whether `old` was found (nothing changes otherwise).
+    """
+    chain = _found_chain(owner, name)
+    if chain is None:
+        if _current(owner, name) is not old:
+            return False
+        setattr(owner, name, new)
+        return True
+    cell = next((c for c in chain.bases if c[0] is old), None)
+    if cell is not None:
+        cell[0] = new
+    elif chain.original is old:
+        chain.original = new
+    else:
+        return False
+    _untag(old, chain)
+    _tag(new, chain)
+    if chain.top is None:
+        chain.restore()
+    return True
+
+
 def patches(owner, name):
     """The active patches a call of `owner.<name>` goes through, top first
     (as far as the attribute leads through patches: not past something this

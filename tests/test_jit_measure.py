@@ -11,8 +11,8 @@ import tensorflow as tf
 
 import keras
 from keras_gradboost import hooks
-from keras_gradboost import wrappers
 from keras_gradboost import jit_measure
+from keras_gradboost import wrappers
 from keras_gradboost.callbacks import NaNWatcher
 from keras_gradboost.model import GradBoostModel
 
@@ -295,3 +295,19 @@ def test_measure_falls_back_without_losing_the_batch(regression_data, capsys, co
     # The batch of the failed XLA call was trained on, without XLA, once.
     assert int(measured.optimizer.iterations) == int(plain.optimizer.iterations)
     assert max_weight_diff(measured, plain) == 0.0
+
+
+def test_a_nan_watcher_measuring_fit_leaves_no_guarded_function_behind():
+    # The watcher's guarded measuring function decides; after the fit the
+    # model's own train function (its choice) runs, not the guarded one.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    model = GradBoostModel(inputs, keras.layers.Dense(3)(keras.layers.Dense(8)(inputs)))
+    model.compile(optimizer="sgd", loss="mse", jit_compile="measure")
+    x = np.random.default_rng(0).normal(size=(160, 5)).astype("float32")
+    y = np.zeros((160, 3), "float32")
+    history = model.fit(x, y, batch_size=8, verbose=0, callbacks=[NaNWatcher(action="skip", verbose=0)])
+    assert model.jit_measurement is not None and "nonfinite_steps" in history.history
+    history = model.fit(x, y, batch_size=8, verbose=0)
+    assert "nonfinite_steps" not in history.history
+    assert not isinstance(wrappers.base_train_function(model), jit_measure.MeasuringTrainFunction)

@@ -664,3 +664,24 @@ def test_every_pair_of_wrappers_undone_in_either_order_restores_the_model(first,
                 assert installed[other][1](), f"undoing {undo_first} took {other} along"
             installed[other][0]()
             _assert_restored(before, model)
+
+
+def test_swap_base_puts_the_new_value_in_the_old_ones_place():
+    class Thing:
+        def f(self):
+            return "class"
+
+    thing = Thing()
+    assert not wrappers.swap_base(thing, "f", object(), lambda: "x")  # not found
+    old, new = (lambda: "old"), (lambda: "new")
+    undo = wrappers.replace_base(thing, "f", old)
+    top = wrappers.patch(thing, "f", lambda below: "top:" + below())
+    assert thing.f() == "top:old"
+    assert wrappers.swap_base(thing, "f", old, new)
+    assert thing.f() == "top:new"
+    undo()  # the entry's owner takes the swapped-in value away with it
+    assert thing.f() == "top:class"
+    top()
+    assert "f" not in vars(thing)
+    thing.f = old  # a plain attribute: swapped in place
+    assert wrappers.swap_base(thing, "f", old, new) and vars(thing)["f"] is new
