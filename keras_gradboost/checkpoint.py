@@ -30,6 +30,7 @@ import weakref
 import numpy as np
 
 from keras_gradboost import hooks
+from keras_gradboost.step import local_value
 
 _SCALE = "loss_scale"
 _GOOD_STEPS = "loss_scale_good_steps"
@@ -77,7 +78,7 @@ def _local(variable, strategy):
 
 
 def _first(variable, strategy):
-    return np.asarray(_local(variable, strategy)[0].numpy())
+    return np.asarray(local_value(variable, strategy).numpy())
 
 
 def collect(rt, strategy):

@@ -426,8 +426,7 @@ class GradBoostModel(keras.Model):
         # strategy's scope. Without a strategy Keras builds the model while
         # tracing the step, and train_step creates them (see _accumulator).
         if self.trainable_variables and self._needs_new_accumulator():
-            with self.distribute_strategy.scope():
-                self._new_accumulator()
+            self._ensure_accumulator()
             force = True
         rt = self._gradboost
         if self._measuring_jit() and (force or self.train_function is None):

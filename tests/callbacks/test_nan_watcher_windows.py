@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import keras
+from conftest import max_weight_diff
 from keras_gradboost import GradBoostModel
 from keras_gradboost.callbacks import NaNWatcher
 from keras_gradboost.callbacks import NonFiniteError
@@ -64,9 +65,7 @@ def test_stop_keeps_the_weights_before_the_bad_micro_batch(position, steps_per_e
     # micro-batches included) is discarded.
     assert int(model.optimizer.iterations.numpy()) == 1
     ref = _large_batch_reference(x, y, windows=1)
-    diff = max(
-        float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), ref.get_weights())
-    )
+    diff = max_weight_diff(model, ref)
     assert diff < 1e-6
 
 
@@ -92,9 +91,7 @@ def test_restore_starts_a_fresh_window_after_the_roll_back(position):
         group = steps[first : first + K]
         rows = slice(group[0] * BATCH, (group[-1] + 1) * BATCH)
         ref.train_on_batch(x[rows], y[rows])
-    diff = max(
-        float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), ref.get_weights())
-    )
+    diff = max_weight_diff(model, ref)
     assert diff < 1e-6
 
 
@@ -116,9 +113,7 @@ def test_restore_in_the_first_epoch_rolls_back_the_optimizer_too(cls):
     for step in range(bad_step + 2, 8):  # the step after the bad one ran halted
         rows = slice(step * BATCH, (step + 1) * BATCH)
         ref.train_on_batch(x[rows], y[rows])
-    weight_diff = max(
-        float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), ref.get_weights())
-    )
+    weight_diff = max_weight_diff(model, ref)
     assert weight_diff < 1e-6
     assert int(model.optimizer.iterations.numpy()) == 8 - bad_step - 2
     for mine, theirs in zip(model.optimizer.variables, ref.optimizer.variables):
@@ -148,9 +143,7 @@ def test_restore_on_a_model_built_by_its_first_step():
     for step in range(bad_step + 2, 8):
         rows = slice(step * BATCH, (step + 1) * BATCH)
         ref.train_on_batch(x[rows], y[rows])
-    diff = max(
-        float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), ref.get_weights())
-    )
+    diff = max_weight_diff(model, ref)
     assert diff < 1e-6
     clean = sequential()  # and a clean fit with the watcher just trains
     clean.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
