@@ -2,6 +2,7 @@
 save/load: save mid-window -> load -> continue equals never saving."""
 
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import keras
 from conftest import max_weight_diff
 from conftest import shared_mirrored_strategy
 from keras_gradboost import GradBoostModel
+from keras_gradboost import boost
 
 BATCH = 8
 NAN_ROWS = (3, 20, 41)  # in batches 0, 2 and 5: three skipped steps
@@ -238,3 +240,39 @@ def test_a_saved_dynamic_scale_never_overwrites_a_fixed_one(tmp_path, loss_scale
     else:
         assert "the dynamic loss scale 4096 (this model's scale is fixed at 128)" in message
         assert float(fixed._gradboost.scaler.scale.numpy()) == 128.0
+
+
+def test_a_real_architecture_saved_mid_window_goes_on_as_if_never_saved(tmp_path):
+    # keras.applications MobileNetV2 (BatchNormalization, depthwise convs)
+    # through boost(): loss scale, skip counter and window survive `.keras`.
+    def make():
+        keras.utils.set_random_seed(0)
+        base = keras.applications.MobileNetV2(
+            weights=None, input_shape=(32, 32, 3), classes=4, alpha=0.35
+        )
+        model = boost(base)
+        with pytest.warns(UserWarning, match="BatchNormalization layers"):
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.01),
+                loss="sparse_categorical_crossentropy",
+                accumulate_steps=2,
+                loss_scale="dynamic",
+            )
+        return model
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 4, 40)
+    x[9] = np.nan  # batch 1 is skipped and halves the scale
+    never_saved = make()
+    _train(never_saved, x, y, range(5))
+    model = make()
+    _train(model, x, y, range(3))  # one update, one micro-batch pending
+    path = _save(model, str(tmp_path / "mobilenet"), "keras")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Keras' own notes while loading
+        loaded = keras.models.load_model(path)
+    _train(loaded, x, y, range(3, 5))
+    assert _state(loaded) == _state(never_saved)
+    assert _state(never_saved)[:2] == (2.0**14, 1)
+    assert max_weight_diff(loaded, never_saved) == 0.0
