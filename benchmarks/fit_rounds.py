@@ -20,13 +20,24 @@ from keras_gradboost import zoo
 BATCH = 256
 
 
-def make(kind, steps_per_execution=1):
-    """The MLP 784-1024-1024-10 as `keras.Model` ("keras") or GradBoostModel."""
+def make(kind, steps_per_execution=1, keras_guard=False):
+    """The MLP 784-1024-1024-10 as `keras.Model` ("keras") or GradBoostModel.
+
+    With `keras_guard`, its Adam is wrapped in Keras' own
+    `LossScaleOptimizer` with a scale of 1 that never grows: only Keras'
+    finiteness guard acts (it skips a non-finite update), the anchor the
+    NaNWatcher's cost is measured against.
+    """
     model = zoo.mlp(cls=keras.Model if kind == "keras" else None)
+    optimizer = keras.optimizers.Adam(1e-3)
+    if keras_guard:
+        optimizer = keras.optimizers.LossScaleOptimizer(
+            optimizer, initial_scale=1.0, dynamic_growth_steps=2**30
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.compile(
-            optimizer=keras.optimizers.Adam(1e-3),
+            optimizer=optimizer,
             loss="sparse_categorical_crossentropy",
             steps_per_execution=steps_per_execution,
         )

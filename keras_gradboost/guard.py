@@ -1,8 +1,11 @@
 """In-graph guards: the finiteness of a step (`nonfinite_indicator`), the
-optimizer guard for plain Keras models (`guard_optimizer`) and a
+optimizer guard for plain Keras models (`guard_optimizer`, and the
+`LossTap` that shows it the loss) and a
 `NaNWatcher`'s watch state (`WatchState`). The decision shared by all
 replicas, and the update it allows, is `step.CrossReplicaStep`.
 """
+
+import threading
 
 import tensorflow as tf
 
@@ -45,7 +48,7 @@ def gradient_values(gradient):
     return gradient
 
 
-def guard_optimizer(optimizer, counter=None, watch=None):
+def guard_optimizer(optimizer, counter=None, watch=None, losses=None):
     """Makes `optimizer.apply` skip non-finite gradients in-graph.
 
     For models whose train step is Keras' own, or a custom one that calls
@@ -53,8 +56,11 @@ def guard_optimizer(optimizer, counter=None, watch=None):
     `apply`, which is where a non-finite update can still be stopped. Every
     skipped call adds 1 to `counter` (an int64 variable), if given. With a
     `WatchState`, every call is recorded in it, and an update is also
-    dropped while it is halted. Returns a function that undoes the wrapping
-    (a `wrappers.patch`: it stacks with other wrappers of `apply`).
+    dropped while it is halted. With a `LossTap` (`losses`), the loss it
+    holds for this step is judged too: a non-finite loss whose gradients are
+    finite (a NaN prediction that a clipped cross-entropy turns into zero
+    gradients) is a non-finite step. Returns a function that undoes the
+    wrapping (a `wrappers.patch`: it stacks with other wrappers of `apply`).
     """
 
     def apply(original, grads, trainable_variables=None):
@@ -66,13 +72,62 @@ def guard_optimizer(optimizer, counter=None, watch=None):
         )
         mask = [g is not None for g in grads]
         present = [g for g in grads if g is not None]
-        bad = nonfinite_indicator(None, present)
+        loss = losses.take() if losses is not None else None
+        bad = nonfinite_indicator(loss, present)
         step = CrossReplicaStep(
             lambda g: original(g, variables), mask, watch=watch, counter=counter
         )
         step(present, bad=bad)
 
     return wrappers.patch(optimizer, "apply", apply)
+
+
+class LossTap:
+    """The loss of the step being run, from `model.compute_loss` to the
+    optimizer guard, which sees only gradients.
+
+    `tap(model)` wraps `model.compute_loss` (undoably) so each loss it
+    returns is put here; `take()` hands the last one to the guard, once.
+    Per thread: MirroredStrategy traces each replica in its own thread, and
+    each replica's guard must judge its own loss. A loss from another graph
+    (a train step that applies gradients outside the function that computed
+    the loss) is not taken: the guard judges the gradients alone then.
+    """
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def tap(self, model):
+        """Wraps `model.compute_loss`; returns the undo."""
+
+        def compute_loss(below, *args, **kwargs):
+            loss = below(*args, **kwargs)
+            self._local.loss = loss
+            return loss
+
+        return wrappers.patch(model, "compute_loss", compute_loss)
+
+    def take(self):
+        """The last loss of this thread's step (then forgotten), or None."""
+        loss = getattr(self._local, "loss", None)
+        self._local.loss = None
+        if loss is None or not _reachable(loss):
+            return None
+        return loss
+
+
+def _reachable(tensor):
+    """Whether `tensor` can be used where the code runs now: eagerly, an
+    eager tensor; in a graph, a tensor of this graph or of one it is nested
+    in (a `tf.cond` branch or loop body captures those)."""
+    if tf.executing_eagerly():
+        return not tf.is_symbolic_tensor(tensor)
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if getattr(tensor, "graph", None) is graph:
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
 
 
 class WatchState:

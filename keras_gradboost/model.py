@@ -56,6 +56,9 @@ class _Runtime:
         self.watches = []
         self.checks_before_watch = False
         self.jit_measurement = None  # jit_measure.JitMeasurement
+        # Calls of the update traced so far (a class's own train_step must
+        # make one when the plan needs it).
+        self.updates_traced = 0
         # Why XLA is off although jit_compile=True or "measure" asked for
         # it: the plan's reason, or one found while training.
         self.xla_blocked = plan.xla_blocked if plan else None
@@ -429,6 +432,11 @@ class GradBoostModel(keras.Model):
             self._ensure_accumulator()
             force = True
         rt = self._gradboost
+        if "train_step" in own_steps(self) and _OWN_STEP not in vars(self):
+            # Kept on the model (object.__setattr__: Keras does not track it).
+            object.__setattr__(
+                self, _OWN_STEP, wrappers.patch(self, "train_step", self._own_step)
+            )
         if self._measuring_jit() and (force or self.train_function is None):
             self.train_function = self._make_measuring_function()
         else:
@@ -445,6 +453,29 @@ class GradBoostModel(keras.Model):
             )
             rt.check_wrapper = self.train_function
         return self.train_function
+
+    def _own_step(self, train_step, data):
+        """Traces the class's own `train_step`; refuses, before any update,
+        a step that applied its gradients itself while the plan needs
+        GradBoostModel's update (accumulation, loss scaling)."""
+        rt = self._gradboost
+        before = rt.updates_traced
+        logs = train_step(data)
+        needs = []
+        if rt.config.accumulate_steps > 1:
+            needs.append(f"accumulate_steps={rt.config.accumulate_steps}")
+        if rt.scaler is not None:
+            needs.append(f"loss_scale={rt.config.loss_scale!r} (on for this model)")
+        if rt.updates_traced == before and needs:
+            raise ValueError(
+                f"{type(self).__name__}.train_step, the model's own training "
+                "step, did not go through GradBoostModel's update, so "
+                f"{' and '.join(needs)} would be silently ignored. Let its "
+                "update go through GradBoostModel (call "
+                "`super().train_step(data)`), or compile without these options "
+                "(accumulate_steps=1, loss_scale=None)."
+            )
+        return logs
 
     def _measuring_jit(self):
         rt = self._gradboost
@@ -588,6 +619,7 @@ class GradBoostModel(keras.Model):
         gradients; exactly Keras' own update when nothing is checked or
         accumulated."""
         rt = self._gradboost
+        rt.updates_traced += 1
         accumulating = rt.config.accumulate_steps > 1
         check = rt.scaler is not None or rt.facts.checks_gradients
         rt.facts.checks_gradients = check
@@ -793,11 +825,24 @@ def boost(model):
     model (subclassed, or a Sequential without a known input) is wrapped: the
     new model calls it, and so shares its layers and weights.
 
+    A model whose class has its own `train_step`, `test_step`,
+    `predict_step` or `compute_loss` (Keras' "customizing fit()" pattern:
+    GANs, VAEs, distillation) keeps them: it is boosted in place (the same
+    object is returned, its class now also a `GradBoostModel`, next after
+    its own class, so `super().train_step(data)` reaches GradBoostModel's).
+    Precision, recompute and jit act on its layers as on any model.
+    `accumulate_steps` and loss scaling live in GradBoostModel's update: a
+    `train_step` that calls `super().train_step(data)` gets them; one that
+    applies its gradients itself is refused with a `ValueError` naming it
+    when its first step is traced, before any update. `NaNWatcher` guards
+    its optimizer, as on a plain Keras model.
+
     Args:
         model: a `keras.Model`. A `GradBoostModel` is returned as it is.
 
     Returns:
-        A `GradBoostModel`, not yet compiled.
+        A `GradBoostModel`, not yet compiled (the model itself, boosted in
+        place, when its class has its own steps).
 
     Raises:
         TypeError: if `model` is not a `keras.Model`.
@@ -827,6 +872,8 @@ def boost(model):
             f"model={model!r} of type {type(model).__name__}. Expected a "
             "keras.Model (functional, Sequential or subclassed)."
         )
+    if own_steps(model):
+        return _boost_in_place(model)
     if hooks.is_functional(model) or isinstance(model, keras.Sequential):
         try:
             inputs, outputs = model.inputs, model.outputs
@@ -838,6 +885,45 @@ def boost(model):
 
 
 # ------------------------------------------------------------------- helpers
+
+# The wrapper that checks a class's own train_step (see `_own_step`).
+_OWN_STEP = "_keras_gradboost_own_step"
+
+STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss")
+
+
+def own_steps(model):
+    """The step methods (`STEP_METHODS`) that `model`'s class defines itself,
+    instead of taking Keras' (or GradBoostModel's) own."""
+    cls = type(model)
+    defaults = GradBoostModel if isinstance(model, GradBoostModel) else keras.Model
+    names = []
+    for name in STEP_METHODS:
+        found = getattr(cls, name, None)
+        if found is not getattr(defaults, name) and found is not getattr(keras.Model, name):
+            names.append(name)
+    return tuple(names)
+
+
+_BOOSTED_CLASSES = {}
+
+
+def _boost_in_place(model):
+    """Makes `model` (whose class has its own steps) a GradBoostModel in
+    place: its class becomes `type(model)` with GradBoostModel next in the
+    method order, so the model's own steps win, and their `super()` calls
+    reach GradBoostModel before keras.Model."""
+    cls = type(model)
+    if cls not in _BOOSTED_CLASSES:
+        _BOOSTED_CLASSES[cls] = type(
+            cls.__name__,
+            (cls, GradBoostModel),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+             "__doc__": cls.__doc__},
+        )
+    model.__class__ = _BOOSTED_CLASSES[cls]
+    model._gradboost = _Runtime()
+    return model
 
 _COMPILE_SIGNATURE = inspect.signature(keras.Model.compile)
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)

@@ -181,6 +181,7 @@ def _decide_jit(model, kwargs):
     xla_blocked = None
     if requested is True or requested == "measure":
         blockers = ["run_eagerly=True"] if run_eagerly else hooks.jit_blockers(model)
+        blockers += strategy_jit_blockers(model.distribute_strategy)
         if blockers:
             xla_blocked = "; ".join(blockers)
         if blockers or requested == "measure":
@@ -194,6 +195,28 @@ def _decide_jit(model, kwargs):
     else:
         jit = bool(given)
     return requested, jit, xla_blocked
+
+
+def strategy_jit_blockers(strategy):
+    """Why XLA cannot run a step of `strategy`, as short reasons: several
+    replicas on the CPUs of one process (logical CPU devices), whose XLA
+    step TensorFlow compiles for the first CPU and then fails on the other
+    replicas' variables ("Trying to access resource ... located in device
+    CPU:1 from device CPU:0"; plain Keras fails the same)."""
+    if strategy.num_replicas_in_sync < 2:
+        return []
+    try:
+        devices = list(strategy.extended.worker_devices)
+    except (AttributeError, RuntimeError):  # a strategy without the notion
+        return []
+    on_cpus = all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in devices)
+    if len(devices) > 1 and on_cpus:
+        return [
+            f"{type(strategy).__name__} over {len(devices)} CPU devices of one "
+            "process (TensorFlow's XLA step reads every replica's variables on "
+            "the first CPU)"
+        ]
+    return []
 
 
 def loss_scale_setting(loss_scale, float16):

@@ -1,7 +1,9 @@
 """TrainPlan: what compile() decides, tested without calling compile()."""
 
 import keras
+import numpy as np
 import pytest
+import tensorflow as tf
 
 from keras_gradboost import GradBoostModel
 from keras_gradboost import recompute as recompute_lib
@@ -9,6 +11,7 @@ from keras_gradboost.config import GradBoostConfig
 from keras_gradboost.plan import Devices
 from keras_gradboost.plan import TrainPlan
 
+from conftest import shared_mirrored_strategy
 from conftest import small_model
 
 CPU_BF16 = Devices(on_gpu=False, cpu_bf16=True)
@@ -128,6 +131,22 @@ def test_a_layer_without_jit_blocks_xla_with_a_named_warning():
 def test_run_eagerly_blocks_xla():
     plan = _plan(keras_kwargs={"jit_compile": True, "run_eagerly": True})
     assert plan.xla_blocked == "run_eagerly=True" and plan.jit_compile is False
+
+
+def test_mirrored_strategy_over_cpus_blocks_xla_where_keras_fails():
+    x = np.random.default_rng(0).normal(size=(8, 5)).astype("float32")
+    y = np.zeros((8, 3), "float32")
+    with shared_mirrored_strategy().scope():
+        plain = small_model()
+        plain.compile(optimizer="sgd", loss="mse", jit_compile=True)
+        model = small_model(GradBoostModel)
+    # The independent reference: plain Keras cannot run this XLA step.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="located in device"):
+        plain.fit(x, y, batch_size=4, verbose=0)
+    plan = _plan(model, keras_kwargs={"jit_compile": True})
+    assert "MirroredStrategy over 2 CPU devices" in plan.xla_blocked
+    assert plan.keras_kwargs["jit_compile"] is False and plan.jit_compile is False
+    assert _plan(keras_kwargs={"jit_compile": True}).xla_blocked is None  # one device
 
 
 def test_inexact_accumulation_and_float16_cpu_warnings_are_in_the_plan():

@@ -273,13 +273,16 @@ class NaNWatcher(CallbackBase):
     def _install(self):
         model = self.model
         from keras_gradboost.model import GradBoostModel
+        from keras_gradboost.model import own_steps
 
         # fit() made the train function before this hook: make one with the
         # checks in (traced once, and kept for later fits of the same compiled
         # model), and give fit() its own function back afterwards.
         # Other callbacks' hold_batches wrappers may be on top already: the
         # guarded function goes under them.
-        gradboost = isinstance(model, GradBoostModel)
+        # A GradBoostModel whose class has its own train_step may apply its
+        # gradients itself: guard its optimizer, as for a plain model.
+        gradboost = isinstance(model, GradBoostModel) and "train_step" not in own_steps(model)
         self._refuse(model, gradboost)
         key = (
             model.optimizer,
@@ -294,7 +297,12 @@ class NaNWatcher(CallbackBase):
         if gradboost:
             self._on_teardown(model.attach_watch(watch))
         else:
-            self._on_teardown(guard.guard_optimizer(model.optimizer, watch=watch))
+            # The guard sees only gradients: the tap shows it the loss too.
+            losses = guard.LossTap()
+            self._on_teardown(losses.tap(model))
+            self._on_teardown(
+                guard.guard_optimizer(model.optimizer, watch=watch, losses=losses)
+            )
         if fresh:
             guarded = wrappers.make_train_function_with_logs(
                 model,

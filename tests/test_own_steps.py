@@ -1,0 +1,196 @@
+"""Models with their own train_step / test_step / predict_step /
+compute_loss (Keras' "Customizing what happens in fit()" pattern): boost()
+keeps them, and what needs GradBoostModel's update is used or refused."""
+
+import numpy as np
+import pytest
+
+import keras
+import tensorflow as tf
+from keras_gradboost import GradBoostModel
+from keras_gradboost import boost
+from keras_gradboost.callbacks import NaNWatcher
+from keras_gradboost.callbacks import NonFiniteError
+
+
+class HalfStepModel(keras.Model):
+    """A functional subclass whose train_step counts its calls and applies
+    half of each gradient (so its weights differ from Keras' default step)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = keras.Variable(0, dtype="int64", trainable=False, name="calls")
+
+    def train_step(self, data):
+        x, y = data
+        self.calls.assign_add(1)
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(
+            zip([0.5 * g for g in grads], self.trainable_variables)
+        )
+        return {"loss": loss}
+
+
+class SuperStepModel(keras.Model):
+    """A train_step that counts its calls and leaves the update to super()."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = keras.Variable(0, dtype="int64", trainable=False, name="calls")
+
+    def train_step(self, data):
+        self.calls.assign_add(1)
+        return super().train_step(data)
+
+
+class PenaltyLossModel(keras.Model):
+    """Its own compute_loss (adds a weight penalty) and predict_step."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        return loss + 0.1 * tf.reduce_sum(tf.square(self.trainable_variables[0]))
+
+    def predict_step(self, data):
+        return {"doubled": 2.0 * self(data, training=False)}
+
+
+class Subclassed(keras.Model):
+    """A subclassed model (its own call) with its own train_step."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3)
+        self.calls = keras.Variable(0, dtype="int64", trainable=False, name="calls")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    train_step = HalfStepModel.train_step
+
+
+def max_weight_diff(a, b):
+    """Over the trainable weights (a `calls` counter is a weight too)."""
+    return max(
+        float(np.max(np.abs(va.numpy() - vb.numpy())))
+        for va, vb in zip(a.trainable_variables, b.trainable_variables)
+    )
+
+
+def functional(cls, seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
+    return cls(inputs, keras.layers.Dense(3, name="out")(hidden))
+
+
+def subclassed(seed=0):
+    keras.utils.set_random_seed(seed)
+    model = Subclassed()
+    model(np.zeros((1, 5), "float32"))
+    return model
+
+
+def data(n=32):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 5)).astype("float32")
+    return x, (0.5 * np.tanh(x[:, :3])).astype("float32")
+
+
+def fit(model, epochs=2, batch_size=4, **kwargs):
+    x, y = data()
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **kwargs)
+    return model
+
+
+@pytest.mark.parametrize("make", [lambda: functional(HalfStepModel), subclassed],
+                         ids=["functional-subclass", "subclassed"])
+def test_boost_keeps_the_models_own_train_step(make):
+    plain = make()
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    fit(plain)
+    base = make()
+    boosted = boost(base)
+    assert isinstance(boosted, GradBoostModel)
+    boosted.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    fit(boosted)
+    assert int(boosted.calls.numpy()) == 16 == int(plain.calls.numpy())
+    assert max_weight_diff(boosted, plain) == 0.0
+    # Keras' default step would move the weights twice as far: it differs.
+    default = functional(keras.Model) if isinstance(plain, HalfStepModel) else None
+    if default is not None:
+        default.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        assert max_weight_diff(fit(default), plain) > 1e-3
+
+
+def test_boost_keeps_compute_loss_and_predict_step():
+    plain = functional(PenaltyLossModel)
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    boosted = boost(functional(PenaltyLossModel))
+    boosted.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    assert max_weight_diff(fit(boosted), fit(plain)) < 1e-7
+    no_penalty = functional(keras.Model)
+    no_penalty.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    assert max_weight_diff(fit(no_penalty), plain) > 1e-3
+    x, _ = data()
+    predicted = boosted.predict(x[:4], verbose=0)
+    np.testing.assert_allclose(predicted["doubled"], 2.0 * boosted(x[:4]).numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(accumulate_steps=4), "accumulate_steps=4"),
+    (dict(loss_scale=128.0), "loss_scale=128.0"),
+])
+def test_own_step_that_applies_itself_refuses_options_it_would_ignore(options, named):
+    model = boost(functional(HalfStepModel))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **options)
+    before = model.get_weights()
+    with pytest.raises(ValueError) as info:
+        fit(model, epochs=1)
+    message = str(info.value)
+    assert "HalfStepModel.train_step" in message and named in message
+    assert "super().train_step(data)" in message
+    for w, w0 in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(w, w0)  # refused before any update
+
+
+def test_own_step_calling_super_gets_exact_accumulation():
+    boosted = boost(functional(SuperStepModel))
+    boosted.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=4)
+    fit(boosted, batch_size=4)
+    large = functional(keras.Model)
+    large.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    fit(large, batch_size=16)
+    assert int(boosted.calls.numpy()) == 16  # every micro-batch went through it
+    assert boosted.optimizer.iterations.numpy() == large.optimizer.iterations.numpy() == 4
+    assert max_weight_diff(boosted, large) < 2e-6
+
+
+def test_precision_applies_to_a_model_with_its_own_step():
+    model = boost(functional(HalfStepModel))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                  precision="mixed_bfloat16", loss_scale=None)
+    assert model.get_layer("hidden").dtype_policy.name == "mixed_bfloat16"
+    fit(model, epochs=1)
+    assert int(model.calls.numpy()) == 8
+
+
+@pytest.mark.parametrize("make", [lambda: functional(HalfStepModel),
+                                  lambda: functional(SuperStepModel)],
+                         ids=["applies-itself", "calls-super"])
+def test_nan_watcher_guards_a_boosted_model_with_its_own_step(make):
+    model = boost(make())
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x, y = data()
+    x[5 * 4 + 1, 2] = np.nan  # batch 5
+    watcher = NaNWatcher(action="stop", verbose=0)
+    with pytest.raises(NonFiniteError):
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[watcher])
+    assert [(e.step, e.phase) for e in watcher.events] == [(5, "forward")]
+    reference = boost(make())
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    reference.fit(x[:20], y[:20], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert max_weight_diff(model, reference) == 0.0  # the weights before step 5
