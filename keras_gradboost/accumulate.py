@@ -12,6 +12,11 @@ the n_j differ, e.g. for the last, smaller batch of an epoch. Here each replica
 keeps `sum_j n_j * g_j` and its own `sum_j n_j` in replica-local variables; at
 update time the counts are summed over replicas and the optimizer's usual
 all-reduce sums the accumulated gradients, once per update.
+
+A variable with Keras' `overwrite_with_gradient` (a float8 layer's scales and
+amax histories) takes its "gradient" as its new value. Its window keeps, as
+Keras' `gradient_accumulation_steps` does, the elementwise maximum of the
+unweighted values, starting from zeros: `max(0, g_1, ..., g_k)`.
 """
 
 import tensorflow as tf
@@ -25,6 +30,12 @@ def accumulate(acc, grads, n):
     Pure: the reference formula the accumulator implements, used in tests.
     """
     return [a if g is None else a + n * g for a, g in zip(acc, grads)]
+
+
+def overwrites_with_gradient(variable):
+    """Whether `variable` takes its "gradient" as its new value (Keras'
+    public `overwrite_with_gradient`; a `tf.Variable` has none)."""
+    return getattr(variable, "overwrite_with_gradient", False)
 
 
 def sample_count(x):
@@ -45,6 +56,8 @@ class GradientAccumulator:
         self.steps = steps
         self.variable_ids = tuple(id(v) for v in variables)
         self.dtypes = [v.dtype for v in variables]
+        # Which variables' windows keep the maximum (`overwrites_with_gradient`).
+        self.keeps_max = [overwrites_with_gradient(v) for v in variables]
         # Which variables get a gradient; set when the train step is traced.
         self.grad_mask = [True] * len(variables)
         self.sums = [
@@ -65,22 +78,26 @@ class GradientAccumulator:
         """Adds one micro-batch of `n` samples on this replica.
 
         `weighted_grads` are already `n` times the replica's mean gradient (the
-        train step puts the weight on the scalar loss, where it is free).
+        train step puts the weight on the scalar loss, where it is free),
+        except for the `keeps_max` variables, whose values come unweighted.
         """
-        pairs = [
-            (acc, tf.cast(g, tf.float32))
-            for acc, g in zip(self.sums, weighted_grads)
+        triples = [
+            (acc, tf.cast(g, tf.float32), keeps_max)
+            for acc, g, keeps_max in zip(self.sums, weighted_grads, self.keeps_max)
             if g is not None
         ]
 
         # The first micro-batch overwrites, so a reset needs no pass of zeros.
         def overwrite():
-            for acc, g in pairs:
-                acc.assign(g)
+            for acc, g, keeps_max in triples:
+                acc.assign(tf.maximum(g, 0.0) if keeps_max else g)
 
         def add():
-            for acc, g in pairs:
-                acc.assign_add(g)
+            for acc, g, keeps_max in triples:
+                if keeps_max:
+                    acc.assign(tf.maximum(acc, g))
+                else:
+                    acc.assign_add(g)
 
         tf.cond(self.count > 0.0, add, overwrite)
         self.count.assign_add(n)
@@ -90,13 +107,17 @@ class GradientAccumulator:
         return self.micro_step.assign_add(1) >= self.steps
 
     def mean_gradients(self, total_count):
-        """The accumulated gradients divided by the global sample count, with
-        `None` for variables that get no gradient."""
+        """The accumulated gradients divided by the global sample count (the
+        maxima of the `keeps_max` variables as they are), with `None` for
+        variables that get no gradient."""
         # A replica that added nothing since the last reset holds stale sums.
-        factor = tf.cast(self.count > 0.0, tf.float32) / total_count
+        added = tf.cast(self.count > 0.0, tf.float32)
+        factor = added / total_count
         return [
-            tf.cast(acc * factor, dtype) if has_grad else None
-            for acc, dtype, has_grad in zip(self.sums, self.dtypes, self.grad_mask)
+            tf.cast(acc * (added if keeps_max else factor), dtype) if has_grad else None
+            for acc, dtype, has_grad, keeps_max in zip(
+                self.sums, self.dtypes, self.grad_mask, self.keeps_max
+            )
         ]
 
     def reset(self):

@@ -10,7 +10,8 @@ under its own path (`_gradboost_training_state`), with:
 * the loss scale and its count of finite steps since the last change;
 * the step facts' skip counters (the loss-scale health warnings read them);
 * the accumulation window: the gradient sums of the micro-batches added
-  since the last update, their sample count, the position in the window
+  since the last update (for a variable with `overwrite_with_gradient`, the
+  maximum of its values), their sample count, the position in the window
   and which variables get a gradient.
 
 So a model saved mid-window and loaded again goes on as if it had never
@@ -19,9 +20,10 @@ path, and a file without it (saved before, or by a plain model) loads as
 before. The scale, the counters and the window position are the same on
 every replica (every replica records the same all-reduced decisions). The
 window's sums differ per replica, but only their sum over the replicas
-matters (the update all-reduces them): that sum is saved, and a load puts
-it on the first replica, so a window saved under `MirroredStrategy` loads on
-one device and the other way round.
+matters (the update all-reduces them): that sum is saved (for a maximum,
+the maximum over the replicas), and a load puts it on the first replica, so
+a window saved under `MirroredStrategy` loads on one device and the other
+way round.
 """
 
 import warnings
@@ -100,13 +102,14 @@ def collect(rt, strategy):
         state[_MICRO] = _first(acc.micro_step, strategy)
         state[_MASK] = np.asarray(acc.grad_mask, bool)
         state[_REPLICAS] = np.asarray(strategy.num_replicas_in_sync, np.int64)
-        for i, total in enumerate(acc.sums):
+        for i, (total, keeps_max) in enumerate(zip(acc.sums, acc.keeps_max)):
             parts = [
                 np.asarray(part.numpy())
                 for part, count in zip(_local(total, strategy), counts)
                 if count > 0  # a replica that added nothing holds stale sums
             ]
-            state[f"{_SUM}{i}"] = sum(parts) if parts else np.zeros(total.shape, np.float32)
+            combine = np.maximum.reduce if keeps_max else sum
+            state[f"{_SUM}{i}"] = combine(parts) if parts else np.zeros(total.shape, np.float32)
     return state
 
 

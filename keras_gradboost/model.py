@@ -15,6 +15,7 @@ from keras_gradboost import precision as precision_lib
 from keras_gradboost import recompute as recompute_lib
 from keras_gradboost import wrappers
 from keras_gradboost.accumulate import GradientAccumulator
+from keras_gradboost.accumulate import overwrites_with_gradient
 from keras_gradboost.accumulate import sample_count
 from keras_gradboost.locate import as_local_batch
 from keras_gradboost.config import GradBoostConfig
@@ -568,7 +569,8 @@ class GradBoostModel(keras.Model):
         # Accumulators sum n_j * (the replica's mean gradient) over
         # micro-batches. Keras' loss is that mean over `replicas`, so the
         # weight is n * replicas; it goes on the scalar loss (free), or on the
-        # gradients together with the loss-scale division (one pass).
+        # gradients together with the loss-scale division (one pass; see
+        # _weights_gradients).
         weight = n * replicas if rt.config.accumulate_steps > 1 else 1.0
 
         self._prepare_forward(x)
@@ -590,9 +592,13 @@ class GradBoostModel(keras.Model):
         rt.facts.none_gradient_variables = tuple(
             v.path for v, g in zip(variables, grads) if g is None
         )
-        if rt.scaler is not None:
-            factor = weight / rt.scaler.scale
-            grads = [None if g is None else g * tf.cast(factor, g.dtype) for g in grads]
+        if self._weights_gradients():
+            factor = weight if rt.scaler is None else weight / rt.scaler.scale
+            # A value, not a gradient: Keras neither unscales nor weights it.
+            grads = [
+                g if g is None or overwrites_with_gradient(v) else g * tf.cast(factor, g.dtype)
+                for g, v in zip(grads, variables)
+            ]
         self._update(grads, batch_loss, n)
 
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -604,15 +610,28 @@ class GradBoostModel(keras.Model):
 
     def _loss_to_differentiate(self, loss, weight):
         """The loss scaled as the backward pass needs it: the optimizer's own
-        scaling, then the loss scale, or else the accumulation weight."""
+        scaling, then the loss scale, or else the accumulation weight (unless
+        the gradients take it: `_weights_gradients`)."""
         rt = self._gradboost
         if self.optimizer is not None:
             loss = self.optimizer.scale_loss(loss)
         if rt.scaler is not None:
             return loss * tf.cast(rt.scaler.scale, loss.dtype)
-        if rt.config.accumulate_steps > 1:
+        if rt.config.accumulate_steps > 1 and not self._weights_gradients():
             return loss * tf.cast(weight, loss.dtype)
         return loss
+
+    def _weights_gradients(self):
+        """Whether the gradients, not the scalar loss, take the accumulation
+        weight: with a loss scale (the gradients are divided by it anyway),
+        and when a variable takes its "gradient" as its new value
+        (`overwrite_with_gradient`: a float8 layer's output-gradient amax
+        must see the unweighted loss, as Keras' accumulation gives it)."""
+        rt = self._gradboost
+        return rt.scaler is not None or (
+            rt.config.accumulate_steps > 1
+            and any(overwrites_with_gradient(v) for v in self.trainable_weights)
+        )
 
     def _update(self, grads, batch_loss, n):
         """Checks, records and applies (or accumulates) one micro-batch's
