@@ -8,7 +8,9 @@ micro-batches concatenated is
 
 where micro-batch j has n_j samples and mean gradient g_j. Averaging the g_j
 equally (as Keras' own `gradient_accumulation_steps` does) is wrong whenever
-the n_j differ, e.g. for the last, smaller batch of an epoch. Here each replica
+the n_j differ, e.g. for the last, smaller batch of an epoch. With a Keras
+mask on the prediction, Keras divides each batch's loss by its valid entries
+instead, and n_j is that count (`loss_normaliser`). Here each replica
 keeps `sum_j n_j * g_j` and its own `sum_j n_j` in replica-local variables; at
 update time the counts are summed over replicas and the optimizer's usual
 all-reduce sums the accumulated gradients, once per update.
@@ -21,6 +23,7 @@ unweighted values, starting from zeros: `max(0, g_1, ..., g_k)`.
 
 import tensorflow as tf
 
+from keras_gradboost import hooks
 from keras_gradboost.state import replica_local_variable
 
 
@@ -36,6 +39,29 @@ def overwrites_with_gradient(variable):
     """Whether `variable` takes its "gradient" as its new value (Keras'
     public `overwrite_with_gradient`; a `tf.Variable` has none)."""
     return getattr(variable, "overwrite_with_gradient", False)
+
+
+def loss_normaliser(y_pred, n):
+    """What Keras divides a batch's loss by (reduction
+    `"sum_over_batch_size"`): the `n` samples, or the valid entries of the
+    prediction's Keras mask (`Embedding(mask_zero=True)`, `Masking`, a
+    `compute_mask`). Weighting micro-batches by it makes the window equal
+    one large batch: sum_j V_j * (S_j / V_j) / sum_j V_j = sum_j S_j / sum_j V_j.
+
+    Returns:
+        `(normaliser, exact)`: a float32 scalar, and False when the loss is
+        a sum over several outputs of which one is masked (each output is
+        normalised by its own count, which no one weight per micro-batch
+        undoes).
+    """
+    outputs = tf.nest.flatten(y_pred)
+    masks = [hooks.keras_mask(t) for t in outputs]
+    masked = [m for m in masks if m is not None]
+    if not masked:
+        return n, True
+    if len(outputs) > 1:
+        return n, False
+    return tf.reduce_sum(tf.cast(masked[0], tf.float32)), True
 
 
 def sample_count(x):

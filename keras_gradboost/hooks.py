@@ -63,6 +63,16 @@ def compute_loss(model, x, y, y_pred, sample_weight, training=True):
     )
 
 
+def keras_mask(tensor):
+    """The Keras mask a layer attached to `tensor` (an `Embedding(mask_zero=
+    True)`, `Masking` or `compute_mask` of a custom layer), or None. Keras'
+    losses read it (`backend.get_keras_mask`, private) to divide a batch's
+    loss by its valid entries."""
+    from keras.src.backend.common.masking import get_keras_mask
+
+    return get_keras_mask(tensor)
+
+
 def call_has_training_arg(model):
     """Whether `model.call` accepts `training=` (Keras decides this at init)."""
     return model._call_has_training_arg
@@ -231,6 +241,8 @@ def check():
         model.trainable_variables
     )
     assert call_has_training_arg(model) in (True, False)
+    masked = keras.layers.Masking()(tf.constant([[0.0], [1.0]]))
+    assert keras_mask(masked).numpy().tolist() == [False, True]
     assert is_functional(model)
     assert functional_init_arguments((inputs, inputs), {})
     with autocast("bfloat16"):

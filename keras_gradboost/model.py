@@ -16,6 +16,7 @@ from keras_gradboost import recompute as recompute_lib
 from keras_gradboost import wrappers
 from keras_gradboost.accumulate import GradientAccumulator
 from keras_gradboost.accumulate import overwrites_with_gradient
+from keras_gradboost.accumulate import loss_normaliser
 from keras_gradboost.accumulate import sample_count
 from keras_gradboost.locate import as_local_batch
 from keras_gradboost.config import GradBoostConfig
@@ -60,6 +61,7 @@ class _Runtime:
         # Calls of the update traced so far (a class's own train_step must
         # make one when the plan needs it).
         self.updates_traced = 0
+        self.warned_inexact_mask = False
         # Why XLA is off although jit_compile=True or "measure" asked for
         # it: the plan's reason, or one found while training.
         self.xla_blocked = plan.xla_blocked if plan else None
@@ -566,12 +568,6 @@ class GradBoostModel(keras.Model):
             raise RuntimeError("Call `compile()` before training the model.")
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         n = sample_count(x)
-        # Accumulators sum n_j * (the replica's mean gradient) over
-        # micro-batches. Keras' loss is that mean over `replicas`, so the
-        # weight is n * replicas; it goes on the scalar loss (free), or on the
-        # gradients together with the loss-scale division (one pass; see
-        # _weights_gradients).
-        weight = n * replicas if rt.config.accumulate_steps > 1 else 1.0
 
         self._prepare_forward(x)
         with tf.GradientTape() as tape:
@@ -581,6 +577,14 @@ class GradBoostModel(keras.Model):
             )
             batch_loss = loss * replicas if replicas > 1 else loss
             hooks.loss_tracker(self).update_state(batch_loss, sample_weight=n)
+            # Accumulators sum count_j * (the replica's loss gradient) over
+            # micro-batches, count_j being what Keras divided the loss by (the
+            # samples, or a mask's valid entries). Keras' loss is also divided
+            # by `replicas`, so the weight is count * replicas; it goes on the
+            # scalar loss (free), or on the gradients together with the
+            # loss-scale division (one pass).
+            count = self._window_count(y_pred, n)
+            weight = count * replicas if rt.config.accumulate_steps > 1 else 1.0
             loss = self._loss_to_differentiate(loss, weight)
 
         variables = self.trainable_weights
@@ -599,7 +603,7 @@ class GradBoostModel(keras.Model):
                 g if g is None or overwrites_with_gradient(v) else g * tf.cast(factor, g.dtype)
                 for g, v in zip(grads, variables)
             ]
-        self._update(grads, batch_loss, n)
+        self._update(grads, batch_loss, count)
 
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if rt.scaler is not None:
@@ -607,6 +611,26 @@ class GradBoostModel(keras.Model):
             logs["loss_scale"] = rt.scaler.scale.read_value()
             logs["skipped_steps"] = rt.facts.skipped_steps.read_value()
         return logs
+
+    def _window_count(self, y_pred, n):
+        """The micro-batch's weight in its accumulation window: `n` samples,
+        or the valid entries of a masked prediction (see
+        `accumulate.loss_normaliser`); warns when neither is exact."""
+        rt = self._gradboost
+        if rt.config.accumulate_steps == 1:
+            return n
+        count, exact = loss_normaliser(y_pred, n)
+        if not exact and not rt.warned_inexact_mask:
+            rt.warned_inexact_mask = True
+            warnings.warn(
+                f"accumulate_steps={rt.config.accumulate_steps}: the loss sums "
+                "several outputs and one of them is masked; Keras divides each "
+                "output's loss by its own valid entries, which one weight per "
+                "micro-batch cannot undo, so the update differs from one "
+                "large-batch step. Use one masked output, or accumulate_steps=1.",
+                stacklevel=2,
+            )
+        return count
 
     def _loss_to_differentiate(self, loss, weight):
         """The loss scaled as the backward pass needs it: the optimizer's own
