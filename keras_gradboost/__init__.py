@@ -2,11 +2,13 @@
 
 Public API:
     GradBoostModel: a `keras.Model` whose `compile()` adds `accumulate_steps`,
-        `precision`, `loss_scale`, `recompute` and `recompute_check`.
+        `precision`, `loss_scale`, `recompute`, `recompute_check` and
+        `accumulate_check`.
     boost: turns any built Keras model into a GradBoostModel.
     GradBoostConfig: the validated gradboost compile arguments.
     RecomputePlan: what `GradBoostModel.recompute_plan()` returns.
     RecomputeCheckError: raised by `recompute_check=True`.
+    AccumulationCheckError: raised by `accumulate_check=True`.
     JitMeasurement: what `compile(jit_compile="measure")` chose
         (`GradBoostModel.jit_measurement`).
     XLAUnsupportedOpError: XLA cannot compile the training step.
@@ -23,6 +25,7 @@ __version__ = "0.1.0.dev0"
 from keras_gradboost import callbacks
 from keras_gradboost import data
 from keras_gradboost import tracing
+from keras_gradboost.accumulate_check import AccumulationCheckError
 from keras_gradboost.config import GradBoostConfig
 from keras_gradboost.jit_measure import JitMeasurement
 from keras_gradboost.jit_measure import XLAUnsupportedOpError
@@ -34,6 +37,7 @@ from keras_gradboost.recompute import RecomputePlan
 from keras_gradboost.state import StepFacts
 
 __all__ = [
+    "AccumulationCheckError",
     "GradBoostConfig",
     "GradBoostModel",
     "JitMeasurement",

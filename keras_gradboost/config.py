@@ -34,6 +34,9 @@ class GradBoostConfig:
             Lists are stored as tuples. Defaults to `None`.
         recompute_check: whether to compare the gradients with and without
             recompute at the first step. Defaults to `False`.
+        accumulate_check: whether to compare the first accumulation window
+            with one step on its concatenated micro-batches, before its
+            update. Needs `accumulate_steps > 1`. Defaults to `False`.
 
     Raises:
         TypeError: if an argument has the wrong type.
@@ -45,6 +48,7 @@ class GradBoostConfig:
     loss_scale: object = "auto"
     recompute: object = None
     recompute_check: bool = False
+    accumulate_check: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "recompute", _recompute_setting(self.recompute))
@@ -59,6 +63,16 @@ class GradBoostConfig:
                 "drop `recompute_check`."
             )
         self._check_accumulation_and_scale()
+        if not isinstance(self.accumulate_check, bool):
+            raise _invalid(
+                "accumulate_check", self.accumulate_check, "True or False", TypeError
+            )
+        if self.accumulate_check and self.accumulate_steps == 1:
+            raise ValueError(
+                "`accumulate_check=True` compares an accumulation window with "
+                "one large-batch step, but `accumulate_steps` is 1. Set "
+                "`accumulate_steps` > 1 too, or drop `accumulate_check`."
+            )
 
     def _check_accumulation_and_scale(self):
         steps = self.accumulate_steps

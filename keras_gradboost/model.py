@@ -7,6 +7,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_gradboost import accumulate_check
 from keras_gradboost import checkpoint
 from keras_gradboost import guard
 from keras_gradboost import hooks
@@ -52,6 +53,8 @@ class _Runtime:
         # (skipped_steps, checked_steps) at the last epoch end.
         self.last_health = (0, 0)
         self.recompute_check_pending = bool(plan and plan.config.recompute_check)
+        self.accumulate_check_pending = bool(plan and plan.config.accumulate_check)
+        self.window_batches = []  # the first window's batches, for the check
         self.check_wrapper = None  # the train function that runs the check
         # attach_watch(): the attached watches, each in its own list, and the
         # gradient-check setting before the first.
@@ -137,6 +140,7 @@ class GradBoostModel(keras.Model):
         loss_scale="auto",
         recompute=None,
         recompute_check=False,
+        accumulate_check=False,
         **kwargs,
     ):
         """Configures the model for training, with the gradboost options.
@@ -196,6 +200,14 @@ class GradBoostModel(keras.Model):
                 without recompute and once with each block recomputed, and a
                 `RecomputeCheckError` names a block that changes a gradient.
                 Defaults to `False`.
+            accumulate_check: if True, before the first accumulation window's
+                update, its accumulated gradient is compared with the
+                gradient of one step on its micro-batches concatenated (no
+                variable changes); an `AccumulationCheckError` names what it
+                can identify as the cause (BatchNormalization layers, a loss
+                that normalises per batch, a layer with state) and the
+                variables that differ most. Needs `accumulate_steps > 1`.
+                Defaults to `False`.
 
         Raises:
             TypeError: if a gradboost argument or `jit_compile` has the wrong
@@ -212,6 +224,7 @@ class GradBoostModel(keras.Model):
             loss_scale=loss_scale,
             recompute=recompute,
             recompute_check=recompute_check,
+            accumulate_check=accumulate_check,
         )
         plan = TrainPlan.build(config, self, _bind_compile_args(args, kwargs))
         self._apply_plan(plan)
@@ -450,7 +463,8 @@ class GradBoostModel(keras.Model):
             # Decided by itself, or by another measuring function (a
             # NaNWatcher's guarded one): keep only the choice.
             self._keep_choice(base, base.functions[decided.jit_compile])
-        if rt.recompute_check_pending and self.train_function is not rt.check_wrapper:
+        checks_pending = rt.recompute_check_pending or rt.accumulate_check_pending
+        if checks_pending and self.train_function is not rt.check_wrapper:
             _, undo = wrappers.hold_batches(
                 self, before_call=lambda b: self._check(b, undo)
             )
@@ -520,12 +534,37 @@ class GradBoostModel(keras.Model):
         hooks.print_msg(measurement.message())
 
     def _check(self, batches, undo):
+        """Runs the first-step checks before the call of `batches` (the
+        recompute check on the first batch; the accumulation check once the
+        first window is complete, before its update)."""
         rt = self._gradboost
-        undo()
+        local = [as_local_batch(b, self.distribute_strategy) for b in batches]
         if rt.recompute_check_pending:
             rt.recompute_check_pending = False
-            batch = as_local_batch(batches[0], self.distribute_strategy)
-            rt.recompute.check(self, batch)
+            rt.recompute.check(self, local[0])
+        if rt.accumulate_check_pending:
+            self._accumulate_check(local)
+        if not (rt.recompute_check_pending or rt.accumulate_check_pending):
+            undo()
+
+    def _accumulate_check(self, local_batches):
+        rt = self._gradboost
+        steps = rt.config.accumulate_steps
+        acc = rt.accumulator
+        if not rt.window_batches and acc is not None and int(acc.micro_step.numpy()):
+            rt.accumulate_check_pending = False
+            warnings.warn(
+                "accumulate_check=True: the first fit started in the middle of "
+                "an accumulation window (loaded, or left by an earlier fit), "
+                "so there was no whole window to check; nothing was checked.",
+                stacklevel=2,
+            )
+            return
+        rt.window_batches.extend(local_batches)
+        if len(rt.window_batches) >= steps:
+            window, rt.window_batches = rt.window_batches[:steps], []
+            rt.accumulate_check_pending = False
+            accumulate_check.check(self, window)
 
     def _needs_new_accumulator(self):
         rt = self._gradboost

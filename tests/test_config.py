@@ -67,6 +67,7 @@ def test_to_dict_round_trips():
         "loss_scale": None,
         "recompute": None,
         "recompute_check": False,
+        "accumulate_check": False,
     }
     assert GradBoostConfig(**config.to_dict()) == config
     config = GradBoostConfig(recompute=["a", "b*"], recompute_check=True)

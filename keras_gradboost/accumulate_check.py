@@ -1,0 +1,182 @@
+"""`accumulate_check=True`: the first accumulation window's gradient must
+equal the gradient of one step on its micro-batches concatenated."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_gradboost import hooks
+from keras_gradboost import wrappers
+from keras_gradboost.accumulate import loss_normaliser
+from keras_gradboost.accumulate import sample_count
+from keras_gradboost.recompute import mechanism
+
+# Reductions whose weighting by sample (or valid-entry) count is exact.
+_EXACT_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+class AccumulationCheckError(RuntimeError):
+    """Raised when accumulating micro-batches does not give the large-batch
+    gradient.
+
+    Attributes:
+        causes: what the check could identify as the reason, as short
+            sentences (empty when it found none).
+        variables: `(variable path, largest difference)` of the variables
+            whose gradients differ most, largest first.
+    """
+
+    def __init__(self, message, causes, variables):
+        super().__init__(message)
+        self.causes = tuple(causes)
+        self.variables = tuple(variables)
+
+
+def check(model, window, rtol=None):
+    """Compares the accumulated gradient of `window` with one large batch.
+
+    Both sides are computed at the current weights, without changing any
+    variable (moving statistics, seed-generator states and metrics are read
+    through a `StatelessScope`). The accumulated side weights each
+    micro-batch by what Keras divides its loss by (`loss_normaliser`), as
+    the train step does. Random layers (a `SeedGenerator` among their
+    attributes: Dropout, GaussianNoise, random augmentation) act as the
+    identity on both sides: their draws depend on the batch's shape, which
+    is no fault of the accumulation.
+
+    Args:
+        model: the GradBoostModel.
+        window: the window's micro-batches (local, one device).
+        rtol: tolerance relative to each gradient's largest magnitude.
+            Defaults to 1e-4 in float32 and 2e-2 with a mixed policy.
+
+    Raises:
+        AccumulationCheckError: naming the causes found and the variables
+            that differ most.
+    """
+    if rtol is None:
+        rtol = 1e-4 if model.dtype_policy.compute_dtype == "float32" else 2e-2
+    variables = model.trainable_variables
+    state = mechanism.snapshot(model.non_trainable_variables + model.metrics_variables)
+
+    def gradients(x, y, sample_weight):
+        with keras.StatelessScope(state_mapping=state):
+            with tf.GradientTape() as tape:
+                y_pred = model(x, training=True)
+                loss = hooks.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+            count, _ = loss_normaliser(y_pred, sample_count(x))
+        return tape.gradient(loss, variables), count
+
+    run = tf.function(gradients, autograph=False)
+    undo = [wrappers.patch(layer, "call", _identity) for layer in _random_layers(model)]
+    try:
+        accumulated, total = None, 0.0
+        for batch in window:
+            grads, count = run(*keras.utils.unpack_x_y_sample_weight(batch))
+            count = float(count)
+            total += count
+            weighted = [None if g is None else count * np.asarray(g, np.float64) for g in grads]
+            accumulated = weighted if accumulated is None else [
+                a if g is None else a + g for a, g in zip(accumulated, weighted)
+            ]
+        accumulated = [None if a is None else a / max(total, 1e-30) for a in accumulated]
+        large, _ = run(*keras.utils.unpack_x_y_sample_weight(_concatenate(window)))
+    finally:
+        for patch in undo:
+            patch()
+    large = [None if g is None else np.asarray(g, np.float64) for g in large]
+    differing = _differing(variables, large, accumulated, rtol)
+    if differing:
+        causes = _causes(model)
+        shown = ", ".join(f"{path!r} ({diff:.3g})" for path, diff in differing[:3])
+        raise AccumulationCheckError(
+            f"accumulate_check: {len(window)} accumulated micro-batches do not "
+            "give the gradient of one step on them concatenated; the gradients "
+            f"that differ most: {shown} (largest absolute difference; tolerance "
+            f"{rtol:g} of each gradient's largest magnitude). "
+            + (
+                "Causes found: " + " ".join(causes)
+                if causes
+                else "No cause found in the layers or the loss: look for a custom "
+                "loss that divides by a per-batch quantity, or a layer whose "
+                "output for a sample depends on the rest of its batch."
+            )
+            + " Nothing was updated. Fix the cause, or train with "
+            "accumulate_steps=1 and the large batch.",
+            causes,
+            differing,
+        )
+
+
+def _identity(call, inputs, *args, **kwargs):
+    return inputs
+
+
+def _random_layers(model):
+    return [
+        layer
+        for layer in hooks.flatten_layers(model)
+        if any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
+    ]
+
+
+def _concatenate(window):
+    return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *window)
+
+
+def _differing(variables, want, got, rtol):
+    """`(path, difference)` of the gradients that differ from `want` by more
+    than `rtol` of its largest magnitude (inf for a None on one side only),
+    largest first."""
+    found = []
+    for variable, a, b in zip(variables, want, got):
+        if (a is None) != (b is None):
+            found.append((variable.path, float("inf")))
+            continue
+        if a is None:
+            continue
+        difference = float(np.max(np.abs(a - b), initial=0.0))
+        if difference > rtol * float(np.max(np.abs(a), initial=0.0)) + 1e-12:
+            found.append((variable.path, difference))
+    return sorted(found, key=lambda pair: -pair[1])
+
+
+def _causes(model):
+    """What makes k micro-batches differ from one large batch, as far as the
+    layers and the loss show it."""
+    causes = []
+    layers = hooks.flatten_layers(model)
+    bn = [l.name for l in layers if isinstance(l, keras.layers.BatchNormalization)]
+    if bn:
+        causes.append(
+            f"The BatchNormalization layers ({', '.join(map(repr, bn[:4]))}"
+            + (f" and {len(bn) - 4} more" if len(bn) > 4 else "")
+            + ") normalise each micro-batch with its own statistics; use "
+            "LayerNormalization or GroupNormalization."
+        )
+    for loss in tf.nest.flatten(model.loss) if model.loss is not None else []:
+        if not isinstance(loss, keras.losses.Loss):
+            continue
+        own_call = type(loss).__call__ is not keras.losses.Loss.__call__
+        if own_call or loss.reduction not in _EXACT_REDUCTIONS:
+            causes.append(
+                f"The loss {loss.name!r} ({type(loss).__name__}"
+                + (", its own __call__" if own_call else f", reduction={loss.reduction!r}")
+                + ") may normalise per batch; accumulation is exact for "
+                'reduction="sum_over_batch_size" through Loss.call.'
+            )
+    random = _random_layers(model)
+    stateful = [
+        l.name
+        for l in layers
+        if not hooks.child_layers(l)  # a leaf: its own state, not its children's
+        and not isinstance(l, keras.layers.BatchNormalization)
+        and l not in random
+        and l.non_trainable_weights
+    ]
+    if stateful:
+        causes.append(
+            f"Layers with state of their own ({', '.join(map(repr, stateful[:4]))}) may "
+            "compute each sample from batch-wide state."
+        )
+    return causes
