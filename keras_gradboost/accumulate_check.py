@@ -75,7 +75,7 @@ def check(model, window, rtol=None):
             grads, count = run(*keras.utils.unpack_x_y_sample_weight(batch))
             count = float(count)
             total += count
-            weighted = [None if g is None else count * np.asarray(g, np.float64) for g in grads]
+            weighted = [None if g is None else count * _dense(g) for g in grads]
             accumulated = weighted if accumulated is None else [
                 a if g is None else a + g for a, g in zip(accumulated, weighted)
             ]
@@ -84,7 +84,7 @@ def check(model, window, rtol=None):
     finally:
         for patch in undo:
             patch()
-    large = [None if g is None else np.asarray(g, np.float64) for g in large]
+    large = [None if g is None else _dense(g) for g in large]
     differing = _differing(variables, large, accumulated, rtol)
     if differing:
         causes = _causes(model)
@@ -106,6 +106,11 @@ def check(model, window, rtol=None):
             causes,
             differing,
         )
+
+
+def _dense(gradient):
+    """A gradient as a float64 array (an embedding's `IndexedSlices` too)."""
+    return np.asarray(tf.convert_to_tensor(gradient), np.float64)
 
 
 def _identity(call, inputs, *args, **kwargs):

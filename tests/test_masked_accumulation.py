@@ -140,3 +140,41 @@ def test_two_outputs_with_a_mask_warn_that_they_are_not_exact():
         model.fit(ids, [labels, np.zeros((N, 1))], batch_size=8, verbose=0)
     messages = [str(w.message) for w in caught if "masked" in str(w.message)]
     assert len(messages) == 1 and "accumulate_steps=2" in messages[0]
+
+
+# ------------------------------------------------- with the other features
+
+
+def test_masked_window_with_a_dynamic_loss_scale():
+    # A power-of-two scale is exact in float32: the same large batch.
+    model = compile_model(masked_model(GradBoostModel), accumulate_steps=4,
+                          loss_scale="dynamic")
+    ids, labels = data()
+    model.fit(ids, labels, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 1
+    assert max_diff(model, large_batch()) < 1e-6
+
+
+def test_masked_window_skips_a_bad_micro_batch_and_counts_the_rest():
+    from keras_gradboost.callbacks import NaNWatcher
+
+    model = compile_model(masked_model(GradBoostModel), accumulate_steps=4)
+    ids, labels = data()
+    weights = np.ones((N, 1), "float32")
+    weights[9, 0] = np.nan  # micro-batch 2 (rows 8-11): a NaN loss
+    model.fit(ids, labels, sample_weight=weights, batch_size=4, epochs=1, shuffle=False,
+              verbose=0, callbacks=[NaNWatcher(action="skip", verbose=0)])
+    # The reference: one step on the other three micro-batches, whose loss
+    # Keras divides by their own valid entries.
+    keep = np.r_[0:8, 12:16]
+    reference = compile_model(masked_model(keras.Model))
+    reference.train_on_batch(ids[keep], labels[keep])
+    assert max_diff(model, reference.get_weights()) < 1e-6
+
+
+def test_accumulate_check_passes_on_a_masked_model():
+    model = compile_model(masked_model(GradBoostModel), accumulate_steps=4,
+                          accumulate_check=True)
+    ids, labels = data()
+    model.fit(ids, labels, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert max_diff(model, large_batch()) < 1e-6
