@@ -87,6 +87,7 @@ def collect(rt, strategy):
     """The entries to save for a model's runtime state `rt` (empty before
     `compile()`)."""
     state = {}
+    _warn_unsaved(rt)
     if rt.facts is not None:
         for name in _FACTS:
             state[name] = _first(getattr(rt.facts, name), strategy)
@@ -111,6 +112,24 @@ def collect(rt, strategy):
             combine = np.maximum.reduce if keeps_max else sum
             state[f"{_SUM}{i}"] = combine(parts) if parts else np.zeros(total.shape, np.float32)
     return state
+
+
+def _warn_unsaved(rt):
+    """Names what `minimize()` keeps for other optimizers: not saved yet."""
+    others = [state for state in rt.other_states.values() if any(state)]
+    pending = [acc for acc, _ in others if acc is not None and int(acc.micro_step.numpy())]
+    scaled = [scaler for _, scaler in others if scaler is not None and scaler.dynamic]
+    if pending or scaled:
+        warnings.warn(
+            f"Saving: the state minimize() keeps for {len(others)} optimizer(s) "
+            "other than the model's own is not saved"
+            + (f" ({len(pending)} pending accumulation window(s) are lost)" if pending else "")
+            + (f" ({len(scaled)} dynamic loss scale(s) restart at their initial value)"
+               if scaled else "")
+            + ". Save at an epoch's end (windows are applied then) to lose no "
+            "micro-batch.",
+            stacklevel=3,
+        )
 
 
 def _assign_all(variable, value, strategy):
@@ -187,6 +206,7 @@ def _restore_window(model, state, strategy):
     for j, part in enumerate(_local(acc.count, strategy)):
         part.assign(state[_COUNT] if j == 0 else 0.0)
     _assign_all(acc.micro_step, pending, strategy)
+    rt.loaded_window = rt.loaded_window or pending > 0
     saved_replicas = int(state.get(_REPLICAS, strategy.num_replicas_in_sync))
     if saved_replicas != strategy.num_replicas_in_sync and pending:
         warnings.warn(

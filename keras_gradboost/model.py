@@ -49,6 +49,7 @@ class _Runtime:
         # Which trainable variables get a gradient (set at trace time).
         self.grad_mask = None
         self.flush_function = None
+        self.flush_steps = 0  # the windows the flush function applies
         self.in_fit = False
         # (skipped_steps, checked_steps) at the last epoch end.
         self.last_health = (0, 0)
@@ -64,6 +65,15 @@ class _Runtime:
         # Calls of the update traced so far (a class's own train_step must
         # make one when the plan needs it).
         self.updates_traced = 0
+        # minimize() with other optimizers: (accumulator, scaler) per
+        # (optimizer, variables), and their steps for the epoch-end flush.
+        self.other_states = {}
+        self.other_steps = []
+        # Whether the model's own window is in use: the built-in step or
+        # minimize() with the model's optimizer and weights accumulate into
+        # it; a window loaded from a checkpoint waits in it.
+        self.main_window_used = False
+        self.loaded_window = False
         self.warned_inexact_mask = False
         # Why XLA is off although jit_compile=True or "measure" asked for
         # it: the plan's reason, or one found while training.
@@ -488,9 +498,10 @@ class GradBoostModel(keras.Model):
                 f"{type(self).__name__}.train_step, the model's own training "
                 "step, did not go through GradBoostModel's update, so "
                 f"{' and '.join(needs)} would be silently ignored. Let its "
-                "update go through GradBoostModel (call "
-                "`super().train_step(data)`), or compile without these options "
-                "(accumulate_steps=1, loss_scale=None)."
+                "update go through GradBoostModel: call "
+                "`super().train_step(data)`, or `self.minimize(tape, loss, "
+                "variables, optimizer)` for each update; or compile without "
+                "these options (accumulate_steps=1, loss_scale=None)."
             )
         return logs
 
@@ -708,6 +719,7 @@ class GradBoostModel(keras.Model):
         rt.grad_mask = [g is not None for g in grads]
         if accumulating:
             self._accumulator().grad_mask = rt.grad_mask
+            rt.main_window_used = True
         if not check:
             rt.facts.last_step_finite.assign(tf.math.is_finite(batch_loss))
         if not (check or accumulating):
@@ -734,6 +746,145 @@ class GradBoostModel(keras.Model):
             accumulator=rt.accumulator if rt.config.accumulate_steps > 1 else None,
         )
 
+    def minimize(self, tape, loss, variables=None, optimizer=None, count=None):
+        """GradBoostModel's update, for a `train_step` of your own.
+
+        Takes the tape that recorded `loss`, and does what the built-in step
+        does after the forward pass: the loss scale (through the tape's
+        output gradient: no scaled loss needed inside the tape), the
+        gradients, the finiteness check (a non-finite step is dropped and
+        recorded in `step_facts`), and the update, or its accumulation into
+        a window of `accumulate_steps` micro-batches. Each optimizer has its
+        own window and loss scale, so a GAN's two updates are each exact.
+
+        Args:
+            tape: the `tf.GradientTape` that recorded `loss`.
+            loss: the scalar loss, as `compute_loss` returns it (divided by
+                the number of replicas under a distribution strategy).
+            variables: the variables to update. Defaults to
+                `trainable_weights`.
+            optimizer: the optimizer that updates them. Defaults to
+                `self.optimizer`.
+            count: this micro-batch's weight in its window: what the loss
+                was divided by (its samples, or a mask's valid entries).
+                Defaults to `None`: every micro-batch weighs the same (exact
+                for equal micro-batches).
+
+        Raises:
+            RuntimeError: before `compile()`.
+            ValueError: for an optimizer other than `self.optimizer` under a
+                distribution strategy with accumulation or loss scaling (its
+                state cannot be made inside the replicas' step).
+
+        Example:
+
+        ```python
+        import keras
+        import numpy as np
+        import tensorflow as tf
+        import keras_gradboost as kgb
+
+        class TwoOptimizers(kgb.GradBoostModel):
+            def __init__(self):
+                super().__init__()
+                self.a = keras.layers.Dense(1)
+                self.b = keras.layers.Dense(1)
+                self.b_optimizer = keras.optimizers.SGD(0.1)
+
+            def call(self, x):
+                return self.a(x) + self.b(x)
+
+            def train_step(self, data):
+                x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+                with tf.GradientTape() as tape:
+                    loss = keras.ops.mean((self.a(x) - y) ** 2)
+                self.minimize(tape, loss, self.a.trainable_weights)
+                with tf.GradientTape() as tape:
+                    loss = keras.ops.mean((self.b(x) - y) ** 2)
+                self.minimize(tape, loss, self.b.trainable_weights, self.b_optimizer)
+                return {"loss": loss}
+
+        model = TwoOptimizers()
+        model(np.zeros((1, 3), "float32"))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), accumulate_steps=2)
+        model.fit(np.ones((8, 3), "float32"), np.ones((8, 1), "float32"),
+                  batch_size=2, verbose=0)
+        ```
+        """
+        rt = self._gradboost
+        if rt.facts is None:
+            raise RuntimeError("Call `compile()` before training the model.")
+        optimizer = self.optimizer if optimizer is None else optimizer
+        variables = list(self.trainable_weights if variables is None else variables)
+        accumulator, scaler = self._optimizer_state(optimizer, variables)
+        rt.updates_traced += 1
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        count = tf.constant(1.0) if count is None else tf.cast(count, tf.float32)
+        weight = count * replicas if accumulator is not None else tf.constant(1.0)
+        seed = weight if scaler is None else scaler.scale
+        grads = tape.gradient(loss, variables, output_gradients=tf.cast(seed, loss.dtype))
+        if scaler is not None:
+            factor = weight / scaler.scale
+            grads = [None if g is None else g * tf.cast(factor, g.dtype) for g in grads]
+        check = scaler is not None or rt.facts.checks_gradients
+        if not (check or accumulator is not None):
+            optimizer.apply_gradients(zip(grads, variables))
+            return
+        mask = [g is not None for g in grads]
+        if accumulator is not None:
+            accumulator.grad_mask = mask
+        bad = loss_bad = None
+        if check:
+            loss_bad = guard.nonfinite_indicator(loss, [])
+            bad = tf.maximum(loss_bad, guard.nonfinite_indicator(None, grads))
+        step = CrossReplicaStep(
+            lambda g: optimizer.apply_gradients(zip(g, variables)), mask,
+            facts=rt.facts, scaler=scaler, watch=rt.facts.watch, accumulator=accumulator,
+        )
+        step([g for g in grads if g is not None], n=count, bad=bad, loss_bad=loss_bad)
+
+    def _optimizer_state(self, optimizer, variables):
+        """`(accumulator or None, loss scaler or None)` for `minimize()`:
+        the model's own for its optimizer and trainable weights; made once
+        per (optimizer, variables) otherwise."""
+        rt = self._gradboost
+        accumulating = rt.config.accumulate_steps > 1
+        own = optimizer is self.optimizer and [id(v) for v in variables] == [
+            id(v) for v in self.trainable_weights
+        ]
+        if own:
+            rt.main_window_used = rt.main_window_used or accumulating
+            return (self._accumulator() if accumulating else None), rt.scaler
+        key = (id(optimizer), tuple(id(v) for v in variables))
+        if key not in rt.other_states:
+            if not (accumulating or rt.plan.loss_scale):
+                rt.other_states[key] = (None, None)
+            elif tf.distribute.has_strategy():
+                raise ValueError(
+                    "minimize() with an optimizer other than the model's own "
+                    f"({type(optimizer).__name__}) needs its own accumulation "
+                    "window and loss scale, which cannot be made inside the "
+                    "replicas' step of a distribution strategy. Use one "
+                    "device, or accumulate_steps=1 and loss_scale=None."
+                )
+            else:
+                with tf.init_scope():
+                    accumulator = None
+                    if accumulating:
+                        accumulator = GradientAccumulator(variables, rt.config.accumulate_steps)
+                    scaler = None
+                    if rt.plan.loss_scale is not None:
+                        scaler = precision_lib.LossScaler(*rt.plan.loss_scale)
+                rt.other_states[key] = (accumulator, scaler)
+                rt.other_steps.append(
+                    lambda: CrossReplicaStep(
+                        lambda g: optimizer.apply_gradients(zip(g, variables)),
+                        accumulator.grad_mask if accumulator else (),
+                        facts=rt.facts, scaler=scaler, accumulator=accumulator,
+                    )
+                )
+        return rt.other_states[key]
+
     def _prepare_forward(self, x):
         """Settles what the recompute forward needs from the first batch
         (the budget's choice, the input spec); outside any tape."""
@@ -759,15 +910,20 @@ class GradBoostModel(keras.Model):
         yourself after a loop of `train_on_batch`.
         """
         rt = self._gradboost
-        if rt.accumulator is None:
+        others = [make() for make in rt.other_steps]
+        steps = [step for step in others if step.accumulator is not None]
+        if rt.accumulator is not None and (rt.main_window_used or rt.loaded_window):
+            steps.insert(0, self._cross_replica_step())
+        if not steps:
             return
-        if rt.flush_function is None:
+        if rt.flush_function is None or rt.flush_steps != len(steps):
             strategy = self.distribute_strategy
-            step = self._cross_replica_step()
+            rt.flush_steps = len(steps)
 
             def flush():
                 with strategy.scope():
-                    flush_window(strategy, step)
+                    for step in steps:
+                        flush_window(strategy, step)
 
             rt.flush_function = tf.function(flush, autograph=False)
         rt.flush_function()
