@@ -9,6 +9,7 @@ from keras_gradboost import hooks
 from keras_gradboost import wrappers
 from keras_gradboost.accumulate import loss_normaliser
 from keras_gradboost.accumulate import sample_count
+from keras_gradboost.guard import gradient_array
 from keras_gradboost.recompute import mechanism
 
 # Reductions whose weighting by sample (or valid-entry) count is exact.
@@ -75,7 +76,7 @@ def check(model, window, rtol=None):
             grads, count = run(*keras.utils.unpack_x_y_sample_weight(batch))
             count = float(count)
             total += count
-            weighted = [None if g is None else count * _dense(g) for g in grads]
+            weighted = [None if g is None else count * gradient_array(g, np.float64) for g in grads]
             accumulated = weighted if accumulated is None else [
                 a if g is None else a + g for a, g in zip(accumulated, weighted)
             ]
@@ -84,7 +85,7 @@ def check(model, window, rtol=None):
     finally:
         for patch in undo:
             patch()
-    large = [None if g is None else _dense(g) for g in large]
+    large = [None if g is None else gradient_array(g, np.float64) for g in large]
     differing = _differing(variables, large, accumulated, rtol)
     if differing:
         causes = _causes(model)
@@ -106,11 +107,6 @@ def check(model, window, rtol=None):
             causes,
             differing,
         )
-
-
-def _dense(gradient):
-    """A gradient as a float64 array (an embedding's `IndexedSlices` too)."""
-    return np.asarray(tf.convert_to_tensor(gradient), np.float64)
 
 
 def _identity(call, inputs, *args, **kwargs):

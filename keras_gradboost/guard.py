@@ -7,6 +7,7 @@ replicas, and the update it allows, is `step.CrossReplicaStep`.
 
 import threading
 
+import numpy as np
 import tensorflow as tf
 
 from keras_gradboost import hooks
@@ -46,6 +47,12 @@ def gradient_values(gradient):
     if isinstance(gradient, tf.IndexedSlices):
         return gradient.values
     return gradient
+
+
+def gradient_array(gradient, dtype=None):
+    """A gradient as a NumPy array, an `IndexedSlices` (a sparse gradient,
+    e.g. of an embedding) densified first."""
+    return np.asarray(tf.convert_to_tensor(gradient), dtype)
 
 
 def guard_optimizer(optimizer, counter=None, watch=None, losses=None):

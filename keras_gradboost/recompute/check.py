@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gradboost import hooks
+from keras_gradboost.guard import gradient_array
 from keras_gradboost.recompute import mechanism
 
 
@@ -60,7 +61,7 @@ def check(model, setup, batch, rtol=None):
             return tape.gradient(loss, variables)
 
         grads = tf.function(run, autograph=False)(x, y, sample_weight)
-        return [None if g is None else np.asarray(g) for g in grads]
+        return [None if g is None else gradient_array(g) for g in grads]
 
     reference = gradients(())
     names = setup.names()

@@ -1,0 +1,140 @@
+"""keras-hub backbones built from constructor arguments (no weights), as
+users bring them: BERT and GPT-2 with a head. Each feature against its
+independent reference: plain Keras, the large batch, no recompute, a
+planted fault at a known step, the model before saving.
+
+(keras.applications models are in test_model.py and test_checkpoint.py.)
+"""
+
+import numpy as np
+import pytest
+
+import keras
+import keras_gradboost as kgb
+
+keras_hub = pytest.importorskip("keras_hub")
+
+N, T, VOCAB = 16, 12, 50
+
+
+def bert_with_head(seed=0):
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=T, dropout=0.0,
+    )
+    tokens = keras.layers.Dense(3, name="tag_head")(backbone(backbone.input)["sequence_output"])
+    return keras.Model(backbone.input, tokens)
+
+
+def gpt2_with_head(seed=0):
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=T, dropout=0.0,
+    )
+    logits = keras.layers.Dense(VOCAB, name="lm_head")(backbone(backbone.input))
+    return keras.Model(backbone.input, logits)
+
+
+def padded_batch(seed=0, segments=True):
+    """Token ids with padding after a length of 2..T; the padding mask is
+    also the per-token sample weight (as keras-hub's task models use it)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, VOCAB, size=(N, T)).astype("int32")
+    lengths = rng.integers(2, T + 1, size=N)
+    mask = np.arange(T)[None, :] < lengths[:, None]
+    ids[~mask] = 0
+    x = {"token_ids": ids, "padding_mask": mask.astype("int32")}
+    if segments:
+        x["segment_ids"] = np.zeros((N, T), "int32")
+    return x, rng.integers(0, 3, size=(N, T)), mask.astype("float32")
+
+
+def compile_model(model, **kwargs):
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        **kwargs,
+    )
+    return model
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a.get_weights(), b.get_weights()))
+
+
+def test_boosted_bert_trains_exactly_like_plain_keras():
+    x, y, weights = padded_batch()
+    plain = compile_model(bert_with_head())
+    plain.fit(x, y, sample_weight=weights, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    boosted = compile_model(kgb.boost(bert_with_head()))
+    boosted.fit(x, y, sample_weight=weights, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert max_diff(boosted, plain) == 0.0
+
+
+def test_bert_accumulation_with_padding_equals_the_large_batch():
+    x, y, weights = padded_batch()
+    large = compile_model(bert_with_head())
+    large.train_on_batch(x, y, sample_weight=weights)
+    accumulated = compile_model(kgb.boost(bert_with_head()), accumulate_steps=4)
+    accumulated.fit(x, y, sample_weight=weights, batch_size=4, epochs=1, shuffle=False,
+                    verbose=0)
+    assert int(accumulated.optimizer.iterations.numpy()) == 1
+    assert max_diff(accumulated, large) < 1e-5
+    # The same micro-batches applied one by one end far from it.
+    per_batch = compile_model(kgb.boost(bert_with_head()))
+    per_batch.fit(x, y, sample_weight=weights, batch_size=4, epochs=1, shuffle=False,
+                  verbose=0)
+    assert max_diff(per_batch, large) > 1e-3
+
+
+def test_bert_accumulate_check_passes():
+    x, y, weights = padded_batch()
+    model = compile_model(kgb.boost(bert_with_head()), accumulate_steps=4,
+                          accumulate_check=True)
+    model.fit(x, y, sample_weight=weights, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 1
+
+
+def test_gpt2_recompute_equals_no_recompute():
+    x, y, weights = padded_batch(segments=False)
+    y = np.roll(x["token_ids"], -1, axis=1)
+    plain = compile_model(kgb.boost(gpt2_with_head()))
+    plain.fit(x, y, sample_weight=weights, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    recomputed = compile_model(kgb.boost(gpt2_with_head()), recompute="auto",
+                               recompute_check=True)
+    recomputed.fit(x, y, sample_weight=weights, batch_size=8, epochs=1, shuffle=False,
+                   verbose=0)
+    assert recomputed.recompute_plan().recomputed  # something was recomputed
+    assert max_diff(recomputed, plain) < 1e-6
+
+
+def test_gpt2_planted_nan_is_located_at_its_step():
+    x, _, weights = padded_batch(segments=False)
+    y = np.roll(x["token_ids"], -1, axis=1)
+    weights[2 * 4 + 1, 3] = np.nan  # batch 2: a NaN in the loss
+    model = compile_model(kgb.boost(gpt2_with_head()))
+    watcher = kgb.callbacks.NaNWatcher(action="stop", verbose=0)
+    with pytest.raises(kgb.callbacks.NonFiniteError):
+        model.fit(x, y, sample_weight=weights, batch_size=4, epochs=1, shuffle=False,
+                  verbose=0, callbacks=[watcher])
+    assert [(e.step, e.phase) for e in watcher.events] == [(2, "loss")]
+    reference = compile_model(gpt2_with_head())
+    for b in range(2):
+        rows = slice(4 * b, 4 * b + 4)
+        reference.train_on_batch({k: v[rows] for k, v in x.items()}, y[rows],
+                                 sample_weight=weights[rows])
+    assert max_diff(model, reference) < 1e-6  # the weights before step 2
+
+
+def test_boosted_bert_save_and_load_round_trip(tmp_path):
+    x, y, weights = padded_batch()
+    model = compile_model(kgb.boost(bert_with_head()), accumulate_steps=2)
+    model.fit(x, y, sample_weight=weights, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path / "bert.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(loaded, kgb.GradBoostModel)
+    assert loaded.gradboost_config.accumulate_steps == 2
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
