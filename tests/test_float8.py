@@ -67,21 +67,25 @@ def test_the_model_has_float8_scale_and_amax_history_variables():
     )
 
 
-def test_accumulate_steps_equals_keras_gradient_accumulation_steps():
-    x, y = _data()  # 8 micro-batches: two windows of 4
+def _trained_pair(reference_optimizer, **gradboost):
+    """Keras' model with `reference_optimizer`, and the GradBoostModel with
+    plain SGD and the `gradboost` options, both fit on the same data."""
+    x, y = _data()
     reference = _model(keras.Model)
-    reference.compile(
-        optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=4),
-        loss="mse",
-        jit_compile=False,
-    )
+    reference.compile(optimizer=reference_optimizer, loss="mse", jit_compile=False)
     _fit(reference, x, y)
     model = _model(GradBoostModel)
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False,
-        accumulate_steps=4,
-    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False,
+                  **gradboost)
     _fit(model, x, y)
+    return reference, model
+
+
+def test_accumulate_steps_equals_keras_gradient_accumulation_steps():
+    # 8 micro-batches: two windows of 4.
+    reference, model = _trained_pair(
+        keras.optimizers.SGD(0.1, gradient_accumulation_steps=4), accumulate_steps=4
+    )
     assert int(model.optimizer.iterations.numpy()) == 2
     history = np.asarray(model.get_layer("f8").inputs_amax_history)
     # Newest first: the second window's amax, then the first's, rolled last.
@@ -106,20 +110,10 @@ def _keras_scaled_optimizer(loss_scale, accumulate_steps):
 @pytest.mark.parametrize("accumulate_steps", [1, 4])
 @pytest.mark.parametrize("loss_scale", [128.0, "dynamic"])
 def test_loss_scaling_equals_keras_loss_scale_optimizer(loss_scale, accumulate_steps):
-    x, y = _data()
-    reference = _model(keras.Model)
-    reference.compile(
-        optimizer=_keras_scaled_optimizer(loss_scale, accumulate_steps),
-        loss="mse",
-        jit_compile=False,
-    )
-    _fit(reference, x, y)
-    model = _model(GradBoostModel)
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False,
+    reference, model = _trained_pair(
+        _keras_scaled_optimizer(loss_scale, accumulate_steps),
         loss_scale=loss_scale, accumulate_steps=accumulate_steps,
     )
-    _fit(model, x, y)
     scale = 128.0 if loss_scale == 128.0 else 2.0**15
     assert float(reference.optimizer.dynamic_scale.numpy()) == scale  # no overflow
     assert float(model._gradboost.scaler.scale.numpy()) == scale
@@ -166,7 +160,8 @@ def test_a_saved_window_keeps_the_maximum_over_replicas():
             part.assign(value)
     for part in strategy.experimental_local_results(accumulator.count):
         part.assign(8.0)
-    runtime = types.SimpleNamespace(facts=None, scaler=None, accumulator=accumulator)
+    runtime = types.SimpleNamespace(facts=None, scaler=None, accumulator=accumulator,
+                                    other_states={})
     state = checkpoint.collect(runtime, strategy)
     np.testing.assert_array_equal(state["window_sum_0"], [-1.0, 5.0, 2.0])  # max
     np.testing.assert_array_equal(state["window_sum_1"], [-4.0, 6.0, -2.0])  # sum

@@ -83,13 +83,16 @@ def test_stop_on_a_nan_loss_with_finite_gradients(cls):
     assert_weights(model, reference(x, y, range(BAD_STEP)))
 
 
-def test_skip_drops_the_step_whose_loss_is_nan():
-    model = softmax_model()
+def assert_skips_only_the_bad_step(model):
     x, y = data()
     history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
                         callbacks=[NaNWatcher(action="skip", verbose=0)])
     assert history.history["nonfinite_steps"] == [1.0]
     assert_weights(model, reference(x, y, [b for b in range(8) if b != BAD_STEP]))
+
+
+def test_skip_drops_the_step_whose_loss_is_nan():
+    assert_skips_only_the_bad_step(softmax_model())
 
 
 def test_mirrored_strategy_each_replica_judges_its_own_loss():
@@ -97,8 +100,4 @@ def test_mirrored_strategy_each_replica_judges_its_own_loss():
     # loss is finite: the step is still bad for both.
     with shared_mirrored_strategy().scope():
         model = softmax_model()
-    x, y = data()
-    history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
-                        callbacks=[NaNWatcher(action="skip", verbose=0)])
-    assert history.history["nonfinite_steps"] == [1.0]
-    assert_weights(model, reference(x, y, [b for b in range(8) if b != BAD_STEP]))
+    assert_skips_only_the_bad_step(model)
