@@ -1153,12 +1153,20 @@ def _boost_in_place(model):
     reach GradBoostModel before keras.Model."""
     cls = type(model)
     if cls not in _BOOSTED_CLASSES:
-        _BOOSTED_CLASSES[cls] = type(
+        boosted = type(
             cls.__name__,
             (cls, GradBoostModel),
             {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
              "__doc__": cls.__doc__},
         )
+        registered = keras.saving.get_registered_name(cls)
+        if registered != cls.__name__:
+            # Saved under the class's own registered name, and loaded as the
+            # boosted class (with its gradboost compile options): a saved
+            # model of this class comes back as it was saved.
+            package, _, name = registered.rpartition(">")
+            keras.saving.register_keras_serializable(package, name)(boosted)
+        _BOOSTED_CLASSES[cls] = boosted
     model.__class__ = _BOOSTED_CLASSES[cls]
     model._gradboost = _Runtime()
     return model

@@ -194,3 +194,26 @@ def test_nan_watcher_guards_a_boosted_model_with_its_own_step(make):
     reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     reference.fit(x[:20], y[:20], batch_size=4, epochs=1, shuffle=False, verbose=0)
     assert max_weight_diff(model, reference) == 0.0  # the weights before step 5
+
+
+@keras.saving.register_keras_serializable(package="test_own_steps")
+class SavedStepModel(HalfStepModel):
+    """HalfStepModel, registered as a user registers a class to save it."""
+
+
+def test_a_boosted_model_with_its_own_step_saves_and_loads(tmp_path):
+    model = boost(functional(SavedStepModel))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=1,
+                  precision="float32")
+    fit(model, epochs=1)
+    path = str(tmp_path / "own_step.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(loaded, SavedStepModel) and isinstance(loaded, GradBoostModel)
+    assert loaded.gradboost_config.precision == "float32"
+    x, _ = data()
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    fit(loaded, epochs=1)
+    fit(model, epochs=1)
+    assert int(loaded.calls.numpy()) == int(model.calls.numpy()) == 16  # its own step
+    assert max_weight_diff(loaded, model) == 0.0
