@@ -163,6 +163,9 @@ class GradBoostModel(keras.Model):
                 `"auto"` or `None`. Sets the dtype policy of every layer of the
                 (possibly already built) model; variables stay float32 and,
                 with a mixed policy, the output layers compute in float32.
+                Ids in a float input reach `Embedding` and the other layers
+                that read indices (`precision.INDEX_LAYERS`) as given: the
+                layers on their way do not cast them.
                 `"auto"` picks mixed_float16 on a GPU and, on a CPU,
                 mixed_bfloat16 when the CPU has bfloat16 instructions and XLA
                 is off, else float32.

@@ -100,22 +100,144 @@ def output_layers(model):
     return found
 
 
+# Layers that read their inputs as indices (or hash or look up their exact
+# values). Ids carried in a float input (keras.io text models feed them as a
+# float32 `Input`) must reach them as given: bfloat16 holds integers exactly
+# only up to 256 (1366 of the ids 1..1999 change), float16 up to 2048.
+INDEX_LAYERS = (
+    keras.layers.Embedding,
+    keras.layers.CategoryEncoding,
+    keras.layers.IntegerLookup,
+    keras.layers.StringLookup,
+    keras.layers.Hashing,
+    keras.layers.HashedCrossing,
+)
+
+
+def index_input_layers(model):
+    """The layers of `model` that may carry ids on their way to an
+    `INDEX_LAYERS` layer, and would cast them under a mixed policy.
+
+    A layer casts its float inputs to its compute dtype in `__call__`
+    (Keras' `Layer.__call__`; an `Embedding` itself does not, nor do a
+    Functional model or the preprocessing layers). The ids pass through:
+    - every layer that holds an index layer (a custom layer such as a
+      token-and-position embedding, a subclassed model, `boost()`'s wrapper),
+      and its sub-layers without weights (a `Reshape` or `Lambda` inside a
+      subclassed call, whose data flow is not known);
+    - in a functional graph (or a Sequential), the layers without weights
+      between a float input and a layer of the above (`Reshape`, `Lambda`,
+      `Concatenate`, ...). A layer with weights computes: its inputs are
+      activations, not ids.
+
+    Returns:
+        The layers, each once, that cast a float input to float16 or
+        bfloat16 now.
+    """
+    holders = {}
+
+    def holds(layer):
+        if id(layer) not in holders:
+            holders[id(layer)] = False  # a layer reached again while visited
+            found = isinstance(layer, INDEX_LAYERS)
+            for child in hooks.child_layers(layer):
+                found = holds(child) or found
+            holders[id(layer)] = found
+        return holders[id(layer)]
+
+    holds(model)
+    found = []
+    for layer in hooks.flatten_layers(model, include_self=True):
+        if not holders.get(id(layer)):
+            continue
+        found.append(layer)
+        if hooks.is_functional(layer):
+            found.extend(_graph_path(hooks.functional_nodes(layer), holders))
+        elif isinstance(layer, keras.Sequential):
+            found.extend(_sequential_path(layer.layers, holders))
+        else:
+            for child in hooks.child_layers(layer):
+                if not child.weights:
+                    found.extend(hooks.flatten_layers(child, include_self=True))
+    unique = {id(layer): layer for layer in found}
+    return [layer for layer in unique.values() if _casts_to_half(layer)]
+
+
+def _graph_path(nodes, holders):
+    """The weightless layers of a functional graph through which a float
+    tensor reaches a layer in `holders` (see `index_input_layers`)."""
+    produced = {id(t): (layer, ins) for layer, ins, outs in nodes for t in outs}
+    stack = [t for layer, ins, _ in nodes if holders.get(id(layer)) for t in ins]
+    found, seen = [], set()
+    while stack:
+        tensor = stack.pop()
+        if id(tensor) in seen or not keras.backend.is_float_dtype(tensor.dtype):
+            continue
+        seen.add(id(tensor))
+        if id(tensor) not in produced:
+            continue  # a model input
+        layer, ins = produced[id(tensor)]
+        if isinstance(layer, keras.layers.Layer):
+            if layer.weights:
+                continue
+            found.append(layer)
+        stack.extend(ins)  # a plain op (slicing, cast) casts nothing
+    return found
+
+
+def _sequential_path(layers, holders):
+    """The weightless layers of a Sequential just before a layer in
+    `holders`."""
+    found = []
+    for i, layer in enumerate(layers):
+        if holders.get(id(layer)):
+            j = i - 1
+            while j >= 0 and not layers[j].weights:
+                found.append(layers[j])
+                j -= 1
+    return found
+
+
+def _casts_to_half(layer):
+    return (
+        layer.autocast
+        and hooks.casts_inputs(layer)
+        and layer.input_dtype in ("float16", "bfloat16")
+    )
+
+
 def apply_policy(model, policy):
     """Sets `policy` on every layer of `model`, built or not.
 
     Variables keep their dtype (mixed policies store variables in float32).
     With a mixed policy the output layers stay float32, as the Keras
     mixed-precision guide advises (a float16 softmax, or a float16 logit over
-    65504, breaks the loss). Quantized layers keep their policy.
+    65504, breaks the loss). Quantized layers keep their policy, and so do
+    layers with an integer policy (`Hashing` and `HashedCrossing` output
+    int64 bins: a float policy would make them float).
+
+    Ids reach the layers that read them as indices (`INDEX_LAYERS`) exactly
+    as given, as without a policy: the layers that would cast them on the way
+    (`index_input_layers`) pass their inputs on uncast
+    (`hooks.keep_input_dtypes`); their dtype policy, the autocasting of their
+    variables, and the layers they call, are unchanged.
 
     Returns:
         The names of the layers kept in float32.
     """
+    layers = hooks.flatten_layers(model, include_self=True)
+    for layer in layers:
+        hooks.keep_input_dtypes(layer, keep=False)  # an earlier compile's
     kept = output_layers(model) if policy.startswith("mixed") else []
-    for layer in hooks.flatten_layers(model, include_self=True):
-        if layer.dtype_policy.quantization_mode is not None:
+    for layer in layers:
+        policy_of_layer = layer.dtype_policy
+        if policy_of_layer.quantization_mode is not None or not (
+            keras.backend.is_float_dtype(policy_of_layer.compute_dtype)
+        ):
             continue
         layer.dtype_policy = "float32" if layer in kept else policy
+    for layer in index_input_layers(model):
+        hooks.keep_input_dtypes(layer)
     return [l.name for l in kept]
 
 
