@@ -7,6 +7,7 @@ in one named test instead of somewhere deep inside a training step.
 """
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 
@@ -40,6 +41,47 @@ def functional_nodes(model):
                 (node.operation, list(node.input_tensors), list(node.output_tensors))
             )
     return calls
+
+
+# Where `keep_input_dtypes` keeps what it changed, to undo it.
+_KEPT_INPUTS = "_keras_gradboost_kept_inputs"
+
+
+def casts_inputs(layer):
+    """Whether `layer.__call__` converts its inputs through its dtype policy
+    (a mixed policy casts float inputs to the compute dtype) before `call`.
+
+    Reads the private `Layer._convert_input_args`. Keras sets it False on a
+    Functional model (it converts each input to its `Input`'s dtype itself)
+    and on its preprocessing layers (lookups, hashing, category encoding).
+    """
+    return bool(layer._convert_input_args)
+
+
+def keep_input_dtypes(layer, keep=True):
+    """Makes `layer.__call__` pass its inputs to `call` as given (`keep=True`),
+    as Keras does for a Functional model, or undoes that (`keep=False`).
+
+    Sets the private `Layer._convert_input_args` to False, and
+    `_allow_non_tensor_positional_args` to True (as a Functional has it: a
+    NumPy array, no longer converted, reaches `call` as it is). The layer's
+    dtype policy, the autocasting of its variables and its sub-layers' own
+    input casting are left as they are. Undoing restores both attributes.
+    """
+    kept = getattr(layer, _KEPT_INPUTS, None)
+    if keep and kept is None:
+        setattr(layer, _KEPT_INPUTS, (layer._convert_input_args,
+                                      layer._allow_non_tensor_positional_args))
+        layer._convert_input_args = False
+        layer._allow_non_tensor_positional_args = True
+    elif not keep and kept is not None:
+        layer._convert_input_args, layer._allow_non_tensor_positional_args = kept
+        delattr(layer, _KEPT_INPUTS)
+
+
+def keeps_input_dtypes(layer):
+    """Whether `keep_input_dtypes` is in force on `layer`."""
+    return getattr(layer, _KEPT_INPUTS, None) is not None
 
 
 def loss_tracker(model):
@@ -236,6 +278,14 @@ def check():
     (layer, ins, outs), = functional_nodes(model)
     assert layer is model.layers[1] and ins[0] is inputs and outs == model.outputs
     assert isinstance(loss_tracker(model), keras.metrics.Mean)
+    passthrough = keras.layers.Reshape((1,), dtype="mixed_bfloat16")
+    assert casts_inputs(passthrough) and not casts_inputs(model)
+    assert passthrough(tf.constant([[257.0]])).dtype == tf.bfloat16
+    keep_input_dtypes(passthrough)
+    assert not casts_inputs(passthrough) and keeps_input_dtypes(passthrough)
+    assert float(passthrough(np.array([[257.0]], "float32"))[0, 0]) == 257.0
+    keep_input_dtypes(passthrough, keep=False)
+    assert casts_inputs(passthrough) and not keeps_input_dtypes(passthrough)
     model.optimizer.build(model.trainable_variables)
     assert optimizer_trainable_variables(model.optimizer) == list(
         model.trainable_variables

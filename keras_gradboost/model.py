@@ -180,6 +180,13 @@ class GradBoostModel(keras.Model):
                 `"auto"` or `None`. Sets the dtype policy of every layer of the
                 (possibly already built) model; variables stay float32 and,
                 with a mixed policy, the output layers compute in float32.
+                Ids in a float input reach `Embedding` and the other layers
+                that read indices (`precision.INDEX_LAYERS`) as given where a
+                functional or Sequential graph shows the way (the layers on
+                it, and a layer there whose only input they are, do not cast
+                them); a subclassed model casts its float inputs as in plain
+                Keras, and float ids so cast are refused with a `ValueError`
+                (feed int ids). See `precision.apply_policy`.
                 `"auto"` picks mixed_float16 on a GPU and, on a CPU,
                 mixed_bfloat16 when the CPU has bfloat16 instructions and XLA
                 is off, else float32.

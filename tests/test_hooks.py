@@ -5,6 +5,7 @@ it is the only module that touches Keras internals.
 """
 
 import numpy as np
+import pytest
 
 import keras
 from conftest import nested_model
@@ -63,6 +64,35 @@ def test_functional_class_and_detection():
     assert hooks.functional_init_arguments((1, 2), {})
     assert hooks.functional_init_arguments((), {"inputs": 1, "outputs": 2})
     assert not hooks.functional_init_arguments((), {"name": "x"})
+
+
+def test_keep_input_dtypes_stops_the_policy_cast_and_undoes():
+    """A mixed-policy layer casts a float32 input (bfloat16 turns 257 into
+    256); kept, it passes it on as given, a NumPy array included."""
+    layer = keras.layers.Reshape((2,), dtype="mixed_bfloat16")
+    x = np.array([[257.0, 1999.0]], "float32")
+    assert hooks.casts_inputs(layer)
+    assert not hooks.casts_inputs(_model())  # a Functional converts itself
+    assert not hooks.casts_inputs(keras.layers.IntegerLookup(vocabulary=[1]))
+    cast = layer(keras.ops.convert_to_tensor(x))
+    assert cast.dtype == "bfloat16"
+    assert keras.ops.convert_to_numpy(keras.ops.cast(cast, "float32")).tolist() == [
+        [256.0, 2000.0]
+    ]
+
+    hooks.keep_input_dtypes(layer)
+    assert hooks.keeps_input_dtypes(layer) and not hooks.casts_inputs(layer)
+    for given in (x, keras.ops.convert_to_tensor(x)):
+        kept = layer(given)
+        assert kept.dtype == "float32"
+        assert keras.ops.convert_to_numpy(kept).tolist() == x.tolist()
+    assert layer.dtype_policy.name == "mixed_bfloat16"
+
+    hooks.keep_input_dtypes(layer, keep=False)
+    assert hooks.casts_inputs(layer) and not hooks.keeps_input_dtypes(layer)
+    assert layer(keras.ops.convert_to_tensor(x)).dtype == "bfloat16"
+    with pytest.raises(ValueError, match="Only input tensors"):
+        layer([[1.0, 2.0]])  # non-tensor positional arguments refused again
 
 
 def test_check_runs_every_hook():
