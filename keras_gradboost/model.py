@@ -181,7 +181,7 @@ class GradBoostModel(keras.Model):
                 (possibly already built) model; variables stay float32 and,
                 with a mixed policy, the output layers compute in float32.
                 Ids in a float input reach `Embedding` and the other layers
-                that read indices (`precision.INDEX_LAYERS`) as given where a
+                that read indices (`precision_ids.INDEX_LAYERS`) as given where a
                 functional or Sequential graph shows the way (the layers on
                 it, and a layer there whose only input they are, do not cast
                 them); a subclassed model casts its float inputs as in plain

@@ -27,6 +27,7 @@ from keras_gradboost import GradBoostModel
 from keras_gradboost import boost
 from keras_gradboost import hooks
 from keras_gradboost import precision as precision_lib
+from keras_gradboost import precision_ids
 from keras_gradboost import wrappers
 
 LENGTH = 4
@@ -350,7 +351,7 @@ def test_models_without_index_layers_keep_every_input_cast():
     x = keras.layers.Reshape((LENGTH,))(inputs)
     model = boost(keras.Model(inputs, keras.layers.Dense(3)(Block()(x))))
     _compile(model, "mixed_bfloat16")
-    assert precision_lib.index_input_layers(model) == []
+    assert precision_ids.index_input_layers(model) == []
     assert not any(hooks.keeps_input_dtypes(l) for l in hooks.flatten_layers(model))
     assert not any(wrappers.patches(l, "call") for l in hooks.flatten_layers(model))
 
@@ -594,5 +595,5 @@ def test_a_functional_graph_holder_of_features_casts_as_in_plain_keras(form):
     model.fit(x, np.ones((8, 3), "float32"), batch_size=8, verbose=0)
     reference.set_weights(model.get_weights())
     np.testing.assert_array_equal(model.predict(x, verbose=0), reference.predict(x, verbose=0))
-    assert precision_lib.index_input_layers(model) == []
+    assert precision_ids.index_input_layers(model) == []
     assert not any(hooks.keeps_input_dtypes(l) for l in hooks.flatten_layers(model))
