@@ -122,6 +122,15 @@ def _random_layers(model):
 
 
 def _concatenate(window):
+    shapes = {tuple(tuple(t.shape[1:]) for t in tf.nest.flatten(b) if t is not None)
+              for b in window}
+    if len(shapes) > 1:
+        raise ValueError(
+            "accumulate_check=True needs the window's micro-batches to have one "
+            f"shape besides the batch size, to compare them with their "
+            f"concatenation; these have {len(shapes)} (e.g. sequences padded "
+            "per batch). Pad to one length for the check, or drop it."
+        )
     return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *window)
 
 
@@ -137,7 +146,9 @@ def _differing(variables, want, got, rtol):
         if a is None:
             continue
         difference = float(np.max(np.abs(a - b), initial=0.0))
-        if difference > rtol * float(np.max(np.abs(a), initial=0.0)) + 1e-12:
+        if not np.isfinite(difference) or difference > rtol * float(
+            np.max(np.abs(a), initial=0.0)
+        ) + 1e-12:
             found.append((variable.path, difference))
     return sorted(found, key=lambda pair: -pair[1])
 

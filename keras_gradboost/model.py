@@ -677,17 +677,35 @@ class GradBoostModel(keras.Model):
         if rt.config.accumulate_steps == 1:
             return n
         count, exact = loss_normaliser(y_pred, n)
-        if not exact and not rt.warned_inexact_mask:
+        if count is n:
+            if not exact:
+                self._warn_inexact_mask(
+                    "the loss sums several outputs and one of them is masked; "
+                    "Keras divides each output's loss by its own valid entries, "
+                    "which one weight per micro-batch cannot undo"
+                )
+            return n
+        unknown = _losses_that_may_ignore_the_mask(self)
+        if unknown:
+            # Only Keras' own Loss.__call__ divides by the valid entries.
+            self._warn_inexact_mask(
+                f"the prediction is masked, but {unknown} may not divide the "
+                "loss by the mask's valid entries as Keras' losses do; the "
+                "micro-batches are weighted by their samples"
+            )
+            return n
+        return count
+
+    def _warn_inexact_mask(self, reason):
+        rt = self._gradboost
+        if not rt.warned_inexact_mask:
             rt.warned_inexact_mask = True
             warnings.warn(
-                f"accumulate_steps={rt.config.accumulate_steps}: the loss sums "
-                "several outputs and one of them is masked; Keras divides each "
-                "output's loss by its own valid entries, which one weight per "
-                "micro-batch cannot undo, so the update differs from one "
-                "large-batch step. Use one masked output, or accumulate_steps=1.",
-                stacklevel=2,
+                f"accumulate_steps={rt.config.accumulate_steps}: {reason}, so "
+                "the update may differ from one large-batch step (check it "
+                "with accumulate_check=True).",
+                stacklevel=3,
             )
-        return count
 
     def _loss_to_differentiate(self, loss, weight):
         """The loss scaled as the backward pass needs it: the optimizer's own
@@ -774,8 +792,7 @@ class GradBoostModel(keras.Model):
                 `self.optimizer`.
             count: this micro-batch's weight in its window: what the loss
                 was divided by (its samples, or a mask's valid entries).
-                Defaults to `None`: every micro-batch weighs the same (exact
-                for equal micro-batches).
+                Needed with `accumulate_steps > 1`. Defaults to `None`.
 
         Raises:
             RuntimeError: before `compile()`.
@@ -805,10 +822,12 @@ class GradBoostModel(keras.Model):
                 x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
                 with tf.GradientTape() as tape:
                     loss = keras.ops.mean((self.a(x) - y) ** 2)
-                self.minimize(tape, loss, self.a.trainable_weights)
+                count = tf.shape(x)[0]  # what the mean divides by
+                self.minimize(tape, loss, self.a.trainable_weights, count=count)
                 with tf.GradientTape() as tape:
                     loss = keras.ops.mean((self.b(x) - y) ** 2)
-                self.minimize(tape, loss, self.b.trainable_weights, self.b_optimizer)
+                self.minimize(tape, loss, self.b.trainable_weights,
+                              self.b_optimizer, count=count)
                 return {"loss": loss}
 
         model = TwoOptimizers()
@@ -825,6 +844,14 @@ class GradBoostModel(keras.Model):
         variables = list(self.trainable_weights if variables is None else variables)
         accumulator, scaler = self._optimizer_state(optimizer, variables)
         rt.updates_traced += 1
+        if accumulator is not None and count is None:
+            raise ValueError(
+                "minimize() with accumulate_steps="
+                f"{rt.config.accumulate_steps} needs `count`: what the loss was "
+                "divided by for this micro-batch (its samples, e.g. "
+                "`tf.shape(x)[0]`, or a mask's valid entries), so that a "
+                "smaller last batch weighs what it weighs in the large batch."
+            )
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         count = tf.constant(1.0) if count is None else tf.cast(count, tf.float32)
         weight = count * replicas if accumulator is not None else tf.constant(1.0)
@@ -1151,6 +1178,22 @@ def own_steps(model):
 
 
 _BOOSTED_CLASSES = {}
+
+
+def _losses_that_may_ignore_the_mask(model):
+    """What in `model`'s loss does not go through Keras' own
+    `Loss.__call__` with a reduction that divides by the valid entries (its
+    own `compute_loss`, a Loss with its own `__call__` or another
+    reduction), named; "" when every loss does."""
+    if "compute_loss" in own_steps(model):
+        return f"{type(model).__name__}.compute_loss"
+    for loss in tf.nest.flatten(model.loss) if model.loss is not None else []:
+        if isinstance(loss, keras.losses.Loss) and (
+            type(loss).__call__ is not keras.losses.Loss.__call__
+            or loss.reduction not in ("sum_over_batch_size", "mean")
+        ):
+            return f"the loss {loss.name!r} ({type(loss).__name__})"
+    return ""
 
 
 def _boost_in_place(model):

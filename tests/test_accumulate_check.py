@@ -104,3 +104,15 @@ def test_bad_arguments_name_accumulate_check():
         model.compile(optimizer="sgd", loss="mse", accumulate_check=True)
     with pytest.raises(TypeError, match="accumulate_check"):
         model.compile(optimizer="sgd", loss="mse", accumulate_steps=2, accumulate_check="yes")
+
+
+def test_micro_batches_of_different_shapes_are_named():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((None,), dtype="int32")
+    h = keras.layers.Embedding(10, 4, mask_zero=True)(inputs)
+    model = GradBoostModel(inputs, keras.layers.Dense(1)(h))
+    model.compile(optimizer="sgd", loss="mse", accumulate_steps=2, accumulate_check=True)
+    windows = [(np.ones((2, length), "int32"), np.zeros((2, length, 1), "float32"))
+               for length in (3, 5)]
+    with pytest.raises(ValueError, match="one shape besides the batch size"):
+        model.fit((w for w in windows * 2), steps_per_epoch=2, verbose=0)

@@ -178,3 +178,23 @@ def test_accumulate_check_passes_on_a_masked_model():
     ids, labels = data()
     model.fit(ids, labels, batch_size=4, epochs=1, shuffle=False, verbose=0)
     assert max_diff(model, large_batch()) < 1e-6
+
+
+class OwnMeanLoss(GradBoostModel):
+    """Its own compute_loss: a mean over every entry, padding included."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        labels = keras.ops.one_hot(y, 3)
+        return keras.ops.mean(keras.ops.square(y_pred - labels))
+
+
+def test_a_loss_that_ignores_the_mask_is_weighted_by_samples_and_warns():
+    ids, labels = data()
+    model = compile_model(masked_model(OwnMeanLoss), accumulate_steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(ids, labels, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert any("OwnMeanLoss.compute_loss" in str(w.message) for w in caught)
+    reference = compile_model(masked_model(OwnMeanLoss))
+    reference.fit(ids, labels, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert max_diff(model, reference.get_weights()) < 1e-6  # its mean divides by samples

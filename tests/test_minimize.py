@@ -17,7 +17,7 @@ class TwoOptimizers(GradBoostModel):
     """Two heads, each with its own loss and optimizer (as a GAN's
     generator and discriminator), updated by `minimize()`."""
 
-    def __init__(self, counts=False, **kwargs):
+    def __init__(self, counts=True, **kwargs):
         super().__init__(**kwargs)
         self.a = keras.layers.Dense(3, name="a")
         self.b = keras.layers.Dense(3, activation="tanh", name="b")
@@ -39,7 +39,7 @@ class TwoOptimizers(GradBoostModel):
         return {"loss_a": loss_a, "loss_b": loss_b}
 
 
-def two(counts=False, **compile_kwargs):
+def two(counts=True, **compile_kwargs):
     keras.utils.set_random_seed(0)
     model = TwoOptimizers(counts=counts)
     model(np.zeros((1, 5), "float32"))
@@ -76,7 +76,7 @@ def test_both_optimizers_accumulate_exactly():
 
 def test_an_uneven_last_window_with_counts():
     # 28 samples in micro-batches of 8: windows (8, 8, 8, 4) at the epoch's end.
-    accumulated = fit(two(counts=True, accumulate_steps=4, loss_scale=None), batch_size=8, n=28)
+    accumulated = fit(two(accumulate_steps=4, loss_scale=None), batch_size=8, n=28)
     large = fit(two(loss_scale=None), batch_size=28, n=28)
     assert accumulated.b_optimizer.iterations.numpy() == 2
     assert diff(accumulated, large) < 2e-6
@@ -116,3 +116,9 @@ def test_saving_names_the_windows_it_cannot_keep(tmp_path):
         warnings.simplefilter("always")
         model.save_weights(str(tmp_path / "two.weights.h5"))
     assert any("pending accumulation window" in str(w.message) for w in caught)
+
+
+def test_accumulating_without_a_count_is_refused():
+    model = two(counts=False, accumulate_steps=2, loss_scale=None)
+    with pytest.raises(ValueError, match="needs `count`"):
+        fit(model, batch_size=4, epochs=1)
