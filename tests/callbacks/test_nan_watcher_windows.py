@@ -95,24 +95,32 @@ def test_restore_starts_a_fresh_window_after_the_roll_back(position):
     assert diff < 1e-6
 
 
+def _restored_and_fresh_adam(make, make_reference, bad_step):
+    """Fits `make()` (Adam 0.01) with a restoring watcher over 8 batches, a
+    NaN at `bad_step`; returns it and the reference: `make_reference()` with
+    a fresh Adam at half the learning rate, trained from the step after the
+    one that ran halted."""
+    x, y = _data(bad_step, batches=8)
+    model = make()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    watcher = NaNWatcher(action="restore", verbose=0, lr_factor=0.5)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[watcher])
+    assert [(e.step, e.action_taken) for e in watcher.events] == [(bad_step, "restored")]
+    ref = make_reference()
+    ref.compile(optimizer=keras.optimizers.Adam(0.005), loss="mse")
+    for step in range(bad_step + 2, 8):  # the step after the bad one ran halted
+        rows = slice(step * BATCH, (step + 1) * BATCH)
+        ref.train_on_batch(x[rows], y[rows])
+    return model, ref
+
+
 @pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
 def test_restore_in_the_first_epoch_rolls_back_the_optimizer_too(cls):
     # A NaN in the first epoch (the common case: a learning rate too high):
     # the roll-back must reset Adam's moments and step count as well, so the
     # run goes on exactly like a fresh Adam at half the learning rate.
     bad_step = 2
-    x, y = _data(bad_step, batches=8)
-    model = _model(cls)
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    watcher = NaNWatcher(action="restore", verbose=0, lr_factor=0.5)
-    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[watcher])
-    assert [(e.step, e.action_taken) for e in watcher.events] == [(bad_step, "restored")]
-
-    ref = _model()
-    ref.compile(optimizer=keras.optimizers.Adam(0.005), loss="mse")
-    for step in range(bad_step + 2, 8):  # the step after the bad one ran halted
-        rows = slice(step * BATCH, (step + 1) * BATCH)
-        ref.train_on_batch(x[rows], y[rows])
+    model, ref = _restored_and_fresh_adam(lambda: _model(cls), _model, bad_step)
     weight_diff = max_weight_diff(model, ref)
     assert weight_diff < 1e-6
     assert int(model.optimizer.iterations.numpy()) == 8 - bad_step - 2
@@ -133,16 +141,7 @@ def test_restore_on_a_model_built_by_its_first_step():
              BadLog(name="fault"), keras.layers.Dense(2, name="out")]
         )
 
-    model = sequential()
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    watcher = NaNWatcher(action="restore", verbose=0, lr_factor=0.5)
-    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[watcher])
-    assert [(e.step, e.action_taken) for e in watcher.events] == [(bad_step, "restored")]
-    ref = sequential()
-    ref.compile(optimizer=keras.optimizers.Adam(0.005), loss="mse")
-    for step in range(bad_step + 2, 8):
-        rows = slice(step * BATCH, (step + 1) * BATCH)
-        ref.train_on_batch(x[rows], y[rows])
+    model, ref = _restored_and_fresh_adam(sequential, sequential, bad_step)
     diff = max_weight_diff(model, ref)
     assert diff < 1e-6
     clean = sequential()  # and a clean fit with the watcher just trains
