@@ -21,6 +21,7 @@ Keras' `gradient_accumulation_steps` does, the elementwise maximum of the
 unweighted values, starting from zeros: `max(0, g_1, ..., g_k)`.
 """
 
+import keras
 import tensorflow as tf
 
 from keras_gradboost import hooks
@@ -39,6 +40,20 @@ def overwrites_with_gradient(variable):
     """Whether `variable` takes its "gradient" as its new value (Keras'
     public `overwrite_with_gradient`; a `tf.Variable` has none)."""
     return getattr(variable, "overwrite_with_gradient", False)
+
+
+# Reductions that divide a batch's loss by its samples (or valid entries).
+EXACT_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+def reduces_like_keras(loss):
+    """Whether a `keras.losses.Loss` goes through Keras' own `__call__` with
+    a reduction in `EXACT_REDUCTIONS`: the losses weighting micro-batches by
+    count is exact for."""
+    return (
+        type(loss).__call__ is keras.losses.Loss.__call__
+        and loss.reduction in EXACT_REDUCTIONS
+    )
 
 
 def loss_normaliser(y_pred, n):

@@ -8,13 +8,10 @@ import tensorflow as tf
 from keras_gradboost import hooks
 from keras_gradboost import wrappers
 from keras_gradboost.accumulate import loss_normaliser
+from keras_gradboost.accumulate import reduces_like_keras
 from keras_gradboost.accumulate import sample_count
 from keras_gradboost.guard import gradient_array
 from keras_gradboost.recompute import mechanism
-
-# Reductions whose weighting by sample (or valid-entry) count is exact.
-_EXACT_REDUCTIONS = ("sum_over_batch_size", "mean")
-
 
 class AccumulationCheckError(RuntimeError):
     """Raised when accumulating micro-batches does not give the large-batch
@@ -169,8 +166,8 @@ def _causes(model):
     for loss in tf.nest.flatten(model.loss) if model.loss is not None else []:
         if not isinstance(loss, keras.losses.Loss):
             continue
-        own_call = type(loss).__call__ is not keras.losses.Loss.__call__
-        if own_call or loss.reduction not in _EXACT_REDUCTIONS:
+        if not reduces_like_keras(loss):
+            own_call = type(loss).__call__ is not keras.losses.Loss.__call__
             causes.append(
                 f"The loss {loss.name!r} ({type(loss).__name__}"
                 + (", its own __call__" if own_call else f", reduction={loss.reduction!r}")

@@ -17,6 +17,7 @@ from keras_gradboost import recompute as recompute_lib
 from keras_gradboost import wrappers
 from keras_gradboost.accumulate import GradientAccumulator
 from keras_gradboost.accumulate import overwrites_with_gradient
+from keras_gradboost.accumulate import reduces_like_keras
 from keras_gradboost.accumulate import loss_normaliser
 from keras_gradboost.accumulate import sample_count
 from keras_gradboost.locate import as_local_batch
@@ -1188,10 +1189,7 @@ def _losses_that_may_ignore_the_mask(model):
     if "compute_loss" in own_steps(model):
         return f"{type(model).__name__}.compute_loss"
     for loss in tf.nest.flatten(model.loss) if model.loss is not None else []:
-        if isinstance(loss, keras.losses.Loss) and (
-            type(loss).__call__ is not keras.losses.Loss.__call__
-            or loss.reduction not in ("sum_over_batch_size", "mean")
-        ):
+        if isinstance(loss, keras.losses.Loss) and not reduces_like_keras(loss):
             return f"the loss {loss.name!r} ({type(loss).__name__})"
     return ""
 

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from keras_gradboost import hooks
 from keras_gradboost import precision as precision_lib
+from keras_gradboost.accumulate import EXACT_REDUCTIONS
 from keras_gradboost.config import GradBoostConfig
 from keras_gradboost.config import jit_compile_setting
 from keras_gradboost.recompute.setup import RecomputeSetup
@@ -315,7 +316,7 @@ def inexact_accumulation_warnings(model, config, loss):
             l.reduction
             for l in losses
             if isinstance(l, keras.losses.Loss)
-            and l.reduction not in ("sum_over_batch_size", "mean")
+            and l.reduction not in EXACT_REDUCTIONS
         }
     )
     if odd:
