@@ -17,6 +17,11 @@ Public API:
     callbacks: drop-in callbacks (NaNWatcher, StepTimeMonitor,
         RetraceCounter, GradientAuditor).
     data: input-pipeline helpers (bucket_by_length).
+    gradcheck: checks every gradient of a function or Keras layer against
+        float64 numeric differences, shape- and dtype-strict
+        (`GradCheckResult`); `assert_gradients_close` raises on failure.
+    ops: numerically stable ops with hand-written gradients (log1pexp,
+        safe_log, safe_sqrt, safe_norm, safe_divide, logsumexp).
     tracing: the trace-time wrappers of the callbacks (`tracing.uninstall`).
 """
 
@@ -24,9 +29,13 @@ __version__ = "0.1.0.dev0"
 
 from keras_gradboost import callbacks
 from keras_gradboost import data
+from keras_gradboost import ops
 from keras_gradboost import tracing
 from keras_gradboost.accumulate_check import AccumulationCheckError
 from keras_gradboost.config import GradBoostConfig
+from keras_gradboost.gradcheck import GradCheckResult
+from keras_gradboost.gradcheck import assert_gradients_close
+from keras_gradboost.gradcheck import gradcheck
 from keras_gradboost.jit_measure import JitMeasurement
 from keras_gradboost.jit_measure import XLAUnsupportedOpError
 from keras_gradboost.model import GradBoostModel
@@ -40,15 +49,19 @@ __all__ = [
     "AccumulationCheckError",
     "GradBoostConfig",
     "GradBoostModel",
+    "GradCheckResult",
     "JitMeasurement",
     "RecomputeCheckError",
     "RecomputePlan",
     "StepFacts",
     "TrainPlan",
     "XLAUnsupportedOpError",
+    "assert_gradients_close",
     "boost",
     "callbacks",
     "data",
+    "gradcheck",
+    "ops",
     "tracing",
     "__version__",
 ]
