@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from keras_gradboost import hooks
 from keras_gradboost import wrappers
+from keras_gradboost.op_advice import layer_advice
 
 
 @dataclasses.dataclass
@@ -28,12 +29,15 @@ class Finding:
         layer: the name of the producing layer, or None.
         variables: paths of trainable variables with non-finite gradients.
         detail: one sentence saying what was seen.
+        advice: which `kgb.ops` the producing layer could use, from the
+            ops its call runs ("" when none applies).
     """
 
     phase: object = None
     layer: object = None
     variables: tuple = ()
     detail: str = ""
+    advice: str = ""
 
 
 def _floats(structure):
@@ -116,13 +120,20 @@ def locate_nonfinite(model, data):
             else:
                 y_pred = model(x)
             loss = hooks.compute_loss(model, x, y, y_pred, sample_weight, training=True)
-        return _analyse(model, records, y_pred, loss, tape)
+        finding = _analyse(model, records, y_pred, loss, tape)
     finally:
         for undo in reversed(undos):
             undo()
         for v, value in saved:
             v.assign(value)
         del tape
+    if finding.layer is not None:
+        # Traced once more, now that the recording wrappers are gone.
+        for layer, inputs, _ in records:
+            if layer.name == finding.layer:
+                finding.advice = layer_advice(layer, inputs)
+                break
+    return finding
 
 
 def _analyse(model, records, y_pred, loss, tape):

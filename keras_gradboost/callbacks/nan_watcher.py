@@ -27,8 +27,9 @@ ADVICE = (
     'float32 (precision="float32") to rule out float16 overflow; guard '
     "log/sqrt/division against 0 in the loss and custom layers (e.g. "
     "log(x + eps), sqrt(max(x, eps))); prefer numerically stable ops "
-    "(keras.ops.logsumexp, keras.ops.softplus, keras.ops.log1p, losses with "
-    "from_logits=True)."
+    "(kgb.ops.safe_log, kgb.ops.safe_sqrt, kgb.ops.safe_norm, "
+    "kgb.ops.safe_divide, kgb.ops.logsumexp, kgb.ops.log1pexp, "
+    "keras.ops.log1p, losses with from_logits=True)."
 )
 
 
@@ -63,6 +64,8 @@ class NaNEvent:
             replayed in float32 (True: float16 overflow); None otherwise.
         action_taken: "stopped", "skipped", "restored" or "warned".
         detail: what the replay saw, in one sentence.
+        advice: the `kgb.ops` the layer at fault could use, from the ops
+            its call runs ("" when none applies).
         dump_path: the `.npz` with the offending batch, if `dump_dir` was set.
     """
 
@@ -74,6 +77,7 @@ class NaNEvent:
     float32_finite: object = None
     action_taken: str = ""
     detail: str = ""
+    advice: str = ""
     dump_path: object = None
 
     def report(self):
@@ -102,6 +106,8 @@ class NaNEvent:
                 "  replayed in float32 the step is still non-finite: not a "
                 "float16 problem."
             )
+        if self.advice:
+            lines.append(f"  advice: {self.advice}.")
         if self.dump_path:
             lines.append(f"  batch saved to {self.dump_path}")
         lines.append(f"  action: {self.action_taken}. {ADVICE}")
@@ -465,6 +471,7 @@ class NaNWatcher(CallbackBase):
             return event
         event.phase, event.layer = finding.phase, finding.layer
         event.variables, event.detail = finding.variables, finding.detail
+        event.advice = finding.advice
         if computes_in_float16(self.model):
             with _float32_policies(self.model):
                 event.float32_finite = locate_nonfinite(self.model, data).phase is None
