@@ -8,6 +8,9 @@ Public API:
     GradBoostConfig: the validated gradboost compile arguments.
     RecomputePlan: what `GradBoostModel.recompute_plan()` returns.
     RecomputeCheckError: raised by `recompute_check=True`.
+    Recompute: wraps a layer so its backward recomputes its forward (the
+        mechanism of `compile(recompute=...)`); `recompute(fn)` for a
+        function.
     AccumulationCheckError: raised by `accumulate_check=True`.
     JitMeasurement: what `compile(jit_compile="measure")` chose
         (`GradBoostModel.jit_measurement`).
@@ -41,8 +44,10 @@ from keras_gradboost.jit_measure import XLAUnsupportedOpError
 from keras_gradboost.model import GradBoostModel
 from keras_gradboost.model import boost
 from keras_gradboost.plan import TrainPlan
+from keras_gradboost.recompute import Recompute
 from keras_gradboost.recompute import RecomputeCheckError
 from keras_gradboost.recompute import RecomputePlan
+from keras_gradboost.recompute import recompute
 from keras_gradboost.state import StepFacts
 
 __all__ = [
@@ -51,6 +56,7 @@ __all__ = [
     "GradBoostModel",
     "GradCheckResult",
     "JitMeasurement",
+    "Recompute",
     "RecomputeCheckError",
     "RecomputePlan",
     "StepFacts",
@@ -62,6 +68,7 @@ __all__ = [
     "data",
     "gradcheck",
     "ops",
+    "recompute",
     "tracing",
     "__version__",
 ]

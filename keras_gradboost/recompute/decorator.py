@@ -1,0 +1,142 @@
+"""Recompute for a user's own block or training loop: `Recompute(layer)` and
+`recompute(fn)`, on the mechanism `compile(recompute=...)` uses.
+
+`Recompute(layer)` marks the layer (`mechanism.mark`) and calls it inside
+`mechanism.active` for that layer alone, exactly what GradBoostModel's
+training forward does for a block its plan chose: the same Dropout masks,
+the same batch statistics, moving statistics and seeds updated once.
+`recompute(fn, layers=...)` wraps a function of tensors in
+`mechanism.recomputed`, with the listed layers' state read back as the
+forward saw it.
+"""
+
+import keras
+
+from keras_gradboost.recompute import mechanism
+
+
+@keras.saving.register_keras_serializable(package="keras_gradboost")
+class Recompute(keras.layers.Wrapper):
+    """Recomputes `layer`'s forward pass in the backward pass instead of
+    keeping its activations (gradient checkpointing of one block).
+
+    Only the block's inputs are kept for the backward pass; its gradients
+    equal the plain block's, Dropout and BatchNormalization included (the
+    recompute reads the seeds and batch statistics the forward saw). The
+    mechanism is the one of `GradBoostModel.compile(recompute=...)`, usable
+    in any Keras model or custom training loop. Nested recompute blocks
+    inside `layer` run as they are.
+
+    Args:
+        layer: the Keras layer (a block: a layer, `Sequential` or model).
+        **kwargs: `keras.layers.Layer` arguments (`name`, ...).
+
+    Example:
+
+    ```python
+    import keras
+    import tensorflow as tf
+    import keras_gradboost as kgb
+
+    block = keras.Sequential([keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dropout(0.1),
+                              keras.layers.Dense(16)])
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(kgb.Recompute(block)(inputs)))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(model(tf.ones((4, 8)), training=True) ** 2)
+    grads = tape.gradient(loss, model.trainable_variables)
+    ```
+    """
+
+    def __init__(self, layer, **kwargs):
+        if not isinstance(layer, keras.layers.Layer):
+            raise TypeError(
+                f"Invalid type for argument `layer`. Received: layer={layer!r} "
+                f"of type {type(layer).__name__}. Expected a keras.layers.Layer "
+                "(for a function, use kgb.recompute(fn))."
+            )
+        super().__init__(layer, **kwargs)
+        mechanism.mark(layer)
+
+    def call(self, *args, training=None, **kwargs):
+        if training is not None:
+            kwargs["training"] = training
+        with mechanism.active([id(self.layer)]):
+            return self.layer(*args, **kwargs)
+
+    def compute_output_spec(self, *args, training=None, **kwargs):
+        return self.layer.compute_output_spec(*args, **kwargs)
+
+
+def recompute(fn=None, *, layers=(), name=None):
+    """`fn` with the same forward, whose backward recomputes `fn`'s forward
+    instead of keeping its activations (a decorator).
+
+    For a function of tensors in a custom training loop. A Keras layer is
+    wrapped in `Recompute(layer)`. The Keras layers `fn` calls go in
+    `layers`: their Dropout seeds and batch statistics are read back as the
+    forward saw them (so the recompute draws the same masks), and their
+    weights are held at the forward's read, as `compile(recompute=...)`
+    does. A random or BatchNormalization layer left out of `layers` draws
+    anew in the recompute, and its gradients are then wrong.
+
+    Args:
+        fn: a function of (nested) tensors and Python values, or a Keras
+            layer. Defaults to `None` (then `recompute(layers=...)` returns
+            the decorator).
+        layers: the Keras layers `fn` calls. Defaults to `()`.
+        name: used in error messages. Defaults to `None` (the function's
+            name).
+
+    Returns:
+        A function with `fn`'s signature (or a `Recompute` layer).
+
+    Raises:
+        TypeError: `fn` is not callable, or `layers` holds a non-layer.
+
+    Example:
+
+    ```python
+    import keras
+    import tensorflow as tf
+    import keras_gradboost as kgb
+
+    dense, drop = keras.layers.Dense(8, activation="relu"), keras.layers.Dropout(0.2)
+
+    @kgb.recompute(layers=[dense, drop])
+    def block(x):
+        return drop(dense(x), training=True)
+
+    x = tf.ones((4, 8))
+    dense.build(x.shape)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(block(x))
+    grads = tape.gradient(loss, dense.trainable_variables)
+    ```
+    """
+    layers = list(layers)
+    for layer in layers:
+        if not isinstance(layer, keras.layers.Layer):
+            raise TypeError(
+                f"Invalid type for argument `layers`. Received: an element "
+                f"{layer!r} of type {type(layer).__name__}. Expected Keras "
+                "layers (the layers `fn` calls)."
+            )
+    if fn is None:
+        return lambda f: recompute(f, layers=layers, name=name)
+    if isinstance(fn, keras.layers.Layer):
+        return Recompute(fn)
+    if not callable(fn):
+        raise TypeError(
+            f"Invalid type for argument `fn`. Received: fn={fn!r} of type "
+            f"{type(fn).__name__}. Expected a function or a Keras layer."
+        )
+    state, weights, seen = [], [], set()
+    for layer in layers:
+        for v in mechanism.state_variables(layer) + list(layer.trainable_variables):
+            if id(v) not in seen:
+                seen.add(id(v))
+                (weights if v.trainable else state).append(v)
+    label = name or getattr(fn, "__name__", "block")
+    return mechanism.recomputed(fn, state, label, weights)
