@@ -54,6 +54,11 @@ ENTRIES = {
         ["benchmarks/bench_recompute.py"],
         ["--quick"],
     ),
+    "ops": (
+        "kgb.ops vs naive composites; gradcheck fast vs full",
+        ["benchmarks/bench_ops.py"],
+        ["--quick"],
+    ),
     "all_on": (
         "all features on: XLA/recompute vs the 'auto' choices",
         ["benchmarks/bench_all_on.py"],
