@@ -220,6 +220,9 @@ def test_a_function_that_cannot_run_in_float64_is_refused_with_the_fix():
         kgb.gradcheck(f, X)
     result = kgb.gradcheck(f, X, numeric_dtype=None, jit=False)
     assert result.ok and "own dtypes" in result.numeric_dtype
+    # A function that computes in float32 inside, whatever its inputs.
+    with pytest.raises(TypeError, match="returned \\['float32'\\] outputs"):
+        kgb.gradcheck(lambda x: tf.image.resize(x, (3, 3)), tf.ones((1, 2, 2, 1)))
 
 
 @pytest.mark.parametrize(

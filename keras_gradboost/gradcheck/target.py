@@ -183,6 +183,15 @@ class Target:
                 "dtype-generic (no float32 constants), or pass "
                 "numeric_dtype=None (differences in the inputs' own dtype)."
             ) from error
+        if numeric_dtype is not None and self._numeric_output_dtypes - {numeric_dtype}:
+            raise TypeError(
+                f"`fn` re-run on {numeric_dtype} inputs returned "
+                f"{sorted(self._numeric_output_dtypes)} outputs: it computes in "
+                "a lower precision inside (e.g. tf.image.resize works in "
+                f"float32), so differences in {numeric_dtype} would be "
+                "wrong. Pass numeric_dtype=None (differences in the inputs' "
+                "own dtype)."
+            )
 
     # ------------------------------------------------------------- helpers
 
@@ -250,4 +259,5 @@ class Target:
             with keras.StatelessScope(state_mapping=list(zip(self.weights, ws))):
                 outputs = self.layer(*self._args(xs))
         floats = flat_floats(outputs)
+        self._numeric_output_dtypes = {t.dtype.name for t in floats}
         return as_vector(floats, dtype or floats[0].dtype)
