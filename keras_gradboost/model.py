@@ -66,6 +66,7 @@ class _Runtime:
         # Calls of the update traced so far (a class's own train_step must
         # make one when the plan needs it).
         self.updates_traced = 0
+        self.minimizing = 0  # minimize() calls under way (trace time)
         # minimize() with other optimizers: (accumulator, scaler) per
         # (optimizer, variables), and their steps for the epoch-end flush.
         self.other_states = {}
@@ -495,7 +496,16 @@ class GradBoostModel(keras.Model):
         GradBoostModel's update (accumulation, loss scaling)."""
         rt = self._gradboost
         before = rt.updates_traced
-        logs = train_step(data)
+        direct = []  # other optimizers applied outside minimize()
+        undos = [
+            wrappers.patch(o, "apply", _recording_apply(o, rt, direct))
+            for o in _other_optimizers(self)
+        ]
+        try:
+            logs = train_step(data)
+        finally:
+            for undo in reversed(undos):
+                undo()
         needs = []
         if rt.config.accumulate_steps > 1:
             needs.append(f"accumulate_steps={rt.config.accumulate_steps}")
@@ -510,6 +520,16 @@ class GradBoostModel(keras.Model):
                 "`super().train_step(data)`, or `self.minimize(tape, loss, "
                 "variables, optimizer)` for each update; or compile without "
                 "these options (accumulate_steps=1, loss_scale=None)."
+            )
+        if direct and needs:
+            names = ", ".join(sorted({type(o).__name__ for o in direct}))
+            raise ValueError(
+                f"{type(self).__name__}.train_step applies another optimizer "
+                f"({names}) itself, outside GradBoostModel's update, so "
+                f"{' and '.join(needs)} would be silently ignored for its "
+                "variables. Apply it through `self.minimize(tape, loss, "
+                "variables, optimizer, count=...)`, or compile without these "
+                "options (accumulate_steps=1, loss_scale=None)."
             )
         return logs
 
@@ -845,6 +865,14 @@ class GradBoostModel(keras.Model):
         variables = list(self.trainable_weights if variables is None else variables)
         accumulator, scaler = self._optimizer_state(optimizer, variables)
         rt.updates_traced += 1
+        rt.minimizing += 1
+        try:
+            self._minimize(tape, loss, variables, optimizer, count, accumulator, scaler)
+        finally:
+            rt.minimizing -= 1
+
+    def _minimize(self, tape, loss, variables, optimizer, count, accumulator, scaler):
+        rt = self._gradboost
         if accumulator is not None and count is None:
             raise ValueError(
                 "minimize() with accumulate_steps="
@@ -1176,6 +1204,40 @@ def own_steps(model):
         if found is not getattr(defaults, name) and found is not getattr(keras.Model, name):
             names.append(name)
     return tuple(names)
+
+
+def _other_optimizers(model):
+    """The optimizers other than `model.optimizer` held in `model`'s
+    attributes (directly, or in a list, tuple or dict there): a GAN's
+    `self.d_optimizer`. One held elsewhere (a closure) is not seen."""
+    found = []
+    for value in vars(model).values():
+        if isinstance(value, dict):
+            items = list(value.values())
+        elif isinstance(value, (list, tuple)):
+            items = list(value)
+        else:
+            items = [value]
+        for item in items:
+            if (
+                isinstance(item, keras.optimizers.Optimizer)
+                and item is not model.optimizer
+                and all(item is not f for f in found)
+            ):
+                found.append(item)
+    return found
+
+
+def _recording_apply(optimizer, rt, direct):
+    """A wrapper of `optimizer.apply` that notes `optimizer` in `direct`
+    when it is called outside `minimize()` (which applies it on purpose)."""
+
+    def apply(below, *args, **kwargs):
+        if rt.minimizing == 0:
+            direct.append(optimizer)
+        return below(*args, **kwargs)
+
+    return apply
 
 
 _BOOSTED_CLASSES = {}

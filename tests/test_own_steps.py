@@ -156,6 +156,47 @@ def test_own_step_that_applies_itself_refuses_options_it_would_ignore(options, n
         np.testing.assert_array_equal(w, w0)  # refused before any update
 
 
+class SuperAndOwnOptimizer(keras.Model):
+    """super().train_step for the model's optimizer, then a second optimizer
+    (kept in an attribute, as a GAN keeps its discriminator's) applied by
+    hand to a penalty's gradients: that update bypasses GradBoostModel."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.second = keras.optimizers.SGD(0.01)
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        variables = self.trainable_variables[:1]
+        with tf.GradientTape() as tape:
+            penalty = tf.reduce_sum(tf.square(variables[0]))
+        self.second.apply_gradients(zip(tape.gradient(penalty, variables), variables))
+        return logs
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(accumulate_steps=2), "accumulate_steps=2"),
+    (dict(loss_scale=128.0), "loss_scale=128.0"),
+])
+def test_own_step_applying_another_optimizer_itself_is_refused(options, named):
+    model = boost(functional(SuperAndOwnOptimizer))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **options)
+    before = model.get_weights()
+    with pytest.raises(ValueError) as info:
+        fit(model, epochs=1)
+    message = str(info.value)
+    assert "SuperAndOwnOptimizer.train_step applies another optimizer (SGD)" in message
+    assert named in message and "self.minimize(" in message
+    for w, w0 in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(w, w0)  # refused before any update
+    # Without the options nothing is ignored: it trains as plain Keras does.
+    plain = functional(SuperAndOwnOptimizer)
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    boosted = boost(functional(SuperAndOwnOptimizer))
+    boosted.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    assert max_weight_diff(fit(boosted), fit(plain)) == 0.0
+
+
 def test_own_step_calling_super_gets_exact_accumulation():
     boosted = boost(functional(SuperStepModel))
     boosted.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=4)
