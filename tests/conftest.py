@@ -21,6 +21,33 @@ tf.config.set_logical_device_configuration(
 import keras  # noqa: E402
 
 
+def _major_minor(version):
+    return tuple(int(part) for part in version.split(".")[:2])
+
+
+KERAS_VERSION = _major_minor(keras.__version__)
+TF_VERSION = _major_minor(tf.__version__)
+
+
+def needs_keras(version, why):
+    """Skips a test on a Keras older than `version` (a `(major, minor)`
+    tuple) whose reference or set-up is Keras behaviour that came later than
+    the oldest supported Keras (`.ci/oldest-constraints.txt`); `why` says
+    what differs."""
+    return pytest.mark.skipif(
+        KERAS_VERSION < version,
+        reason=f"needs Keras {version[0]}.{version[1]}: {why}",
+    )
+
+
+# Keras before 3.15 does not track a layer set as an attribute of a
+# functional model after the model is built: its variables are not the
+# model's trainable variables, so nothing reports them missing a gradient.
+needs_layer_set_on_functional = needs_keras(
+    (3, 15), "before it, a layer set on a built functional model is not tracked"
+)
+
+
 @pytest.fixture
 def regression_data():
     rng = np.random.default_rng(0)

@@ -14,6 +14,7 @@ import re
 
 import nbformat
 import pytest
+from conftest import KERAS_VERSION
 from nbclient import NotebookClient
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
@@ -111,13 +112,13 @@ def test_01_callbacks(executed):
     assert "x: shape (4, 5) -> (4, 8), dim 1 varies" in out
     assert "bucket_by_length(ds, boundaries=[8, 16, 24]" in out
     assert _line(out, "batch shapes:") == "[(4, 8), (4, 16), (4, 24)]"
-    # GradientAuditor: the cut and the unused layer, with their reasons.
-    for variable, layer, reason in [
-        ("teacher/kernel", "teacher", "cut"),
-        ("teacher/bias", "teacher", "cut"),
-        ("spare/kernel", "spare", "unused"),
-        ("spare/bias", "spare", "unused"),
-    ]:
+    # GradientAuditor: the cut and the unused layer, with their reasons
+    # (Keras before 3.15 does not track the spare layer, set on the built
+    # functional model: see conftest.needs_layer_set_on_functional).
+    missing = [("teacher/kernel", "teacher", "cut"), ("teacher/bias", "teacher", "cut")]
+    if KERAS_VERSION >= (3, 15):
+        missing += [("spare/kernel", "spare", "unused"), ("spare/bias", "spare", "unused")]
+    for variable, layer, reason in missing:
         assert re.search(
             rf"^{re.escape(variable)}\s+layer {layer}\s+reason: {reason}$", out, re.MULTILINE
         ), variable

@@ -7,6 +7,8 @@ import pytest
 import tensorflow as tf
 
 import keras
+from conftest import KERAS_VERSION
+from conftest import TF_VERSION
 from conftest import shared_mirrored_strategy
 from keras_gradboost import GradBoostModel
 from keras_gradboost.callbacks import NaNWatcher
@@ -137,7 +139,10 @@ def test_skip_drops_only_the_bad_step(cls, capsys):
     history = model.fit(x, y, batch_size=5, shuffle=False, verbose=1, callbacks=[watcher])
     assert [(e.step, e.layer, e.action_taken) for e in watcher.events] == [(BAD_STEP, "fault", "skipped")]
     assert history.history["nonfinite_steps"] == [1.0]
-    assert "nonfinite_steps: 1" in capsys.readouterr().out  # the progress bar
+    # The progress bar shows it; Keras before 3.15 averages every log over
+    # the epoch's steps there (History above keeps the count).
+    shown = "nonfinite_steps: 1" if KERAS_VERSION >= (3, 15) else "nonfinite_steps: "
+    assert shown in capsys.readouterr().out
     assert int(model.optimizer.iterations.numpy()) == 7
     _assert_weights(model, _weights_before_bad_step(lambda: _functional(cls), x, y, skip_bad=True, steps=8))
 
@@ -343,14 +348,22 @@ def test_an_exception_elsewhere_leaves_no_guard_behind():
     assert "make_train_function" not in vars(model)
 
 
-def test_dynamic_loss_scale_overflows_are_not_events():
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_dynamic_loss_scale_overflows_are_not_events(jit_compile):
+    if jit_compile and TF_VERSION < (2, 18) and not tf.config.list_physical_devices("GPU"):
+        pytest.skip(
+            "XLA on the CPU before TensorFlow 2.18 computes these float16 "
+            "gradients without overflow: no step to skip"
+        )
     x, y = _data(poison=False)
     keras.utils.set_random_seed(0)
     inputs = keras.Input((3,))
     h = keras.layers.Dense(8, name="hidden")(inputs)
     outputs = keras.layers.Dense(2, name="out")(h)
     model = GradBoostModel(inputs, outputs)
-    model.compile(optimizer="sgd", loss="mse", precision="mixed_float16", jit_compile=True)
+    model.compile(
+        optimizer="sgd", loss="mse", precision="mixed_float16", jit_compile=jit_compile
+    )
     y = np.full_like(y, 3000.0)  # gradients ~1e3: times 2**15 overflow float16
     watcher = NaNWatcher(verbose=0)
     model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])

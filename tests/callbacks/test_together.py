@@ -7,6 +7,7 @@ import tensorflow as tf
 from conftest import small_model
 
 import keras
+from conftest import KERAS_VERSION
 from keras_gradboost import GradBoostModel
 from keras_gradboost import wrappers
 from keras_gradboost.callbacks import GradientAuditor
@@ -44,7 +45,10 @@ def test_all_callbacks_together(cls, reverse):
     # The short last batch retraces nothing: the step is traced for the
     # dataset's spec, as without the callbacks.
     assert counter.retraces == 0 and counter.events == []
-    assert [m.variable for m in auditor.missing] == ["unused/kernel", "unused/bias"]
+    # Keras before 3.15 does not track `spare`, set on the built functional
+    # model (conftest.needs_layer_set_on_functional): nothing is missing.
+    spare = ["unused/kernel", "unused/bias"] if KERAS_VERSION >= (3, 15) else []
+    assert [m.variable for m in auditor.missing] == spare
     assert auditor.report().checks >= 6
     assert watcher.events == []
     # Everything came off: a plain fit has none of the extra logs.
