@@ -55,7 +55,7 @@ def gradient_array(gradient, dtype=None):
     return np.asarray(tf.convert_to_tensor(gradient), dtype)
 
 
-def guard_optimizer(optimizer, counter=None, watch=None, losses=None):
+def guard_optimizer(optimizer, counter=None, watch=None, losses=None, states=None):
     """Makes `optimizer.apply` skip non-finite gradients in-graph.
 
     For models whose train step is Keras' own, or a custom one that calls
@@ -66,7 +66,9 @@ def guard_optimizer(optimizer, counter=None, watch=None, losses=None):
     dropped while it is halted. With a `LossTap` (`losses`), the loss it
     holds for this step is judged too: a non-finite loss whose gradients are
     finite (a NaN prediction that a clipped cross-entropy turns into zero
-    gradients) is a non-finite step. Returns a function that undoes the
+    gradients) is a non-finite step. With a `StateTap` (`states`), a dropped
+    step also puts back the model's state as the step found it (the moving
+    statistics its forward pass wrote). Returns a function that undoes the
     wrapping (a `wrappers.patch`: it stacks with other wrappers of `apply`).
     """
 
@@ -84,9 +86,61 @@ def guard_optimizer(optimizer, counter=None, watch=None, losses=None):
         step = CrossReplicaStep(
             lambda g: original(g, variables), mask, watch=watch, counter=counter
         )
-        step(present, bad=bad)
+        state = states.take() if states is not None else None
+        step(present, bad=bad, state=state)
 
     return wrappers.patch(optimizer, "apply", apply)
+
+
+class StepState:
+    """A model's float non-trainable variables and their values when a step
+    began: what its forward pass writes besides the optimizer
+    (BatchNormalization's moving statistics, a layer's running averages). A
+    step dropped as non-finite puts them back (`step.CrossReplicaStep`), so
+    a bad batch leaves no NaN in them. Integer state (a seed generator's)
+    goes on, as after a good step.
+    """
+
+    def __init__(self, variables, values):
+        self.variables = list(variables)
+        self.values = list(values)
+
+    @classmethod
+    def take(cls, model):
+        """The state of `model` now (reads in the step's graph), or None
+        when it has none."""
+        variables = [
+            v for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating
+        ]
+        if not variables:
+            return None
+        return cls(variables, [tf.identity(v.value) for v in variables])
+
+
+class StateTap:
+    """The `StepState` of the step being run, from the start of
+    `model.train_step` (before its forward pass) to the optimizer guard.
+    Per thread, as `LossTap`; a state from another graph is not taken."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def tap(self, model):
+        """Wraps `model.train_step`; returns the undo."""
+
+        def train_step(below, *args, **kwargs):
+            self._local.state = StepState.take(model)
+            return below(*args, **kwargs)
+
+        return wrappers.patch(model, "train_step", train_step)
+
+    def take(self):
+        """The state taken at the start of this thread's step, or None."""
+        state = getattr(self._local, "state", None)
+        self._local.state = None
+        if state is None or not all(_reachable(v) for v in state.values):
+            return None
+        return state
 
 
 class LossTap:

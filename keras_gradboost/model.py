@@ -646,6 +646,9 @@ class GradBoostModel(keras.Model):
             raise RuntimeError("Call `compile()` before training the model.")
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         n = sample_count(x)
+        # Put back if the step is dropped as non-finite (before the forward
+        # pass writes BatchNormalization's moving statistics).
+        state = guard.StepState.take(self) if self._checks_steps() else None
 
         self._prepare_forward(x)
         with tf.GradientTape() as tape:
@@ -681,7 +684,7 @@ class GradBoostModel(keras.Model):
                 g if g is None or overwrites_with_gradient(v) else g * tf.cast(factor, g.dtype)
                 for g, v in zip(grads, variables)
             ]
-        self._update(grads, batch_loss, count)
+        self._update(grads, batch_loss, count, state)
 
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if rt.scaler is not None:
@@ -753,14 +756,21 @@ class GradBoostModel(keras.Model):
             and any(overwrites_with_gradient(v) for v in self.trainable_weights)
         )
 
-    def _update(self, grads, batch_loss, n):
+    def _checks_steps(self):
+        """Whether the update checks each step's finiteness (a loss scale,
+        or a NaNWatcher's watch)."""
+        rt = self._gradboost
+        return rt.scaler is not None or rt.facts.checks_gradients
+
+    def _update(self, grads, batch_loss, n, state=None):
         """Checks, records and applies (or accumulates) one micro-batch's
         gradients; exactly Keras' own update when nothing is checked or
-        accumulated."""
+        accumulated. `state`: the `guard.StepState` a dropped step puts
+        back."""
         rt = self._gradboost
         rt.updates_traced += 1
         accumulating = rt.config.accumulate_steps > 1
-        check = rt.scaler is not None or rt.facts.checks_gradients
+        check = self._checks_steps()
         rt.facts.checks_gradients = check
         rt.grad_mask = [g is not None for g in grads]
         if accumulating:
@@ -776,7 +786,7 @@ class GradBoostModel(keras.Model):
             loss_bad = guard.nonfinite_indicator(batch_loss, [])
             bad = tf.maximum(loss_bad, guard.nonfinite_indicator(None, grads))
         present = [g for g in grads if g is not None]
-        self._cross_replica_step()(present, n=n, bad=bad, loss_bad=loss_bad)
+        self._cross_replica_step()(present, n=n, bad=bad, loss_bad=loss_bad, state=state)
 
     def _cross_replica_step(self):
         """The `step.CrossReplicaStep` of this model's update: its facts,

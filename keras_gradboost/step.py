@@ -100,7 +100,7 @@ class CrossReplicaStep:
         self.counter = counter
         self.accumulator = accumulator
 
-    def __call__(self, present_grads, n=None, bad=None, loss_bad=None):
+    def __call__(self, present_grads, n=None, bad=None, loss_bad=None, state=None):
         """Runs the step from replica context (one `merge_call`).
 
         Args:
@@ -113,14 +113,24 @@ class CrossReplicaStep:
             loss_bad: the same for the loss alone (it tells a dynamic loss
                 scale's own overflows from real non-finite steps), or None:
                 the same as `bad`.
+            state: this replica's `guard.StepState`, taken when its step
+                began, or None. A step dropped as non-finite (or while a
+                watch halts updates) puts it back: the moving statistics a
+                bad batch wrote in the forward pass go too. A dynamic loss
+                scale's own overflow keeps it, as Keras' LossScaleOptimizer
+                does (the forward pass was finite).
         """
+        values = () if state is None else tuple(state.values)
+        self._state_variables = () if state is None else tuple(state.variables)
         tf.distribute.get_replica_context().merge_call(
-            self._merge, args=(present_grads, n, bad, loss_bad)
+            self._merge, args=(present_grads, n, bad, loss_bad, values)
         )
 
-    def _merge(self, strategy, present, n, bad, loss_bad):
-        go = self.decide(strategy, bad, loss_bad)
+    def _merge(self, strategy, present, n, bad, loss_bad, state_values=()):
+        go, drop = self._decide(strategy, bad, loss_bad)
         each = strategy.extended.call_for_each_replica
+        if state_values and drop is not None:
+            when(drop, lambda: each(self._put_back, args=(state_values,)))
         if self.accumulator is None:
             when(go, lambda: each(self._apply_present, args=(present,)))
             return
@@ -147,20 +157,40 @@ class CrossReplicaStep:
         """Cross-replica: whether the update may go in (the same bool on
         every replica), after recording the step; None when nothing is
         checked."""
+        return self._decide(strategy, bad, loss_bad)[0]
+
+    def _decide(self, strategy, bad, loss_bad):
+        """`decide`, and whether the step's state goes back (None, None when
+        nothing is checked)."""
         if bad is None:
-            return None
+            return None, None
         finite = all_finite(strategy, bad)
         loss_finite = finite if loss_bad is None else all_finite(strategy, loss_bad)
         if self.counter is not None:
             self.counter.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
         if self.facts is None and self.scaler is None and self.watch is None:
-            return finite
+            return finite, tf.logical_not(finite)
         each = strategy.extended.call_for_each_replica
-        return local_value(each(self.record, args=(finite, loss_finite)), strategy)
+        go, drop = each(self._record_and_drop, args=(finite, loss_finite))
+        return local_value(go, strategy), local_value(drop, strategy)
 
-    def record(self, finite, loss_finite):
-        """Replica context: records one checked step in this replica's copy
-        of the state; returns whether its update may be applied."""
+    def _put_back(self, values):
+        for variable, value in zip(self._state_variables, values):
+            variable.assign(value)
+
+    def _record_and_drop(self, finite, loss_finite):
+        """Replica context: `record`, and whether the step's state goes back:
+        its update is dropped, and not for a dynamic loss scale's own
+        overflow."""
+        # Read before `record` updates the loss scale, as `record` reads it.
+        genuine = self._genuine(finite, loss_finite)
+        go = self.record(finite, loss_finite)
+        ordinary_overflow = tf.logical_and(tf.logical_not(finite), tf.logical_not(genuine))
+        return go, tf.logical_and(tf.logical_not(go), tf.logical_not(ordinary_overflow))
+
+    def _genuine(self, finite, loss_finite):
+        """Whether a non-finite step is a real one (not a dynamic loss
+        scale's normal search)."""
         genuine = tf.logical_not(finite)
         if self.scaler is not None and self.scaler.dynamic:
             # An overflow of the scaled backward pass is the dynamic scale's
@@ -173,6 +203,12 @@ class CrossReplicaStep:
                     self.scaler.scale <= precision_lib.SCALE_FLOOR,
                 ),
             )
+        return genuine
+
+    def record(self, finite, loss_finite):
+        """Replica context: records one checked step in this replica's copy
+        of the state; returns whether its update may be applied."""
+        genuine = self._genuine(finite, loss_finite)
         facts = self.facts
         if facts is not None:
             facts.nonfinite_steps.assign_add(tf.cast(genuine, tf.int64))

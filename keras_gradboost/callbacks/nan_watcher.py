@@ -304,10 +304,15 @@ class NaNWatcher(CallbackBase):
             self._on_teardown(model.attach_watch(watch))
         else:
             # The guard sees only gradients: the tap shows it the loss too.
-            losses = guard.LossTap()
+            # The state tap lets a dropped step put back the moving
+            # statistics its forward pass wrote.
+            losses, states = guard.LossTap(), guard.StateTap()
             self._on_teardown(losses.tap(model))
+            self._on_teardown(states.tap(model))
             self._on_teardown(
-                guard.guard_optimizer(model.optimizer, watch=watch, losses=losses)
+                guard.guard_optimizer(
+                    model.optimizer, watch=watch, losses=losses, states=states
+                )
             )
         if fresh:
             guarded = wrappers.make_train_function_with_logs(

@@ -1,0 +1,171 @@
+"""keras.applications architectures (weights=None, 32x32 inputs), as users
+bring them: each feature against its independent reference (plain Keras,
+the large batch, a planted fault at a known step and layer, the model
+before saving).
+
+These are the slowest tests of the suite (each traces a real architecture;
+about 5-40 s a test on 2 CPU cores), marked `slow`; CI runs them.
+`python -m pytest -m "not slow"` leaves them out.
+"""
+
+import numpy as np
+import pytest
+
+import keras
+import keras_gradboost as kgb
+
+pytestmark = pytest.mark.slow
+
+# The five the issue names; ConvNeXtTiny normalises with LayerNormalization,
+# the four others with BatchNormalization.
+MODELS = ["ResNet50", "MobileNetV2", "EfficientNetB0", "DenseNet121", "ConvNeXtTiny"]
+PIXELS, CLASSES, N, BATCH = 32, 3, 8, 4
+
+
+def application(name, seed=0):
+    keras.utils.set_random_seed(seed)
+    kwargs = dict(input_shape=(PIXELS, PIXELS, 3), weights=None, classes=CLASSES)
+    if name == "ConvNeXtTiny":
+        kwargs["include_preprocessing"] = False
+    return getattr(keras.applications, name)(**kwargs)
+
+
+def images(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(N, PIXELS, PIXELS, 3)).astype("float32")
+    return x, keras.utils.to_categorical(np.arange(N) % CLASSES, CLASSES)
+
+
+def compile_model(model, **kwargs):
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01),
+        loss="categorical_crossentropy",
+        **kwargs,
+    )
+    return model
+
+
+def fit(model, batch_size=BATCH, **kwargs):
+    x, y = images()
+    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, **kwargs)
+    return model
+
+
+def max_diff(a, b):
+    """Over every weight, BatchNormalization's moving statistics too; NaNs
+    must sit in the same places."""
+    worst = 0.0
+    for wa, wb in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_array_equal(np.isnan(wa), np.isnan(wb))
+        finite = ~np.isnan(wa)
+        if finite.any():
+            worst = max(worst, float(np.max(np.abs(wa[finite] - wb[finite]))))
+    return worst
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_boosted_with_recompute_trains_like_plain_keras(name):
+    """boost() with recompute="auto" against the unboosted model: the same
+    weights and moving statistics after each of two steps (recompute re-runs
+    the forward of each block in the backward pass, with the batch's own
+    statistics and the moving ones updated once).
+
+    Step by step, each from the same weights: at 32x32 and 4 images a batch
+    these models are ill-conditioned (the last BatchNormalizations normalise
+    over 4 values), so float rounding of 1e-7 grows to 1e-3 in one step of
+    plain Keras alone (MobileNetV2); a two-step comparison would measure
+    that, not recompute."""
+    x, y = images()
+    plain = compile_model(application(name))
+    boosted = compile_model(kgb.boost(application(name)), recompute="auto")
+    for step in range(N // BATCH):
+        rows = slice(step * BATCH, (step + 1) * BATCH)
+        plain.set_weights(boosted.get_weights())
+        plain.fit(x[rows], y[rows], batch_size=BATCH, shuffle=False, verbose=0)
+        boosted.fit(x[rows], y[rows], batch_size=BATCH, shuffle=False, verbose=0)
+        assert max_diff(boosted, plain) < 1e-5, f"step {step}"
+    assert boosted.recompute_plan().recomputed, "auto recomputed nothing"
+    assert int(boosted.optimizer.iterations.numpy()) == 2
+
+
+def _middle_conv(model):
+    convs = [l for l in model.layers if type(l) is keras.layers.Conv2D]
+    return convs[len(convs) // 2]
+
+
+class PoisonAt(keras.callbacks.Callback):
+    """Sets one kernel entry of `layer` to NaN before batch `step`."""
+
+    def __init__(self, layer, step):
+        super().__init__()
+        self.layer, self.step = layer, step
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.step:
+            kernel = self.layer.kernel
+            value = kernel.numpy()
+            value.flat[0] = np.nan
+            kernel.assign(value)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_planted_nan_is_located_at_its_step_and_layer(name):
+    """A NaN planted in a middle convolution's kernel before step 1, on the
+    unboosted model (NaNWatcher is a drop-in callback): stopped at step 1,
+    naming that convolution, with the weights of step 1's start (step 0's
+    update applied, step 1's never)."""
+    model = compile_model(application(name))
+    layer = _middle_conv(model)
+    watcher = kgb.callbacks.NaNWatcher(action="stop", verbose=0)
+    with pytest.raises(kgb.callbacks.NonFiniteError):
+        fit(model, callbacks=[watcher, PoisonAt(layer, 1)])
+    assert [(e.step, e.layer) for e in watcher.events] == [(1, layer.name)]
+    assert int(model.optimizer.iterations.numpy()) == 1
+    reference = compile_model(application(name))
+    x, y = images()
+    reference.train_on_batch(x[:BATCH], y[:BATCH])
+    kernel = reference.get_layer(layer.name).kernel
+    value = kernel.numpy()
+    value.flat[0] = np.nan
+    kernel.assign(value)
+    assert max_diff(model, reference) < 1e-6
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_boosted_model_saves_and_loads(name, tmp_path):
+    x, _ = images()
+    model = compile_model(kgb.boost(application(name)), accumulate_steps=2,
+                          recompute="auto")
+    path = str(tmp_path / f"{name}.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(loaded, kgb.GradBoostModel)
+    assert loaded.gradboost_config.accumulate_steps == 2
+    assert loaded.gradboost_config.recompute == "auto"
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+@pytest.mark.parametrize("name", [m for m in MODELS if m != "ConvNeXtTiny"])
+def test_batch_normalization_models_warn_that_accumulation_is_inexact(name):
+    model = kgb.boost(application(name))
+    with pytest.warns(UserWarning, match="BatchNormalization"):
+        compile_model(model, accumulate_steps=2)
+
+
+def test_convnext_accumulation_equals_the_large_batch():
+    """ConvNeXtTiny normalises per sample (LayerNormalization): two
+    micro-batches of 4 equal one step on the 8, and nothing warns."""
+    x, y = images()
+    large = compile_model(application("ConvNeXtTiny"))
+    large.train_on_batch(x, y)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        accumulated = compile_model(kgb.boost(application("ConvNeXtTiny")),
+                                    accumulate_steps=2)
+    fit(accumulated)
+    assert int(accumulated.optimizer.iterations.numpy()) == 1
+    assert max_diff(accumulated, large) < 1e-5
+    per_batch = fit(compile_model(kgb.boost(application("ConvNeXtTiny"))))
+    assert max_diff(per_batch, large) > 1e-4  # so the check can fail
