@@ -86,11 +86,19 @@ def output_layers(model):
 
     For a functional model, the layers named in `output_names`, descending
     into a nested model that produces an output. For other models (whose
-    outputs are not known before they run), the last layer they track.
+    outputs are not known before they run), the last layer they hold
+    directly (the head, defined last in the keras.io pattern), descending
+    into it if it is a model (boost()'s wrapper of a subclassed model holds
+    just that model). Before, it was the last of all their nested layers in
+    Keras' flattening order, which is the first one defined.
     """
     names = getattr(model, "output_names", None)
     if not (hooks.is_functional(model) and names):
-        return hooks.flatten_layers(model, include_self=False)[-1:]
+        children = hooks.child_layers(model)
+        if not children:
+            return []
+        last = children[-1]
+        return output_layers(last) if isinstance(last, keras.Model) else [last]
     found = []
     for name in names:
         try:
