@@ -9,7 +9,7 @@ Public API:
     RecomputePlan: what `GradBoostModel.recompute_plan()` returns.
     RecomputeCheckError: raised by `recompute_check=True`.
     Recompute: wraps a layer so its backward recomputes its forward (the
-        mechanism of `compile(recompute=...)`); `recompute(fn)` for a
+        mechanism of `compile(recompute=...)`); `recompute_function(fn)` for a
         function.
     AccumulationCheckError: raised by `accumulate_check=True`.
     JitMeasurement: what `compile(jit_compile="measure")` chose
@@ -47,7 +47,7 @@ from keras_gradboost.plan import TrainPlan
 from keras_gradboost.recompute import Recompute
 from keras_gradboost.recompute import RecomputeCheckError
 from keras_gradboost.recompute import RecomputePlan
-from keras_gradboost.recompute import recompute
+from keras_gradboost.recompute import recompute_function
 from keras_gradboost.state import StepFacts
 
 __all__ = [
@@ -68,7 +68,7 @@ __all__ = [
     "data",
     "gradcheck",
     "ops",
-    "recompute",
+    "recompute_function",
     "tracing",
     "__version__",
 ]

@@ -12,14 +12,14 @@ idea:
   training forward, and when each decision is made;
 * `check`: `recompute_check=True`, gradients with and without each block
   recomputed must agree (`RecomputeCheckError`);
-* `decorator`: `Recompute(layer)` and `recompute(fn)`, the mechanism for a
+* `decorator`: `Recompute(layer)` and `recompute_function(fn)`, the mechanism for a
   user's own block or training loop.
 """
 
 from keras_gradboost.recompute.check import RecomputeCheckError
 from keras_gradboost.recompute.choice import Segment
 from keras_gradboost.recompute.decorator import Recompute
-from keras_gradboost.recompute.decorator import recompute
+from keras_gradboost.recompute.decorator import recompute_function
 from keras_gradboost.recompute.choice import auto_layer_blocks
 from keras_gradboost.recompute.choice import budget_candidates
 from keras_gradboost.recompute.choice import choose

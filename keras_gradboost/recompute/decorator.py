@@ -1,11 +1,11 @@
 """Recompute for a user's own block or training loop: `Recompute(layer)` and
-`recompute(fn)`, on the mechanism `compile(recompute=...)` uses.
+`recompute_function(fn)`, on the mechanism `compile(recompute=...)` uses.
 
 `Recompute(layer)` marks the layer (`mechanism.mark`) and calls it inside
 `mechanism.active` for that layer alone, exactly what GradBoostModel's
 training forward does for a block its plan chose: the same Dropout masks,
 the same batch statistics, moving statistics and seeds updated once.
-`recompute(fn, layers=...)` wraps a function of tensors in
+`recompute_function(fn, layers=...)` wraps a function of tensors in
 `mechanism.recomputed`, with the listed layers' state read back as the
 forward saw it.
 """
@@ -54,7 +54,7 @@ class Recompute(keras.layers.Wrapper):
             raise TypeError(
                 f"Invalid type for argument `layer`. Received: layer={layer!r} "
                 f"of type {type(layer).__name__}. Expected a keras.layers.Layer "
-                "(for a function, use kgb.recompute(fn))."
+                "(for a function, use kgb.recompute_function(fn))."
             )
         super().__init__(layer, **kwargs)
         mechanism.mark(layer)
@@ -69,7 +69,7 @@ class Recompute(keras.layers.Wrapper):
         return self.layer.compute_output_spec(*args, **kwargs)
 
 
-def recompute(fn=None, *, layers=(), name=None):
+def recompute_function(fn=None, *, layers=(), name=None):
     """`fn` with the same forward, whose backward recomputes `fn`'s forward
     instead of keeping its activations (a decorator).
 
@@ -83,7 +83,7 @@ def recompute(fn=None, *, layers=(), name=None):
 
     Args:
         fn: a function of (nested) tensors and Python values, or a Keras
-            layer. Defaults to `None` (then `recompute(layers=...)` returns
+            layer. Defaults to `None` (then `recompute_function(layers=...)` returns
             the decorator).
         layers: the Keras layers `fn` calls. Defaults to `()`.
         name: used in error messages. Defaults to `None` (the function's
@@ -104,7 +104,7 @@ def recompute(fn=None, *, layers=(), name=None):
 
     dense, drop = keras.layers.Dense(8, activation="relu"), keras.layers.Dropout(0.2)
 
-    @kgb.recompute(layers=[dense, drop])
+    @kgb.recompute_function(layers=[dense, drop])
     def block(x):
         return drop(dense(x), training=True)
 
@@ -124,7 +124,7 @@ def recompute(fn=None, *, layers=(), name=None):
                 "layers (the layers `fn` calls)."
             )
     if fn is None:
-        return lambda f: recompute(f, layers=layers, name=name)
+        return lambda f: recompute_function(f, layers=layers, name=name)
     if isinstance(fn, keras.layers.Layer):
         return Recompute(fn)
     if not callable(fn):

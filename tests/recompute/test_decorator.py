@@ -1,4 +1,4 @@
-"""`kgb.Recompute(layer)` and `kgb.recompute(fn)`: gradients equal to the
+"""`kgb.Recompute(layer)` and `kgb.recompute_function(fn)`: gradients equal to the
 undecorated block's (Dropout masks and BatchNormalization statistics
 included), on the mechanism of `compile(recompute=...)`."""
 
@@ -90,13 +90,13 @@ def test_recompute_decorator_on_a_function_equals_the_undecorated_function():
     seeds = _state(drop)
     plain = _step(block, dense.trainable_variables, X)
     _restore(drop, seeds)
-    decorated_block = kgb.recompute(block, layers=[dense, drop])
+    decorated_block = kgb.recompute_function(block, layers=[dense, drop])
     decorated = tf.function(lambda x: _step(decorated_block, dense.trainable_variables, x))(X)
     for a, b in zip(plain, decorated):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     # The decorator form, and a layer given to recompute.
-    assert callable(kgb.recompute(layers=[dense])(block))
-    assert isinstance(kgb.recompute(dense), kgb.Recompute)
+    assert callable(kgb.recompute_function(layers=[dense])(block))
+    assert isinstance(kgb.recompute_function(dense), kgb.Recompute)
 
 
 def test_recompute_in_a_functional_model_trains_like_the_plain_one():
@@ -124,6 +124,17 @@ def test_wrong_arguments_are_refused_naming_them():
     with pytest.raises(TypeError, match="argument `layer`. Received: layer=3"):
         kgb.Recompute(3)
     with pytest.raises(TypeError, match="argument `fn`"):
-        kgb.recompute("block")
+        kgb.recompute_function("block")
     with pytest.raises(TypeError, match="argument `layers`"):
-        kgb.recompute(lambda x: x, layers=["dense"])
+        kgb.recompute_function(lambda x: x, layers=["dense"])
+
+
+def test_the_decorator_does_not_shadow_the_recompute_package():
+    """`kgb.recompute` stays the package (`import keras_gradboost.recompute
+    as rc` binds it): the function is `kgb.recompute_function`."""
+    import inspect
+
+    import keras_gradboost.recompute as package
+
+    assert inspect.ismodule(kgb.recompute) and inspect.ismodule(package)
+    assert kgb.recompute_function is package.recompute_function
