@@ -114,7 +114,8 @@ class StepState:
         ]
         if not variables:
             return None
-        return cls(variables, [tf.identity(v.value) for v in variables])
+        with hooks.autocast(None):  # as stored, not cast for the layer
+            return cls(variables, [tf.identity(v.value) for v in variables])
 
 
 class StateTap:

@@ -66,7 +66,7 @@ class _Runtime:
         # Calls of the update traced so far (a class's own train_step must
         # make one when the plan needs it).
         self.updates_traced = 0
-        self.minimizing = 0  # minimize() calls under way (trace time)
+        self.in_update = 0  # GradBoostModel's updates under way (trace time)
         # minimize() with other optimizers: (accumulator, scaler) per
         # (optimizer, variables), and their steps for the epoch-end flush.
         self.other_states = {}
@@ -491,27 +491,32 @@ class GradBoostModel(keras.Model):
         return self.train_function
 
     def _own_step(self, train_step, data):
-        """Traces the class's own `train_step`; refuses, before any update,
-        a step that applied its gradients itself while the plan needs
-        GradBoostModel's update (accumulation, loss scaling)."""
+        """Traces the class's own `train_step`; refuses, before any update
+        is traced, a step that applies gradients itself while the plan needs
+        GradBoostModel's update (accumulation, loss scaling): an optimizer
+        the model holds applied outside that update (raised at the call; with
+        `run_eagerly=True` the step's earlier updates have run by then), or
+        no update through it at all."""
         rt = self._gradboost
+        needs = []
+        if rt.config.accumulate_steps > 1:
+            needs.append(f"accumulate_steps={rt.config.accumulate_steps}")
+        if rt.scaler is not None:
+            needs.append(f"loss_scale={rt.config.loss_scale!r} (on for this model)")
+        if not needs:
+            return train_step(data)
         before = rt.updates_traced
-        direct = []  # other optimizers applied outside minimize()
+        optimizers = [self.optimizer] if self.optimizer is not None else []
         undos = [
-            wrappers.patch(o, "apply", _recording_apply(o, rt, direct))
-            for o in _other_optimizers(self)
+            wrappers.patch(o, "apply", _refusing_apply(self, o, needs))
+            for o in optimizers + _other_optimizers(self)
         ]
         try:
             logs = train_step(data)
         finally:
             for undo in reversed(undos):
                 undo()
-        needs = []
-        if rt.config.accumulate_steps > 1:
-            needs.append(f"accumulate_steps={rt.config.accumulate_steps}")
-        if rt.scaler is not None:
-            needs.append(f"loss_scale={rt.config.loss_scale!r} (on for this model)")
-        if rt.updates_traced == before and needs:
+        if rt.updates_traced == before:
             raise ValueError(
                 f"{type(self).__name__}.train_step, the model's own training "
                 "step, did not go through GradBoostModel's update, so "
@@ -520,16 +525,6 @@ class GradBoostModel(keras.Model):
                 "`super().train_step(data)`, or `self.minimize(tape, loss, "
                 "variables, optimizer)` for each update; or compile without "
                 "these options (accumulate_steps=1, loss_scale=None)."
-            )
-        if direct and needs:
-            names = ", ".join(sorted({type(o).__name__ for o in direct}))
-            raise ValueError(
-                f"{type(self).__name__}.train_step applies another optimizer "
-                f"({names}) itself, outside GradBoostModel's update, so "
-                f"{' and '.join(needs)} would be silently ignored for its "
-                "variables. Apply it through `self.minimize(tape, loss, "
-                "variables, optimizer, count=...)`, or compile without these "
-                "options (accumulate_steps=1, loss_scale=None)."
             )
         return logs
 
@@ -768,6 +763,14 @@ class GradBoostModel(keras.Model):
         accumulated. `state`: the `guard.StepState` a dropped step puts
         back."""
         rt = self._gradboost
+        rt.in_update += 1
+        try:
+            self._checked_update(grads, batch_loss, n, state)
+        finally:
+            rt.in_update -= 1
+
+    def _checked_update(self, grads, batch_loss, n, state):
+        rt = self._gradboost
         rt.updates_traced += 1
         accumulating = rt.config.accumulate_steps > 1
         check = self._checks_steps()
@@ -875,11 +878,11 @@ class GradBoostModel(keras.Model):
         variables = list(self.trainable_weights if variables is None else variables)
         accumulator, scaler = self._optimizer_state(optimizer, variables)
         rt.updates_traced += 1
-        rt.minimizing += 1
+        rt.in_update += 1
         try:
             self._minimize(tape, loss, variables, optimizer, count, accumulator, scaler)
         finally:
-            rt.minimizing -= 1
+            rt.in_update -= 1
 
     def _minimize(self, tape, loss, variables, optimizer, count, accumulator, scaler):
         rt = self._gradboost
@@ -1238,13 +1241,26 @@ def _other_optimizers(model):
     return found
 
 
-def _recording_apply(optimizer, rt, direct):
-    """A wrapper of `optimizer.apply` that notes `optimizer` in `direct`
-    when it is called outside `minimize()` (which applies it on purpose)."""
+def _refusing_apply(model, optimizer, needs):
+    """A wrapper of `optimizer.apply` that refuses a call from outside
+    GradBoostModel's update (`_update`, `minimize()`), before it applies."""
 
     def apply(below, *args, **kwargs):
-        if rt.minimizing == 0:
-            direct.append(optimizer)
+        if model._gradboost.in_update == 0:
+            which = (
+                "the model's optimizer"
+                if optimizer is model.optimizer
+                else f"another optimizer ({type(optimizer).__name__})"
+            )
+            raise ValueError(
+                f"{type(model).__name__}.train_step applies {which} itself, "
+                f"outside GradBoostModel's update, so {' and '.join(needs)} "
+                "would be silently ignored for its variables. Let each update "
+                "go through GradBoostModel: `super().train_step(data)`, or "
+                "`self.minimize(tape, loss, variables, optimizer, count=...)`; "
+                "or compile without these options (accumulate_steps=1, "
+                "loss_scale=None)."
+            )
         return below(*args, **kwargs)
 
     return apply

@@ -22,6 +22,7 @@ inside a `tf.cond` branch in replica context).
 
 import tensorflow as tf
 
+from keras_gradboost import hooks
 from keras_gradboost import precision as precision_lib
 
 
@@ -175,8 +176,10 @@ class CrossReplicaStep:
         return local_value(go, strategy), local_value(drop, strategy)
 
     def _put_back(self, values):
-        for variable, value in zip(self._state_variables, values):
-            variable.assign(value)
+        """Replica context: this replica's state values back."""
+        with hooks.autocast(None):
+            for variable, value in zip(self._state_variables, values):
+                variable.assign(value)
 
     def _record_and_drop(self, finite, loss_finite):
         """Replica context: `record`, and whether the step's state goes back:
@@ -186,6 +189,10 @@ class CrossReplicaStep:
         genuine = self._genuine(finite, loss_finite)
         go = self.record(finite, loss_finite)
         ordinary_overflow = tf.logical_and(tf.logical_not(finite), tf.logical_not(genuine))
+        if self.watch is not None:
+            # A halted watch keeps the model as it was: no overflow exception.
+            halted = self.watch.halted.read_value()
+            ordinary_overflow = tf.logical_and(ordinary_overflow, tf.logical_not(halted))
         return go, tf.logical_and(tf.logical_not(go), tf.logical_not(ordinary_overflow))
 
     def _genuine(self, finite, loss_finite):

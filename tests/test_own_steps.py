@@ -180,18 +180,34 @@ class SuperAndOwnOptimizer(keras.Model):
         return logs
 
 
+class SuperAndModelOptimizer(SuperAndOwnOptimizer):
+    """The same, the penalty applied by the model's own optimizer by hand."""
+
+    def train_step(self, data):
+        logs = super(SuperAndOwnOptimizer, self).train_step(data)  # GradBoostModel's
+        variables = self.trainable_variables[:1]
+        with tf.GradientTape() as tape:
+            penalty = tf.reduce_sum(tf.square(variables[0]))
+        self.optimizer.apply_gradients(zip(tape.gradient(penalty, variables), variables))
+        return logs
+
+
 @pytest.mark.parametrize("options, named", [
     (dict(accumulate_steps=2), "accumulate_steps=2"),
     (dict(loss_scale=128.0), "loss_scale=128.0"),
 ])
-def test_own_step_applying_another_optimizer_itself_is_refused(options, named):
-    message = refused_before_any_update(SuperAndOwnOptimizer, options)
-    assert "SuperAndOwnOptimizer.train_step applies another optimizer (SGD)" in message
+@pytest.mark.parametrize("cls, which", [
+    (SuperAndOwnOptimizer, "another optimizer (SGD)"),
+    (SuperAndModelOptimizer, "the model's optimizer"),
+])
+def test_own_step_applying_an_optimizer_itself_is_refused(cls, which, options, named):
+    message = refused_before_any_update(cls, options)
+    assert f"{cls.__name__}.train_step applies {which} itself" in message
     assert named in message and "self.minimize(" in message
     # Without the options nothing is ignored: it trains as plain Keras does.
-    plain = functional(SuperAndOwnOptimizer)
+    plain = functional(cls)
     plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    boosted = boost(functional(SuperAndOwnOptimizer))
+    boosted = boost(functional(cls))
     boosted.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     assert max_weight_diff(fit(boosted), fit(plain)) == 0.0
 
@@ -257,3 +273,20 @@ def test_a_boosted_model_with_its_own_step_saves_and_loads(tmp_path):
     fit(model, epochs=1)
     assert int(loaded.calls.numpy()) == int(model.calls.numpy()) == 16  # its own step
     assert max_weight_diff(loaded, model) == 0.0
+
+
+def test_nan_watcher_checks_each_micro_batch_of_an_own_step_that_accumulates():
+    """With accumulate_steps the own step's updates all go through
+    GradBoostModel's (anything else is refused), so the watcher checks each
+    micro-batch there: the bad one is skipped alone, as with the built-in
+    step (an optimizer guard would see only the window's mean)."""
+    x, y = data()
+    x[3 * 4 + 1, 2] = np.nan  # micro-batch 3
+    models = [boost(functional(SuperStepModel)), boost(functional(keras.Model))]
+    watchers = [NaNWatcher(action="skip", verbose=0) for _ in models]
+    for model, watcher in zip(models, watchers):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=2)
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[watcher])
+    assert [e.step for e in watchers[0].events] == [e.step for e in watchers[1].events] == [3]
+    assert int(models[0].calls.numpy()) == 8
+    assert max_weight_diff(models[0], models[1]) == 0.0

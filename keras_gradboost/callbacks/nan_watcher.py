@@ -287,8 +287,16 @@ class NaNWatcher(CallbackBase):
         # Other callbacks' hold_batches wrappers may be on top already: the
         # guarded function goes under them.
         # A GradBoostModel whose class has its own train_step may apply its
-        # gradients itself: guard its optimizer, as for a plain model.
-        gradboost = isinstance(model, GradBoostModel) and "train_step" not in own_steps(model)
+        # gradients itself: guard its optimizer, as for a plain model. Not
+        # when it accumulates or scales the loss: then every update must go
+        # through GradBoostModel's (`_own_step` refuses any other), whose
+        # watch checks each micro-batch, where the guard would see only the
+        # window's mean.
+        gradboost = isinstance(model, GradBoostModel) and (
+            "train_step" not in own_steps(model)
+            or model.gradboost_config.accumulate_steps > 1
+            or model.train_plan.loss_scale is not None
+        )
         self._refuse(model, gradboost)
         key = (
             model.optimizer,
