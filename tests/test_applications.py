@@ -8,6 +8,8 @@ about 5-40 s a test on 2 CPU cores), marked `slow`; CI runs them.
 `python -m pytest -m "not slow"` leaves them out.
 """
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,14 @@ pytestmark = pytest.mark.slow
 # the four others with BatchNormalization.
 MODELS = ["ResNet50", "MobileNetV2", "EfficientNetB0", "DenseNet121", "ConvNeXtTiny"]
 PIXELS, CLASSES, N, BATCH = 32, 3, 8, 4
+
+
+@pytest.fixture(autouse=True)
+def _free_the_models():
+    """These models are large (a worker reached 4.5 GB): free them before
+    the worker's next test."""
+    yield
+    gc.collect()
 
 
 def application(name, seed=0):
@@ -63,7 +73,10 @@ def max_diff(a, b):
     return worst
 
 
-@pytest.mark.parametrize("name", MODELS)
+# The recompute comparison on three of the five (one of each kind of block:
+# bottleneck, inverted residual, LayerNorm); DenseNet121 and EfficientNetB0
+# take 1-2 minutes more of CI, and their recompute is the same mechanism.
+@pytest.mark.parametrize("name", ["ResNet50", "MobileNetV2", "ConvNeXtTiny"])
 def test_boosted_with_recompute_trains_like_plain_keras(name):
     """boost() with recompute="auto" against the unboosted model: the same
     weights and moving statistics after each of two steps (recompute re-runs
