@@ -247,11 +247,7 @@ def safe_norm(x, axis=-1, keepdims=False):
     """
     x = _float_tensor("x", x)
     axis = _axis_arg(axis)
-    if not isinstance(keepdims, bool):
-        raise TypeError(
-            f"Invalid type for argument `keepdims`. Received: keepdims="
-            f"{keepdims!r} of type {type(keepdims).__name__}. Expected a bool."
-        )
+    _keepdims_arg(keepdims)
 
     @tf.custom_gradient
     def norm(x):
@@ -259,16 +255,30 @@ def safe_norm(x, axis=-1, keepdims=False):
         kept = tf.sqrt(tf.reduce_sum(tf.square(x), axis=axis, keepdims=True))
 
         def grad(upstream):
-            if not keepdims:
-                upstream = tf.reshape(upstream, tf.shape(kept))
-            positive = kept > 0
-            scale = tf.where(positive, upstream / tf.where(positive, kept, 1), 0)
-            return x * scale
+            return x * _upstream_over(upstream, kept, kept, keepdims)
 
         out = kept if keepdims else tf.squeeze(kept, axis=_squeeze_axes(x, axis))
         return out, grad
 
     return _in_float32(norm, x)
+
+
+def _keepdims_arg(keepdims):
+    if not isinstance(keepdims, bool):
+        raise TypeError(
+            f"Invalid type for argument `keepdims`. Received: keepdims="
+            f"{keepdims!r} of type {type(keepdims).__name__}. Expected a bool."
+        )
+
+
+def _upstream_over(upstream, denominator, kept, keepdims):
+    """`upstream / denominator` where the denominator is positive, else 0:
+    the backward of a reduction, with `upstream` given the reduced axes back
+    (`kept`'s shape) when `keepdims` dropped them."""
+    if not keepdims:
+        upstream = tf.reshape(upstream, tf.shape(kept))
+    positive = denominator > 0
+    return tf.where(positive, upstream / tf.where(positive, denominator, 1), 0)
 
 
 def _squeeze_axes(x, axis):
@@ -368,11 +378,7 @@ def logsumexp(x, axis=-1, keepdims=False):
     """
     x = _float_tensor("x", x)
     axis = _axis_arg(axis)
-    if not isinstance(keepdims, bool):
-        raise TypeError(
-            f"Invalid type for argument `keepdims`. Received: keepdims="
-            f"{keepdims!r} of type {type(keepdims).__name__}. Expected a bool."
-        )
+    _keepdims_arg(keepdims)
 
     @tf.custom_gradient
     def lse(x):
@@ -383,11 +389,7 @@ def logsumexp(x, axis=-1, keepdims=False):
         kept = tf.math.log(total) + shift
 
         def grad(upstream):
-            if not keepdims:
-                upstream = tf.reshape(upstream, tf.shape(kept))
-            positive = total > 0
-            scale = tf.where(positive, upstream / tf.where(positive, total, 1), 0)
-            return e * scale
+            return e * _upstream_over(upstream, total, kept, keepdims)
 
         out = kept if keepdims else tf.squeeze(kept, axis=_squeeze_axes(x, axis))
         return out, grad
