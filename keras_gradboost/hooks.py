@@ -182,6 +182,29 @@ def stop_recording():
     return record.stop_recording()
 
 
+def update_recording_scope(state_mapping):
+    """A `keras.StatelessScope` over `state_mapping` that also keeps the
+    Keras variables assigned inside it, in `scope.updated` (in order).
+
+    Keras' scope keeps its updates by `id(variable)` only, in
+    `state_mapping`; a variable's `assign` reaches the scope through its
+    `add_update((variable, value))`, which this subclass extends. The
+    recompute uses it to find state a block updates that no listed layer
+    owns (its recompute would read it after the forward's update).
+    """
+
+    class UpdateRecordingScope(keras.StatelessScope):
+        def __init__(self, mapping):
+            super().__init__(state_mapping=mapping)
+            self.updated = []
+
+        def add_update(self, update):
+            self.updated.append(update[0])
+            super().add_update(update)
+
+    return UpdateRecordingScope(state_mapping)
+
+
 def keras_saveable_class():
     """`keras.src.saving.keras_saveable.KerasSaveable`, the base of what
     Keras' saving walk visits (layers, optimizers, metrics): an object of a
@@ -219,17 +242,11 @@ def jit_blockers(model):
         A list of reasons such as `"layer 'rnn' (MyRNN) has
         supports_jit=False"`; empty when Keras allows XLA.
     """
-    import platform
-
     from tensorflow.python.framework.config import is_op_determinism_enabled
 
     reasons = []
-    if (
-        platform.system() == "Darwin"
-        and "arm" in platform.processor().lower()
-        and tf.config.list_physical_devices("GPU")
-    ):
-        reasons.append("TensorFlow has no XLA on the Apple-silicon GPU")
+    if no_xla_device():
+        reasons.append(no_xla_device())
     layers = [
         layer for layer in flatten_layers(model) if not getattr(layer, "supports_jit", True)
     ]
@@ -245,6 +262,19 @@ def jit_blockers(model):
             "(tf.config.experimental.enable_op_determinism)"
         )
     return reasons
+
+
+def no_xla_device():
+    """Why this machine's TensorFlow cannot compile with XLA, or None."""
+    import platform
+
+    if (
+        platform.system() == "Darwin"
+        and "arm" in platform.processor().lower()
+        and tf.config.list_physical_devices("GPU")
+    ):
+        return "TensorFlow has no XLA on the Apple-silicon GPU"
+    return None
 
 
 def keras_supports_jit(model):
@@ -306,6 +336,11 @@ def check():
         with stop_recording():
             y = x * 2.0
     assert tape.gradient(y, x) is None
+    counter = keras.Variable(0.0, trainable=False)
+    with update_recording_scope([(counter, tf.constant(1.0))]) as scope:
+        counter.assign_add(1.0)
+        assert float(counter.value) == 2.0
+    assert scope.updated == [counter] and float(counter.numpy()) == 0.0
     assert keras_supports_jit(model) is True and jit_blockers(model) == []
     assert issubclass(keras.layers.Layer, keras_saveable_class())
     from keras.src.saving.saving_lib import get_attr_skipset

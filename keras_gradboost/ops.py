@@ -15,17 +15,53 @@ a half-precision model gets float32 accuracy inside the op.
 | `safe_divide(x, y)`        | `x / y`                       | y = 0: inf/NaN, value and grads  |
 | `logsumexp(x, axis)`       | `log(reduce_sum(exp(x)))`     | x > 88: inf; all -inf row: NaN grad |
 
+Inside a traced function (`tf.function`, Keras' `fit`) each op's forward and
+backward run as one fused XLA kernel each, so the guards cost no extra pass
+over the tensor; eagerly they run as plain TensorFlow ops.
+
 `log1pexp`, `safe_sqrt` and `safe_log` take one tensor, so they serve as Keras
 activations (`Dense(8, activation=kgb.ops.log1pexp)`); they are registered
 for saving.
 """
 
+import functools
+
 import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_gradboost import hooks
+
 _HALF = (tf.float16, tf.bfloat16)
 _PACKAGE = "keras_gradboost"
+
+
+def _kernel(fn):
+    """`fn` (element-wise ops and reductions) as one XLA kernel inside a
+    traced function, and as the plain ops eagerly.
+
+    The guards that keep an op finite (a clamp, a `where`) are extra passes
+    over the tensor; TensorFlow's graph runs each op as a kernel of its own,
+    so unfused they cost 1.4-2.3x the naive composite. Fused, the forward and
+    the backward each read and write the tensor once, as the naive one's
+    kernels do. Under an outer `jit_compile=True` the kernel is inlined.
+    Eagerly, and where TensorFlow has no XLA (`hooks.no_xla_device`), the
+    same ops run unfused.
+    """
+    fused = tf.function(fn, jit_compile=True, autograph=False, reduce_retracing=True)
+
+    @functools.wraps(fn)
+    def call(*args):
+        if tf.inside_function() and not _no_xla():
+            return fused(*args)
+        return fn(*args)
+
+    return call
+
+
+@functools.lru_cache(maxsize=None)
+def _no_xla():
+    return hooks.no_xla_device() is not None
 
 
 def _float_tensor(name, x):
@@ -75,12 +111,20 @@ def _axis_arg(axis):
 # ------------------------------------------------------------------ log1pexp
 
 
+@_kernel
+def _log1pexp_grad(upstream, x):
+    return upstream * tf.sigmoid(x)
+
+
 @tf.custom_gradient
 def _log1pexp(x):
     def grad(upstream):
-        return upstream * tf.sigmoid(x)
+        return _log1pexp_grad(upstream, x)
 
-    return tf.math.softplus(x), grad
+    return _kernel_softplus(x), grad
+
+
+_kernel_softplus = _kernel(tf.math.softplus)
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -157,28 +201,45 @@ def safe_log(x, eps=None):
     return _in_float32(compute, x)
 
 
+@_kernel
+def _clamped_log_forward(x, floor):
+    return tf.math.log(tf.maximum(x, floor))
+
+
+@_kernel
+def _clamped_log_grad(upstream, x, floor):
+    above = x > floor
+    return tf.where(above, upstream / tf.where(above, x, tf.ones_like(x)), 0)
+
+
 @tf.custom_gradient
 def _clamped_log(x, floor):
-    above = x > floor
-
     def grad(upstream):
-        safe = tf.where(above, x, tf.ones_like(x))
-        return tf.where(above, upstream / safe, tf.zeros_like(x)), None
+        return _clamped_log_grad(upstream, x, floor), None
 
-    return tf.math.log(tf.maximum(x, floor)), grad
+    return _clamped_log_forward(x, floor), grad
 
 
 # ----------------------------------------------------------------- safe_sqrt
 
 
+@_kernel
+def _sqrt_forward(x):
+    return tf.sqrt(tf.nn.relu(x))
+
+
+@_kernel
+def _sqrt_grad(upstream, y):
+    positive = y > 0  # where x > 0
+    return tf.where(positive, 0.5 * upstream / tf.where(positive, y, tf.ones_like(y)), 0)
+
+
 @tf.custom_gradient
 def _sqrt(x):
-    positive = x > 0
-    y = tf.sqrt(tf.maximum(x, tf.zeros_like(x)))
+    y = _sqrt_forward(x)
 
     def grad(upstream):
-        safe = tf.where(positive, y, tf.ones_like(y))
-        return tf.where(positive, 0.5 * upstream / safe, tf.zeros_like(y))
+        return _sqrt_grad(upstream, y)
 
     return y, grad
 
@@ -249,18 +310,44 @@ def safe_norm(x, axis=-1, keepdims=False):
     axis = _axis_arg(axis)
     _keepdims_arg(keepdims)
 
+    forward, backward = _norm_kernels(_hashable(axis), keepdims)
+
     @tf.custom_gradient
     def norm(x):
-        # Not tf.math.reduce_euclidean_norm: XLA has no kernel for it.
-        kept = tf.sqrt(tf.reduce_sum(tf.square(x), axis=axis, keepdims=True))
+        kept, out = forward(x)
 
         def grad(upstream):
-            return x * _upstream_over(upstream, kept, kept, keepdims)
+            return backward(upstream, x, kept)
 
-        out = kept if keepdims else tf.squeeze(kept, axis=_squeeze_axes(x, axis))
         return out, grad
 
     return _in_float32(norm, x)
+
+
+@functools.lru_cache(maxsize=None)
+def _norm_kernels(axis, keepdims):
+    axis = list(axis) if isinstance(axis, tuple) else axis
+
+    @_kernel
+    def forward(x):
+        # Not tf.math.reduce_euclidean_norm: XLA has no kernel for it.
+        kept = tf.sqrt(tf.reduce_sum(tf.square(x), axis=axis, keepdims=True))
+        return kept, _dropped(kept, x, axis, keepdims)
+
+    @_kernel
+    def backward(upstream, x, kept):
+        return x * _upstream_over(upstream, kept, kept, keepdims)
+
+    return forward, backward
+
+
+def _hashable(axis):
+    return tuple(axis) if isinstance(axis, list) else axis
+
+
+def _dropped(kept, x, axis, keepdims):
+    """`kept` (reduced with `keepdims=True`) as `keepdims` asks."""
+    return kept if keepdims else tf.squeeze(kept, axis=_squeeze_axes(x, axis))
 
 
 def _keepdims_arg(keepdims):
@@ -292,16 +379,32 @@ def _squeeze_axes(x, axis):
 # --------------------------------------------------------------- safe_divide
 
 
+def _safe_denominator(y, eps):
+    ok = tf.abs(y) > eps
+    return ok, tf.where(ok, y, tf.ones_like(y))
+
+
+@_kernel
+def _divide_forward(x, y, eps):
+    ok, safe_y = _safe_denominator(y, eps)
+    quotient = x / safe_y
+    return tf.where(ok, quotient, tf.zeros_like(quotient))
+
+
+@_kernel
+def _divide_grad(upstream, x, y, out, eps):
+    ok, safe_y = _safe_denominator(y, eps)
+    dx = tf.where(ok, upstream / safe_y, 0)
+    dy = tf.where(ok, -(upstream * out) / safe_y, 0)
+    return _reduced(dx, dy, x, y)
+
+
 @tf.custom_gradient
 def _divide(x, y, eps):
-    ok = tf.abs(y) > eps
-    safe_y = tf.where(ok, y, tf.ones_like(y))
-    out = tf.where(ok, x / safe_y, tf.zeros_like(x / safe_y))
+    out = _divide_forward(x, y, eps)
 
     def grad(upstream):
-        dx = tf.where(ok, upstream / safe_y, tf.zeros_like(out))
-        dy = tf.where(ok, -(upstream * out) / safe_y, tf.zeros_like(out))
-        return (*_reduced(dx, dy, x, y), None)
+        return (*_divide_grad(upstream, x, y, out, eps), None)
 
     return out, grad
 
@@ -380,21 +483,38 @@ def logsumexp(x, axis=-1, keepdims=False):
     axis = _axis_arg(axis)
     _keepdims_arg(keepdims)
 
+    forward, backward = _logsumexp_kernels(_hashable(axis), keepdims)
+
     @tf.custom_gradient
     def lse(x):
+        e, total, kept, out = forward(x)
+
+        def grad(upstream):
+            return backward(upstream, e, total, kept)
+
+        return out, grad
+
+    return _in_float32(lse, x)
+
+
+@functools.lru_cache(maxsize=None)
+def _logsumexp_kernels(axis, keepdims):
+    axis = list(axis) if isinstance(axis, tuple) else axis
+
+    @_kernel
+    def forward(x):
         biggest = tf.reduce_max(x, axis=axis, keepdims=True)
         shift = tf.where(tf.math.is_finite(biggest), biggest, tf.zeros_like(biggest))
         e = tf.exp(x - shift)
         total = tf.reduce_sum(e, axis=axis, keepdims=True)
         kept = tf.math.log(total) + shift
+        return e, total, kept, _dropped(kept, x, axis, keepdims)
 
-        def grad(upstream):
-            return e * _upstream_over(upstream, total, kept, keepdims)
+    @_kernel
+    def backward(upstream, e, total, kept):
+        return e * _upstream_over(upstream, total, kept, keepdims)
 
-        out = kept if keepdims else tf.squeeze(kept, axis=_squeeze_axes(x, axis))
-        return out, grad
-
-    return _in_float32(lse, x)
+    return forward, backward
 
 
 __all__ = ["log1pexp", "logsumexp", "safe_divide", "safe_log", "safe_norm", "safe_sqrt"]

@@ -98,14 +98,18 @@ FAILURES = {
 }
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
 @pytest.mark.parametrize("name", FAILURES)
-def test_finite_where_the_naive_composite_is_not(name):
+def test_finite_where_the_naive_composite_is_not(name, traced):
+    """Eagerly the guards run as plain ops; in a traced function each op's
+    forward and backward run as one fused XLA kernel: both are checked."""
     op, naive, inputs, values, grads = FAILURES[name]
     inputs = [tf.constant(x, tf.float32) for x in inputs]
     theirs, their_grads = value_and_grad(naive, *inputs)
     bad = [theirs] + [g for g in their_grads if g is not None]
     assert not all(bool(tf.reduce_all(tf.math.is_finite(t))) for t in bad), "the naive op is fine here"
-    ours, our_grads = value_and_grad(op, *inputs)
+    run = tf.function(value_and_grad) if traced else value_and_grad
+    ours, our_grads = run(op, *inputs)
     np.testing.assert_allclose(ours, values, rtol=1e-6)
     for g, expected in zip(our_grads, grads):
         assert bool(tf.reduce_all(tf.math.is_finite(g)))
@@ -198,3 +202,17 @@ def test_usable_as_keras_activations_and_saved_by_name():
 def test_invalid_arguments_are_refused_naming_them(call, error, text):
     with pytest.raises(error, match=text):
         call()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_in_a_traced_function_forward_and_backward_are_fused_kernels(name):
+    """The guards cost extra passes unless fused: in a graph, the op's
+    forward and its backward are each one XLA-compiled function call."""
+    op, _, inputs = CASES[name]
+    inputs = [tf.constant(x) for x in inputs]
+    graph = tf.function(value_and_grad).get_concrete_function(op, *inputs).graph
+    compiled = [
+        o for o in graph.get_operations()
+        if "PartitionedCall" in o.type and o.get_attr("_XlaMustCompile")
+    ]
+    assert len(compiled) >= 2, [o.type for o in graph.get_operations()]

@@ -78,8 +78,10 @@ def recompute_function(fn=None, *, layers=(), name=None):
     `layers`: their Dropout seeds and batch statistics are read back as the
     forward saw them (so the recompute draws the same masks), and their
     weights are held at the forward's read, as `compile(recompute=...)`
-    does. A random or BatchNormalization layer left out of `layers` draws
-    anew in the recompute, and its gradients are then wrong.
+    does. A layer that updates state (a Dropout seed, moving statistics)
+    and is left out of `layers` is refused with a `ValueError` when the
+    gradient is built (the recompute would draw a new mask), before any
+    update is applied.
 
     Args:
         fn: a function of (nested) tensors and Python values, or a Keras
@@ -94,6 +96,8 @@ def recompute_function(fn=None, *, layers=(), name=None):
 
     Raises:
         TypeError: `fn` is not callable, or `layers` holds a non-layer.
+        ValueError: when the gradient is built, if `fn` updates a variable
+            of a layer not in `layers`.
 
     Example:
 

@@ -16,7 +16,6 @@ for the blocks its plan chose) and is a plain call everywhere else.
 import contextlib
 import threading
 
-import keras
 import tensorflow as tf
 
 from keras_gradboost import hooks
@@ -135,10 +134,11 @@ def recomputed(fn, state, name="block", weights=()):
                     tape.watch([t for t in inputs if t.dtype.is_floating])
                     tape.watch([t for _, t in held])
                     a, k = rebuild(inputs)
-                    with keras.StatelessScope(
-                        state_mapping=saved + held
-                    ), hooks.autocast(dtype), _plain():
+                    with hooks.update_recording_scope(
+                        saved + held
+                    ) as scope, hooks.autocast(dtype), _plain():
                         again = fn(*a, **k)
+                _refuse_unsaved_updates(scope.updated, saved, name)
                 # A weight's gradient is its held value's; a variable read
                 # outside `weights` is differentiated as it is.
                 sources = [by_variable.get(id(v), v) for v in variables]
@@ -159,6 +159,34 @@ def recomputed(fn, state, name="block", weights=()):
         return tf.nest.pack_sequence_as(structure[0], flat_outputs)
 
     return call
+
+
+def _refuse_unsaved_updates(updated, saved, name):
+    """Raises if the recompute updated a variable whose value before the
+    forward was not saved: it read the forward's update instead (a Dropout
+    seed drawn anew, a counter), so its gradients would be silently wrong.
+
+    Raises:
+        ValueError: naming the variables and the fix.
+    """
+    known = {id(v) for v, _ in saved}
+    unsaved = []
+    for v in updated:
+        if id(v) not in known and all(v is not u for u in unsaved):
+            unsaved.append(v)
+    if unsaved:
+        paths = ", ".join(repr(getattr(v, "path", v.name)) for v in unsaved[:3])
+        more = f" and {len(unsaved) - 3} more" if len(unsaved) > 3 else ""
+        raise ValueError(
+            f"Cannot recompute block {name!r} exactly: it updates the "
+            f"variable(s) {paths}{more}, which belong to no layer given to "
+            "the recompute, so the recompute would read them after the "
+            "forward's update (a Dropout mask drawn anew, a BatchNormalization "
+            "statistic updated twice) and its gradients would be wrong. Pass "
+            "the layers the block calls to `kgb.recompute_function(fn, "
+            "layers=[...])`, or give a custom layer its own "
+            "`keras.random.SeedGenerator` instead of the global one."
+        )
 
 
 def _tensor_positions(flat, name):

@@ -138,3 +138,66 @@ def test_the_decorator_does_not_shadow_the_recompute_package():
 
     assert inspect.ismodule(kgb.recompute) and inspect.ismodule(package)
     assert kgb.recompute_function is package.recompute_function
+
+
+@pytest.mark.parametrize("left_out", ["dropout", "batchnorm"])
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_a_stateful_layer_left_out_of_layers_is_refused_before_any_update(
+    left_out, traced
+):
+    """Without the Dropout layer in `layers`, the recompute drew a new mask:
+    its gradients differed from the plain block's, silently. Now building
+    the gradient names the variable, before the weights change."""
+    keras.utils.set_random_seed(0)
+    dense = keras.layers.Dense(8, activation="tanh")
+    dense.build((None, 6))
+    other = (
+        keras.layers.Dropout(0.5, seed=1)
+        if left_out == "dropout"
+        else keras.layers.BatchNormalization()
+    )
+    other.build((None, 8))
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(dense.trainable_variables)
+    block = kgb.recompute_function(
+        lambda x: other(dense(x), training=True), layers=[dense]
+    )
+
+    def step(x):
+        grads = _step(block, dense.trainable_variables, x)[1:]
+        optimizer.apply(grads, dense.trainable_variables)
+
+    before = [v.numpy() for v in dense.trainable_variables]
+    owned = (
+        other.seed_generator.state if left_out == "dropout" else other.moving_mean
+    )
+    with pytest.raises(ValueError, match=f"block '<lambda>' exactly.*'{owned.path}'"):
+        (tf.function(step) if traced else step)(X)
+    for a, v in zip(before, dense.trainable_variables):
+        np.testing.assert_array_equal(a, v.numpy())
+    # Listed, the same block is exact against the plain one.
+    keras.utils.set_random_seed(0)
+    listed = kgb.recompute_function(
+        lambda x: other(dense(x), training=True), layers=[dense, other]
+    )
+    state = _state(other)
+    plain = _step(lambda x: other(dense(x), training=True), dense.trainable_variables, X)
+    _restore(other, state)
+    for a, b in zip(plain, _step(listed, dense.trainable_variables, X)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_layer_drawing_from_the_global_seed_generator_is_refused():
+    """A custom layer calling `keras.random.dropout` without a seed of its
+    own updates Keras' global seed generator, which no layer owns: the
+    recompute would draw another mask, so `Recompute` refuses it."""
+
+    class NoisyDense(keras.layers.Dense):
+        def call(self, x, training=None):
+            return keras.random.dropout(super().call(x), 0.5)
+
+    keras.utils.set_random_seed(0)
+    wrapped = kgb.Recompute(NoisyDense(4))
+    wrapped.build((None, 6))
+    with pytest.raises(ValueError, match="seed_generator_state"):
+        _step(lambda x: wrapped(x, training=True), wrapped.trainable_variables, X)

@@ -10,6 +10,7 @@ import keras
 from keras_gradboost import boost
 from keras_gradboost import hooks
 from keras_gradboost import recompute
+from keras_gradboost.recompute import mechanism
 from recompute.models import WIDTH
 from recompute.models import ResBlock
 from recompute.models import assert_same_state
@@ -39,9 +40,11 @@ def _gradients(model, x, y, forward):
     return tape.gradient(loss, model.trainable_variables)
 
 
-def test_recompute_without_the_saved_state_would_be_wrong(data):
+def test_recompute_without_the_saved_state_would_be_wrong(data, monkeypatch):
     """The control: replaying Dropout with fresh seeds changes gradients, so
-    the equality above is not luck."""
+    the equality above is not luck. Such a recompute is refused, naming the
+    state it would read after the forward's update; with the refusal
+    switched off, its gradients are wrong."""
     x, y = data
     model = residual_model(blocks_count=1)
     block = model.get_layer("res_0")
@@ -58,6 +61,9 @@ def test_recompute_without_the_saved_state_would_be_wrong(data):
 
     exact = run(block)
     with_state = run(recompute.recomputed(block, recompute.state_variables(block)))
+    with pytest.raises(ValueError, match="seed_generator_state.*moving_mean"):
+        run(recompute.recomputed(block, []))
+    monkeypatch.setattr(mechanism, "_refuse_unsaved_updates", lambda *a: None)
     naive = run(recompute.recomputed(block, []))
     for a, b in zip(exact, with_state):
         np.testing.assert_allclose(a, b, atol=1e-6)
