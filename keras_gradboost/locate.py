@@ -18,6 +18,7 @@ import tensorflow as tf
 from keras_gradboost import hooks
 from keras_gradboost import wrappers
 from keras_gradboost.op_advice import layer_advice
+from keras_gradboost.state import every_copy
 
 
 @dataclasses.dataclass
@@ -108,7 +109,9 @@ def locate_nonfinite(model, data):
     layers = hooks.flatten_layers(model, include_self=False)
     records = []  # (layer, inputs, outputs), in the order calls complete
 
-    saved = [(v, v.numpy()) for v in model.non_trainable_variables + model.metrics_variables]
+    saved = every_copy(
+        model.non_trainable_variables + model.metrics_variables, model.distribute_strategy
+    )
     undos = record_calls(layers, records)
     try:
         with tf.GradientTape(persistent=True) as tape:
@@ -124,8 +127,8 @@ def locate_nonfinite(model, data):
     finally:
         for undo in reversed(undos):
             undo()
-        for v, value in saved:
-            v.assign(value)
+        for copy, value in saved:
+            copy.assign(value)
         del tape
     if finding.layer is not None:
         # Traced once more, now that the recording wrappers are gone.

@@ -9,6 +9,8 @@ which TensorFlow forbids inside the branches of a `tf.cond` in replica context.
 
 import tensorflow as tf
 
+from keras_gradboost import hooks
+
 
 def replica_local_variable(initial_value, name, dtype=None):
     """A non-trainable variable with one local copy per replica.
@@ -24,6 +26,23 @@ def replica_local_variable(initial_value, name, dtype=None):
         synchronization=tf.VariableSynchronization.ON_READ,
         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
     )
+
+
+def every_copy(variables, strategy):
+    """`(copy, its value now)` for every copy of each Keras variable, to
+    assign back later: under MirroredStrategy one per replica.
+
+    Statistics a layer updates in replica context (BatchNormalization's)
+    differ between the copies, and `v.numpy()` (or `get_weights()`) reads
+    the first only: assigned back, it would overwrite every replica's copy
+    with the first replica's.
+    """
+    with hooks.autocast(None):  # the stored values, not cast for a layer
+        return [
+            (copy, copy.numpy())
+            for v in variables
+            for copy in strategy.experimental_local_results(v.value)
+        ]
 
 
 class StepFacts:

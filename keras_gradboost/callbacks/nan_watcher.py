@@ -15,6 +15,7 @@ from keras_gradboost.callbacks import args
 from keras_gradboost.callbacks.base import CallbackBase
 from keras_gradboost.locate import as_local_batch
 from keras_gradboost.precision import computes_in_float16
+from keras_gradboost.state import every_copy
 from keras_gradboost.locate import locate_nonfinite
 
 ACTIONS = ("stop", "skip", "restore", "warn")
@@ -520,7 +521,8 @@ class NaNWatcher(CallbackBase):
             # epoch's snapshot holds them too (a roll-back must reset them).
             with model.distribute_strategy.scope():
                 model.optimizer.build(model.trainable_variables)
-        self._weights = model.get_weights()
+        # Each replica's copy (BatchNormalization statistics differ).
+        self._weights = every_copy(model.weights, model.distribute_strategy)
         # The learning rate is not state to roll back: restore lowers it.
         self._optimizer_state = [
             (v, v.numpy()) for v in model.optimizer.variables if v.name != "learning_rate"
@@ -539,7 +541,8 @@ class NaNWatcher(CallbackBase):
 
     def _restore(self):
         model = self.model
-        model.set_weights(self._weights)
+        for copy, value in self._weights:
+            copy.assign(value)
         for v, value in self._optimizer_state:
             v.assign(value)
         lr = float(np.asarray(model.optimizer.learning_rate))
