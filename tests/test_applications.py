@@ -107,7 +107,9 @@ def _middle_conv(model):
 
 
 class PoisonAt(keras.callbacks.Callback):
-    """Sets one kernel entry of `layer` to NaN before batch `step`."""
+    """Sets one kernel entry of `layer` to NaN before batch `step`, and keeps
+    every weight and statistic as they are then (`self.before`, the NaN
+    included): the state a stop at that step must leave."""
 
     def __init__(self, layer, step):
         super().__init__()
@@ -119,29 +121,34 @@ class PoisonAt(keras.callbacks.Callback):
             value = kernel.numpy()
             value.flat[0] = np.nan
             kernel.assign(value)
+            self.before = [w.copy() for w in self.model.get_weights()]
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_planted_nan_is_located_at_its_step_and_layer(name):
     """A NaN planted in a middle convolution's kernel before step 1, on the
     unboosted model (NaNWatcher is a drop-in callback): stopped at step 1,
-    naming that convolution, with the weights of step 1's start (step 0's
-    update applied, step 1's never)."""
+    naming that convolution, with the weights and statistics of step 1's
+    start, as a callback saw them (step 0's update applied, step 1's
+    never)."""
     model = compile_model(application(name))
+    initial = model.get_weights()
     layer = _middle_conv(model)
     watcher = kgb.callbacks.NaNWatcher(action="stop", verbose=0)
+    poison = PoisonAt(layer, 1)
     with pytest.raises(kgb.callbacks.NonFiniteError):
-        fit(model, callbacks=[watcher, PoisonAt(layer, 1)])
+        fit(model, callbacks=[watcher, poison])
     assert [(e.step, e.layer) for e in watcher.events] == [(1, layer.name)]
     assert int(model.optimizer.iterations.numpy()) == 1
-    reference = compile_model(application(name))
-    x, y = images()
-    reference.train_on_batch(x[:BATCH], y[:BATCH])
-    kernel = reference.get_layer(layer.name).kernel
-    value = kernel.numpy()
-    value.flat[0] = np.nan
-    kernel.assign(value)
-    assert max_diff(model, reference) < 1e-6
+    worst = 0.0
+    for w, before in zip(model.get_weights(), poison.before):
+        np.testing.assert_array_equal(np.isnan(w), np.isnan(before))
+        finite = ~np.isnan(w)
+        worst = max(worst, float(np.max(np.abs(w[finite] - before[finite]), initial=0)))
+    assert worst < 1e-6
+    # Step 0 did update (so the comparison could fail).
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(initial, poison.before)
+               if np.isfinite(b).all()) > 1e-4
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -155,7 +162,10 @@ def test_boosted_model_saves_and_loads(name, tmp_path):
     assert isinstance(loaded, kgb.GradBoostModel)
     assert loaded.gradboost_config.accumulate_steps == 2
     assert loaded.gradboost_config.recompute == "auto"
-    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    for a, b in zip(loaded.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # Called eagerly (tracing `predict` for both cost a minute on DenseNet121).
+    np.testing.assert_array_equal(loaded(x[:2], training=False), model(x[:2], training=False))
 
 
 @pytest.mark.parametrize("name", [m for m in MODELS if m != "ConvNeXtTiny"])
@@ -170,6 +180,7 @@ def test_convnext_accumulation_equals_the_large_batch():
     micro-batches of 4 equal one step on the 8, and nothing warns."""
     x, y = images()
     large = compile_model(application("ConvNeXtTiny"))
+    initial = [w.copy() for w in large.get_weights()]
     large.train_on_batch(x, y)
     import warnings
 
@@ -180,5 +191,7 @@ def test_convnext_accumulation_equals_the_large_batch():
     fit(accumulated)
     assert int(accumulated.optimizer.iterations.numpy()) == 1
     assert max_diff(accumulated, large) < 1e-5
-    per_batch = fit(compile_model(kgb.boost(application("ConvNeXtTiny"))))
-    assert max_diff(per_batch, large) > 1e-4  # so the check can fail
+    # The update is large against that tolerance (so the check can fail);
+    # one update, not one per micro-batch (iterations above).
+    assert max(float(np.max(np.abs(a - b)))
+               for a, b in zip(initial, large.get_weights())) > 1e-3
