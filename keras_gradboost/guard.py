@@ -130,17 +130,27 @@ class StateTap:
         """Wraps `model.train_step`; returns the undo."""
 
         def train_step(below, *args, **kwargs):
-            self._local.state = StepState.take(model)
+            self.put(model)
             return below(*args, **kwargs)
 
         return wrappers.patch(model, "train_step", train_step)
 
-    def take(self):
-        """The state taken at the start of this thread's step, or None."""
+    def put(self, model):
+        """Takes `model`'s state now, at the start of this thread's step."""
+        self._local.state = StepState.take(model)
+
+    def peek(self):
+        """The state taken at the start of this thread's step (kept for
+        the step's other updates), or None."""
         state = getattr(self._local, "state", None)
-        self._local.state = None
         if state is None or not all(_reachable(v) for v in state.values):
             return None
+        return state
+
+    def take(self):
+        """The state taken at the start of this thread's step, or None."""
+        state = self.peek()
+        self._local.state = None
         return state
 
 
@@ -201,11 +211,17 @@ class WatchState:
     every replica makes the same updates from all-reduced decisions. Create
     it under the model's distribution strategy scope.
 
+    A train step may record several updates (a custom `train_step` calling
+    `GradBoostModel.minimize()` once per optimizer): the step counts once,
+    when it `advance()`s, and is non-finite once if any of them is.
+
     Attributes:
         step: int64, steps run since `reset()`.
         count: int64, non-finite steps since `reset()`.
-        consecutive: int64, non-finite steps in a row (a finite step resets
-            it).
+        consecutive: int64, non-finite steps in a row before this step (a
+            finite step resets it).
+        bad_now: bool, this step recorded a non-finite update.
+        finite_now: bool, every update this step recorded was finite.
         halted: bool; while set, every step's update is dropped, finite or
             not. A non-finite step sets it when `halt_every` is true, or when
             it makes `max_in_row` non-finite steps in a row.
@@ -224,6 +240,8 @@ class WatchState:
         self.count = replica_local_variable(0, "nan_watch_count", tf.int64)
         self.consecutive = replica_local_variable(0, "nan_watch_in_row", tf.int64)
         self.halted = replica_local_variable(False, "nan_watch_halted", tf.bool)
+        self.bad_now = replica_local_variable(False, "nan_watch_bad_now", tf.bool)
+        self.finite_now = replica_local_variable(True, "nan_watch_finite_now", tf.bool)
         self.bad_steps = replica_local_variable(
             tf.fill([self.ring], tf.constant(-1, tf.int64)), "nan_watch_bad_steps"
         )
@@ -237,26 +255,28 @@ class WatchState:
         self.count.assign(0)
         self.consecutive.assign(0)
         self.halted.assign(False)
+        self.bad_now.assign(False)
+        self.finite_now.assign(True)
         self.bad_steps.assign(tf.fill([self.ring], tf.constant(-1, tf.int64)))
         self.bad_runs.assign(tf.zeros([self.ring], tf.int64))
 
-    def record(self, bad, finite):
-        """Records one step; returns whether its update may be applied.
+    def record(self, bad, finite, advance=True):
+        """Records one update of this step; returns whether it may be
+        applied.
 
         Runs in replica context, once per replica, with the same (all-reduced)
         `bad` (a non-finite step, a bool) and `finite` (the step's update is
         finite, a bool; it differs from `not bad` only for a dynamic loss
-        scale's own overflows).
+        scale's own overflows). `advance=False` leaves the step open for
+        more updates: its owner calls `advance()` once they are recorded.
         """
         bad = tf.convert_to_tensor(bad)
         finite = tf.convert_to_tensor(finite)
-        in_row = tf.where(
-            bad,
-            self.consecutive + 1,
-            tf.where(finite, tf.constant(0, tf.int64), self.consecutive.read_value()),
-        )
+        seen = self.bad_now.read_value()
+        first_bad = tf.logical_and(bad, tf.logical_not(seen))
+        in_row = self.consecutive + 1  # this step's run, if it is bad
         slot = tf.logical_and(
-            bad,
+            first_bad,
             tf.equal(tf.range(self.ring, dtype=tf.int64), self.count % self.ring),
         )
         self.bad_steps.assign(tf.where(slot, self.step.read_value(), self.bad_steps))
@@ -266,7 +286,29 @@ class WatchState:
             engage = tf.logical_or(engage, in_row >= self.max_in_row)
         halted = tf.logical_or(self.halted.read_value(), tf.logical_and(bad, engage))
         self.halted.assign(halted)
-        self.consecutive.assign(in_row)
-        self.count.assign_add(tf.cast(bad, tf.int64))
-        self.step.assign_add(1)
+        self.count.assign_add(tf.cast(first_bad, tf.int64))
+        self.bad_now.assign(tf.logical_or(seen, bad))
+        self.finite_now.assign(tf.logical_and(self.finite_now.read_value(), finite))
+        if advance:
+            self.advance()
         return tf.logical_and(finite, tf.logical_not(halted))
+
+    def advance(self):
+        """Closes this step (replica context): the next update recorded is
+        the next step's. A bad step lengthens the run of bad steps, a finite
+        one ends it (a dynamic loss scale's own overflow does neither)."""
+        bad = self.bad_now.read_value()
+        self.consecutive.assign(
+            tf.where(
+                bad,
+                self.consecutive + 1,
+                tf.where(
+                    self.finite_now.read_value(),
+                    tf.constant(0, tf.int64),
+                    self.consecutive.read_value(),
+                ),
+            )
+        )
+        self.step.assign_add(1)
+        self.bad_now.assign(False)
+        self.finite_now.assign(True)

@@ -122,7 +122,9 @@ def locate_nonfinite(model, data):
                 y_pred = model(x, training=True)
             else:
                 y_pred = model(x)
-            loss = hooks.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+            loss = None
+            if _has_a_loss(model):
+                loss = hooks.compute_loss(model, x, y, y_pred, sample_weight, training=True)
         finding = _analyse(model, records, y_pred, loss, tape)
     finally:
         for undo in reversed(undos):
@@ -139,12 +141,29 @@ def locate_nonfinite(model, data):
     return finding
 
 
+def _has_a_loss(model):
+    """Whether the replay can compute the loss: compiled with one, or an own
+    `compute_loss` (a train_step of its own may compute its losses itself,
+    with no loss compiled)."""
+    if getattr(model, "loss", None) is not None:
+        return True
+    definer = next(c for c in type(model).__mro__ if "compute_loss" in vars(c))
+    return not definer.__module__.startswith(("keras.", "keras_gradboost."))
+
+
 def _analyse(model, records, y_pred, loss, tape):
     """The `Finding` of a replay: forward first, then the loss, then the
-    backward pass from the loss down."""
+    backward pass from the loss down (no loss: the forward only)."""
     finding = _forward_finding(records, y_pred)
     if finding is not None:
         return finding
+    if loss is None:
+        return Finding(
+            "loss", None,
+            detail="the model's outputs are finite; it has no compiled loss "
+            "(its own train_step computes it), so the replay could go no "
+            "further than the forward pass",
+        )
     if not _finite([loss]):
         return Finding("loss", None, detail="the model's outputs are finite but the loss is not")
     return _backward_finding(model, records, loss, tape)

@@ -2,6 +2,7 @@
 
 import inspect
 import numbers
+import threading
 import warnings
 
 import keras
@@ -70,6 +71,14 @@ class _Runtime:
         # minimize() with other optimizers: (accumulator, scaler) per
         # (optimizer, variables), and their steps for the epoch-end flush.
         self.other_states = {}
+        # The model's float state at the start of its own train_step, for
+        # minimize(): a dropped update puts it back.
+        self.own_step_state = guard.StateTap()
+        # Tracing a class's own train_step that goes through minimize() or
+        # super().train_step: it closes the NaNWatcher's step once, after
+        # all its updates (trace time; per thread, as MirroredStrategy traces
+        # each replica in its own).
+        self.own_step_trace = threading.local()
         self.other_steps = []
         # Whether the model's own window is in use: the built-in step or
         # minimize() with the model's optimizer and weights accumulate into
@@ -505,15 +514,21 @@ class GradBoostModel(keras.Model):
             needs.append(f"loss_scale={rt.config.loss_scale!r} (on for this model)")
         if not needs:
             return train_step(data)
+        if self._checks_steps():
+            rt.own_step_state.put(self)
         before = rt.updates_traced
         optimizers = [self.optimizer] if self.optimizer is not None else []
         undos = [
             wrappers.patch(o, "apply", _refusing_apply(self, o, needs))
             for o in optimizers + _other_optimizers(self)
         ]
+        rt.own_step_trace.active = True
         try:
             logs = train_step(data)
+            if rt.facts.watch is not None:
+                rt.facts.watch.advance()  # after every update it recorded
         finally:
+            rt.own_step_trace.active = False
             for undo in reversed(undos):
                 undo()
         if rt.updates_traced == before:
@@ -803,6 +818,7 @@ class GradBoostModel(keras.Model):
             scaler=rt.scaler,
             watch=rt.facts.watch,
             accumulator=rt.accumulator if rt.config.accumulate_steps > 1 else None,
+            closes_step=not _tracing_own_step(rt),
         )
 
     def minimize(self, tape, loss, variables=None, optimizer=None, count=None):
@@ -916,8 +932,13 @@ class GradBoostModel(keras.Model):
         step = CrossReplicaStep(
             lambda g: optimizer.apply_gradients(zip(g, variables)), mask,
             facts=rt.facts, scaler=scaler, watch=rt.facts.watch, accumulator=accumulator,
+            closes_step=not _tracing_own_step(rt),
         )
-        step([g for g in grads if g is not None], n=count, bad=bad, loss_bad=loss_bad)
+        # A dropped update puts back the state from the step's start (the
+        # moving statistics its forward passes wrote).
+        state = rt.own_step_state.peek() if check else None
+        step([g for g in grads if g is not None], n=count, bad=bad, loss_bad=loss_bad,
+             state=state)
 
     def _optimizer_state(self, optimizer, variables):
         """`(accumulator or None, loss scaler or None)` for `minimize()`:
@@ -1204,6 +1225,10 @@ def boost(model):
 _OWN_STEP = "_keras_gradboost_own_step"
 
 STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss")
+
+
+def _tracing_own_step(rt):
+    return getattr(rt.own_step_trace, "active", False)
 
 
 def own_steps(model):

@@ -91,8 +91,11 @@ class CrossReplicaStep:
 
     def __init__(
         self, apply, grad_mask, facts=None, scaler=None, watch=None, counter=None,
-        accumulator=None,
+        accumulator=None, closes_step=True,
     ):
+        # closes_step=False: one of several updates of a train step, whose
+        # owner closes the watch's step (`WatchState.advance`) after them.
+        self.closes_step = closes_step
         self.apply = apply
         self.grad_mask = list(grad_mask)
         self.facts = facts
@@ -227,7 +230,7 @@ class CrossReplicaStep:
             facts.checked_steps.assign_add(1)
         if self.watch is None:
             return finite
-        return self.watch.record(genuine, finite)
+        return self.watch.record(genuine, finite, advance=self.closes_step)
 
     def apply_window(self, strategy):
         """Cross-replica: one update from the accumulated gradients, if any

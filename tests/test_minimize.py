@@ -122,3 +122,55 @@ def test_accumulating_without_a_count_is_refused():
     model = two(counts=False, accumulate_steps=2, loss_scale=None)
     with pytest.raises(ValueError, match="needs `count`"):
         fit(model, batch_size=4, epochs=1)
+
+
+class NormalisedHeads(TwoOptimizers):
+    """TwoOptimizers with a BatchNormalization in front of head `b`: its
+    forward writes moving statistics, which a dropped update must put back."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = keras.layers.BatchNormalization(name="norm")
+
+    def call(self, x):
+        return self.a(x) + self.b(self.norm(x))
+
+    def train_step(self, data):
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        count = tf.cast(tf.shape(x)[0], tf.float32)
+        with tf.GradientTape() as tape:
+            loss_a = keras.ops.mean(keras.ops.square(self.a(x) - y))
+        self.minimize(tape, loss_a, self.a.trainable_weights, count=count)
+        with tf.GradientTape() as tape:
+            loss_b = keras.ops.mean(keras.ops.square(self.b(self.norm(x, training=True)) - y))
+        self.minimize(tape, loss_b, self.b.trainable_weights, self.b_optimizer, count=count)
+        return {"loss_a": loss_a, "loss_b": loss_b}
+
+
+def test_a_dropped_update_puts_back_the_moving_statistics():
+    """A NaN input in batch 1 of 3, NaNWatcher skipping: both updates are
+    dropped and the statistics its forward wrote go back, so the model
+    equals one trained on batches 0 and 2 alone (before: the statistics
+    kept batch 1's NaN)."""
+    from keras_gradboost.callbacks import NaNWatcher
+
+    def heads():
+        keras.utils.set_random_seed(0)
+        model = NormalisedHeads()
+        model(np.zeros((1, 5), "float32"))
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss_scale=128.0)
+        return model
+
+    x, y = data(12)
+    bad = x.copy()
+    bad[5, 0] = np.nan
+    model = heads()
+    watcher = NaNWatcher(action="skip", verbose=0)
+    model.fit(bad, y, batch_size=4, shuffle=False, verbose=0, callbacks=[watcher])
+    assert [e.step for e in watcher.events] == [1]
+    good = np.r_[0:4, 8:12]
+    expected = heads()
+    expected.fit(x[good], y[good], batch_size=4, shuffle=False, verbose=0)
+    for v, e in zip(model.weights, expected.weights):
+        assert np.isfinite(v.numpy()).all(), v.path
+        np.testing.assert_allclose(v.numpy(), e.numpy(), rtol=1e-5, atol=1e-6, err_msg=v.path)
