@@ -48,6 +48,12 @@ def check(model, window, rtol=None):
         rtol: tolerance relative to each gradient's largest magnitude.
             Defaults to 1e-4 in float32 and 2e-2 with a mixed policy.
 
+    Returns:
+        True when checked; False when a micro-batch's gradients (or the
+        large batch's) are not finite: such a window says nothing about
+        the accumulation (NaNWatcher or the loss scale deals with it), and
+        the next window is checked instead.
+
     Raises:
         AccumulationCheckError: naming the causes found and the variables
             that differ most.
@@ -83,6 +89,8 @@ def check(model, window, rtol=None):
         for patch in undo:
             patch()
     large = [None if g is None else gradient_array(g, np.float64) for g in large]
+    if not all(np.isfinite(g).all() for g in large + accumulated if g is not None):
+        return False
     differing = _differing(variables, large, accumulated, rtol)
     if differing:
         causes = _causes(model)
@@ -104,6 +112,7 @@ def check(model, window, rtol=None):
             causes,
             differing,
         )
+    return True
 
 
 def _identity(call, inputs, *args, **kwargs):

@@ -57,8 +57,10 @@ class _Runtime:
         self.last_health = (0, 0)
         self.recompute_check_pending = bool(plan and plan.config.recompute_check)
         self.accumulate_check_pending = bool(plan and plan.config.accumulate_check)
+        self.accumulate_check_deferred = False  # a window was not finite
         self.window_batches = []  # the first window's batches, for the check
-        self.check_wrapper = None  # the train function that runs the check
+        self.check_undo = None  # removes the first-step checks' wrapper
+        self.checked_chunk = None  # the batches the checks saw last
         # attach_watch(): the attached watches, each in its own list, and the
         # gradient-check setting before the first.
         self.watches = []
@@ -492,12 +494,19 @@ class GradBoostModel(keras.Model):
             # NaNWatcher's guarded one): keep only the choice.
             self._keep_choice(base, base.functions[decided.jit_compile])
         checks_pending = rt.recompute_check_pending or rt.accumulate_check_pending
-        if checks_pending and self.train_function is not rt.check_wrapper:
-            _, undo = wrappers.hold_batches(
-                self, before_call=lambda b: self._check(b, undo)
-            )
-            rt.check_wrapper = self.train_function
+        if checks_pending and not self._check_wrapped():
+            _, undo = wrappers.hold_batches(self, before_call=self._check)
+            rt.check_undo = undo
         return self.train_function
+
+    def _check_wrapped(self):
+        """Whether the first-step checks' wrapper is in the train function's
+        stack already (under other callbacks' wrappers, maybe): a second one
+        would see each batch twice."""
+        return any(
+            getattr(p.around, "before_call", None) == self._check
+            for p in wrappers.patches(self, "train_function")
+        )
 
     def _own_step(self, train_step, data):
         """Traces the class's own `train_step`; refuses, before any update
@@ -582,11 +591,21 @@ class GradBoostModel(keras.Model):
             self._keep_choice(measuring, function)
         hooks.print_msg(measurement.message())
 
-    def _check(self, batches, undo):
+    def _check(self, batches):
         """Runs the first-step checks before the call of `batches` (the
         recompute check on the first batch; the accumulation check once the
         first window is complete, before its update)."""
         rt = self._gradboost
+        if not (rt.recompute_check_pending or rt.accumulate_check_pending):
+            return  # a wrapper left inside a function made meanwhile
+        # A NaNWatcher's train function, made while the checks were pending,
+        # holds a wrapper of its own under this one: each chunk is seen once.
+        last = rt.checked_chunk
+        if last is not None and len(last) == len(batches) and all(
+            a is b for a, b in zip(last, batches)
+        ):
+            return
+        rt.checked_chunk = list(batches)
         local = [as_local_batch(b, self.distribute_strategy) for b in batches]
         if rt.recompute_check_pending:
             rt.recompute_check_pending = False
@@ -594,7 +613,8 @@ class GradBoostModel(keras.Model):
         if rt.accumulate_check_pending:
             self._accumulate_check(local)
         if not (rt.recompute_check_pending or rt.accumulate_check_pending):
-            undo()
+            rt.checked_chunk = None
+            rt.check_undo()
 
     def _accumulate_check(self, local_batches):
         rt = self._gradboost
@@ -611,9 +631,19 @@ class GradBoostModel(keras.Model):
             return
         rt.window_batches.extend(local_batches)
         if len(rt.window_batches) >= steps:
-            window, rt.window_batches = rt.window_batches[:steps], []
+            window, rt.window_batches = rt.window_batches[:steps], rt.window_batches[steps:]
             rt.accumulate_check_pending = False
-            accumulate_check.check(self, window)
+            if not accumulate_check.check(self, window):
+                rt.accumulate_check_pending = True  # the next window, then
+                if not rt.accumulate_check_deferred:
+                    rt.accumulate_check_deferred = True
+                    warnings.warn(
+                        "accumulate_check=True: the first accumulation window "
+                        "holds a non-finite micro-batch, so it says nothing "
+                        "about the accumulation; the next window without one "
+                        "is checked instead.",
+                        stacklevel=2,
+                    )
 
     def _needs_new_accumulator(self):
         rt = self._gradboost

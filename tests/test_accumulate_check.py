@@ -116,3 +116,35 @@ def test_micro_batches_of_different_shapes_are_named():
                for length in (3, 5)]
     with pytest.raises(ValueError, match="one shape besides the batch size"):
         model.fit((w for w in windows * 2), steps_per_epoch=2, verbose=0)
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_with_a_nan_watcher_the_check_sees_the_window_once_each(steps_per_execution, monkeypatch):
+    """A NaNWatcher's train function is made while the check is pending:
+    the check saw every batch twice (the window 0, 0, 1, 1). And a window
+    holding a NaN says nothing about accumulation: the next one is checked,
+    with a warning, instead of raising on NaN differences."""
+    from keras_gradboost.callbacks import NaNWatcher
+
+    windows = []
+    real = accumulate_check.check
+
+    def recording(model, window, rtol=None):
+        windows.append([np.asarray(keras.utils.unpack_x_y_sample_weight(b)[0]) for b in window])
+        return real(model, window, rtol)
+
+    monkeypatch.setattr(accumulate_check, "check", recording)
+    x, y = data()
+    bad = x.copy()
+    bad[9, 1] = np.nan  # batch 2, in the first window (0-3)
+    model = model_with()
+    model.compile(optimizer="sgd", loss="mse", accumulate_steps=4, accumulate_check=True,
+                  steps_per_execution=steps_per_execution)
+    with pytest.warns(UserWarning, match="first accumulation window holds a non-finite"):
+        model.fit(bad, y, batch_size=4, shuffle=False, verbose=0,
+                  callbacks=[NaNWatcher(action="skip", verbose=0)])
+    assert len(windows) == 2
+    for window, first in zip(windows, (0, 4)):
+        for i, got in enumerate(window):
+            rows = slice(4 * (first + i), 4 * (first + i + 1))
+            np.testing.assert_array_equal(got, bad[rows])
