@@ -44,6 +44,12 @@ CASES = {
     # checks every micro-batch): every worker skips that micro-batch, and
     # the first window's update is the mean over the other three.
     "k4_nan_skip": ("nan", dict(optimizer=("sgd", 0.1), accumulate_steps=4, loss_scale=1.0)),
+    # The same NaN, found by a NaNWatcher's watch (no loss scale).
+    "k4_nan_watcher": ("nan", dict(optimizer=("sgd", 0.1), accumulate_steps=4)),
+    # Recompute: each replica recomputes its own blocks in the backward pass.
+    "k2_recompute": (
+        "dense", dict(optimizer=("sgd", 0.1), accumulate_steps=2, recompute="auto")
+    ),
     # Keras divides a masked loss by the valid entries of each replica's
     # batch; the window normalises by the valid entries of all workers.
     "masked_k2": ("masked", dict(optimizer=("sgd", 0.5), accumulate_steps=2)),
@@ -51,6 +57,15 @@ CASES = {
 
 
 NAN_ROW = 12  # in global batch 0, the second half: worker 1's part
+
+
+def callbacks(name):
+    """The callbacks of case `name`'s fit."""
+    from keras_gradboost.callbacks import NaNWatcher
+
+    if name == "k4_nan_watcher":
+        return [NaNWatcher(action="skip", verbose=0)]
+    return []
 
 
 def regression_data(nan=False):
@@ -158,7 +173,9 @@ def main(out_dir):
         for i, w in enumerate(model.get_weights()):
             saved[f"{name}/init/{i}"] = w
         counter.assign(0)
-        history = model.fit(dataset(kind), epochs=1, verbose=0)
+        history = model.fit(dataset(kind), epochs=1, verbose=0, callbacks=callbacks(name))
+        if kwargs.get("recompute"):
+            saved[f"{name}/recomputed"] = np.array(model.recompute_plan().recomputed)
         saved[f"{name}/gradient_all_reduces"] = np.array(int(counter.numpy()))
         for i, w in enumerate(model.get_weights()):
             saved[f"{name}/final/{i}"] = w
