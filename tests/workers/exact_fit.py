@@ -44,6 +44,10 @@ CASES = {
     # checks every micro-batch): every worker skips that micro-batch, and
     # the first window's update is the mean over the other three.
     "k4_nan_skip": ("nan", dict(optimizer=("sgd", 0.1), accumulate_steps=4, loss_scale=1.0)),
+    # A last global batch of 9 (worker 0 gets 5 rows, worker 1 gets 4), and
+    # of 1 (worker 1's part is empty), in a last window of 2 micro-batches.
+    "k3_tail_5_4": ("tail:121", dict(optimizer=("sgd", 0.1), accumulate_steps=3)),
+    "k3_tail_1_0": ("tail:113", dict(optimizer=("sgd", 0.1), accumulate_steps=3)),
     # The same NaN, found by a NaNWatcher's watch (no loss scale).
     "k4_nan_watcher": ("nan", dict(optimizer=("sgd", 0.1), accumulate_steps=4)),
     # Recompute: each replica recomputes its own blocks in the backward pass.
@@ -95,7 +99,7 @@ def build(kind, cls):
     import keras
 
     keras.utils.set_random_seed(0)
-    if kind in ("dense", "nan"):
+    if kind != "masked":
         inputs = keras.Input((5,))
         h = keras.layers.Dense(8, activation="tanh", kernel_regularizer="l2")(inputs)
         return cls(inputs, keras.layers.Dense(3)(h))
@@ -108,7 +112,7 @@ def build(kind, cls):
 def loss(kind):
     import keras
 
-    if kind in ("dense", "nan"):
+    if kind != "masked":
         return "mse"
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -120,11 +124,22 @@ def optimizer(spec):
     return {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam}[name](rate)
 
 
+def data(kind):
+    """`(x, y, global batch size)` of a model kind; `"tail:<n>"`: the first
+    n regression samples, whose last global batch is split unevenly."""
+    if kind == "masked":
+        return (*masked_data(), MASKED_BATCH)
+    x, y = regression_data(nan=kind == "nan")
+    if kind.startswith("tail:"):
+        n = int(kind.split(":")[1])
+        x, y = x[:n], y[:n]
+    return x, y, GLOBAL_BATCH
+
+
 def dataset(kind):
     import tensorflow as tf
 
-    x, y = masked_data() if kind == "masked" else regression_data(nan=kind == "nan")
-    batch = MASKED_BATCH if kind == "masked" else GLOBAL_BATCH
+    x, y, batch = data(kind)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = (
         tf.data.experimental.AutoShardPolicy.DATA
@@ -167,6 +182,12 @@ def main(out_dir):
         )
     for name, (kind, kwargs) in CASES.items():
         kwargs = dict(kwargs)
+        if kind.startswith("tail:"):  # the rows of this worker's last part
+            for x, _ in strategy.experimental_distribute_dataset(dataset(kind)):
+                pass
+            saved[f"{name}/last_part"] = np.array(
+                sum(len(v) for v in strategy.experimental_local_results(x))
+            )
         with strategy.scope():
             model = build(kind, GradBoostModel)
             model.compile(optimizer=optimizer(kwargs.pop("optimizer")), loss=loss(kind), **kwargs)
