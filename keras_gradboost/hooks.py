@@ -338,8 +338,10 @@ class MultiWorkerTrainer:
             and data_batch is None
             and isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
         ):
-            for _, _, batches in iterator:
-                data_batch = first_local_batch(strategy, next(batches))
+            # Keras' epoch iterator yields (begin, end, iterator) (3.15),
+            # (step, iterator) in older Keras (3.8): the iterator comes last.
+            for item in iterator:
+                data_batch = first_local_batch(strategy, next(item[-1]))
                 break
             iterator = None
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
@@ -414,7 +416,8 @@ class _MultiWorkerExtended:
 def check_multi_worker_trainer():
     """Checks the facts `MultiWorkerTrainer` relies on, without a cluster:
     Keras' trainer has the two private methods it overrides (with their
-    arguments), reduces a step's logs across workers for a multi-worker
+    arguments), its epoch iterator yields tuples ending in the batch
+    iterator, it reduces a step's logs across workers for a multi-worker
     MultiWorkerMirroredStrategy only, and does so with
     `strategy.reduce("MEAN", v, axis=0)`, which makes the `(1,)` logs of
     `logs_for_worker_reduce` scalars again."""
@@ -426,6 +429,13 @@ def check_multi_worker_trainer():
     assert list(build.parameters) == ["self", "iterator", "data_batch"], build
     make = inspect.signature(trainer.TensorFlowTrainer._make_function)
     assert list(make.parameters) == ["self", "step_function"], make
+    epochs = trainer.TFEpochIterator(
+        x=np.zeros((4, 1), "float32"), batch_size=2,
+        distribute_strategy=tf.distribute.get_strategy(),
+    )
+    for item in epochs:  # what `_maybe_symbolic_build` reads its batch from
+        assert isinstance(item, tuple) and hasattr(item[-1], "__next__"), item
+        break
     assert not reduces_logs_across_workers(tf.distribute.get_strategy())
     # An uninitialised MultiWorkerMirroredStrategy in multi-worker mode,
     # recording how Keras reduces the logs.
