@@ -313,7 +313,24 @@ def check_strategy(strategy, config, scale):
     """Accumulation and loss scaling decide over every replica's values:
     proven exact on one device, under MirroredStrategy and under
     MultiWorkerMirroredStrategy; refused, naming the strategy and the
-    reason, under ParameterServerStrategy and TPUStrategy."""
+    reason, under ParameterServerStrategy and TPUStrategy. The first-step
+    checks (`accumulate_check`, `recompute_check`) are refused under
+    MultiWorkerMirroredStrategy."""
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        checks = [
+            f"{name}=True"
+            for name in ("accumulate_check", "recompute_check")
+            if getattr(config, name)
+        ]
+        if checks:
+            raise ValueError(
+                f"{' and '.join(checks)} cannot be used under "
+                "MultiWorkerMirroredStrategy: the check replays this worker's "
+                "first batches eagerly, outside the step all workers run "
+                "together (it fails in Keras' loss there). Run the check on "
+                "one machine with the same model and data, and train across "
+                f"workers with {' and '.join(c.replace('True', 'False') for c in checks)}."
+            )
     if config.accumulate_steps == 1 and scale is None:
         return
     for kind, name, reason in _REFUSED_STRATEGIES:

@@ -139,6 +139,20 @@ def test_multi_worker_mirrored_strategy_is_accepted_and_named_publicly():
     assert strategy_name(strategy) == "MultiWorkerMirroredStrategy"
     check_strategy(strategy, GradBoostConfig(accumulate_steps=4), (True, 1.0))
     check_strategy(_strategy(), GradBoostConfig(accumulate_steps=4), (True, 1.0))
+    with pytest.raises(
+        ValueError,
+        match=r"accumulate_check=True and recompute_check=True cannot be used under "
+        r"MultiWorkerMirroredStrategy: .* train across workers with "
+        r"accumulate_check=False and recompute_check=False\.",
+    ):
+        check_strategy(
+            strategy,
+            GradBoostConfig(
+                accumulate_steps=2, accumulate_check=True, recompute="auto",
+                recompute_check=True,
+            ),
+            None,
+        )
 
 
 def test_mirrored_recompute_equals_no_recompute():
