@@ -55,6 +55,8 @@ def _reference(ef, name, init):
     model.compile(optimizer=ef.optimizer(kwargs["optimizer"]), loss=ef.loss(kind))
     model.set_weights(init)
     xs, ys, batch = ef.data(kind)
+    if name == "k4_nan_stop":  # stopped at the first micro-batch: no update
+        return init, 0, None
     losses = []
     for start in range(0, len(xs), batch * k):
         rows = np.arange(start, min(start + batch * k, len(xs)))
@@ -69,11 +71,11 @@ def _reference(ef, name, init):
 
 @pytest.mark.multiworker
 def test_multi_worker_fit_equals_one_process_large_batch(tmp_path):
-    """Two workers, ten cases (accumulate_steps 1, 4, an uneven 3 with
+    """Two workers, eleven cases (accumulate_steps 1, 4, an uneven 3 with
     Adam, 3 with a last global batch split 5 + 4 and 1 + 0 between the
     workers, 4 with a dynamic loss scale, 4 with a NaN in one worker's part of
     a micro-batch found by the loss scale's check or by a NaNWatcher
-    (action="skip"), 2 with recompute, a masked loss with 2): both workers
+    (action="skip", and "stop": every worker stops there, no update), 2 with recompute, a masked loss with 2): both workers
     hold the same weights, equal to the single-process reference within
     float32 round-off relative to the update; the logged loss is the mean
     over all replicas (the same on both workers); the NaN micro-batch is
@@ -110,8 +112,11 @@ def test_multi_worker_fit_equals_one_process_large_batch(tmp_path):
             for i in range(count):
                 np.testing.assert_array_equal(w[f"{name}/init/{i}"], init[i])
         weights, iterations, mean_loss = _reference(ef, name, init)
-        update = max(float(np.max(np.abs(r - i0))) for r, i0 in zip(weights, init))
-        assert update > 1e-3, name  # the run moved the weights
+        # The reference's update (the run moved the weights), or for a
+        # stopped run the k4_sgd one, the scale of an update.
+        ref = weights if iterations else _reference(ef, "k4_sgd", init)[0]
+        update = max(float(np.max(np.abs(r - i0))) for r, i0 in zip(ref, init))
+        assert update > 1e-3, name
         for w in saved:
             assert int(w[f"{name}/iterations"]) == iterations, name
             # The gradients cross the network once per update, not once per
@@ -126,6 +131,7 @@ def test_multi_worker_fit_equals_one_process_large_batch(tmp_path):
                 np.testing.assert_array_equal(final[i], saved[0][f"{name}/final/{i}"])
             np.testing.assert_array_equal(w[f"{name}/loss"], saved[0][f"{name}/loss"])
             assert int(w[f"{name}/skipped"]) == (1 if kind == "nan" else 0), name
+            assert bool(w[f"{name}/stopped"]) == (name == "k4_nan_stop"), name
         if kind.startswith("tail:"):  # the last global batch, split unevenly
             tail = len(ef.data(kind)[0]) % ef.GLOBAL_BATCH
             parts = [int(w[f"{name}/last_part"]) for w in saved]

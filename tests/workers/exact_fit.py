@@ -50,6 +50,9 @@ CASES = {
     "k3_tail_1_0": ("tail:113", dict(optimizer=("sgd", 0.1), accumulate_steps=3)),
     # The same NaN, found by a NaNWatcher's watch (no loss scale).
     "k4_nan_watcher": ("nan", dict(optimizer=("sgd", 0.1), accumulate_steps=4)),
+    # The same NaN with action="stop": every worker stops at that step, with
+    # the weights it started with (no update was applied before it).
+    "k4_nan_stop": ("nan", dict(optimizer=("sgd", 0.1), accumulate_steps=4)),
     # Recompute: each replica recomputes its own blocks in the backward pass.
     "k2_recompute": (
         "dense", dict(optimizer=("sgd", 0.1), accumulate_steps=2, recompute="auto")
@@ -69,6 +72,8 @@ def callbacks(name):
 
     if name == "k4_nan_watcher":
         return [NaNWatcher(action="skip", verbose=0)]
+    if name == "k4_nan_stop":
+        return [NaNWatcher(action="stop", verbose=0)]
     return []
 
 
@@ -173,6 +178,7 @@ def main(out_dir):
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     from keras_gradboost import GradBoostModel
+    from keras_gradboost.callbacks import NonFiniteError
 
     counter = count_gradient_all_reduces()
     saved = {"replicas": np.array(strategy.num_replicas_in_sync)}
@@ -194,14 +200,19 @@ def main(out_dir):
         for i, w in enumerate(model.get_weights()):
             saved[f"{name}/init/{i}"] = w
         counter.assign(0)
-        history = model.fit(dataset(kind), epochs=1, verbose=0, callbacks=callbacks(name))
+        try:
+            history = model.fit(dataset(kind), epochs=1, verbose=0, callbacks=callbacks(name))
+            losses = history.history["loss"]
+        except NonFiniteError:
+            losses = []
+        saved[f"{name}/stopped"] = np.array(not losses)
         if kwargs.get("recompute"):
             saved[f"{name}/recomputed"] = np.array(model.recompute_plan().recomputed)
         saved[f"{name}/gradient_all_reduces"] = np.array(int(counter.numpy()))
         for i, w in enumerate(model.get_weights()):
             saved[f"{name}/final/{i}"] = w
         saved[f"{name}/iterations"] = np.array(int(model.optimizer.iterations.numpy()))
-        saved[f"{name}/loss"] = np.array(history.history["loss"])
+        saved[f"{name}/loss"] = np.array(losses)
         saved[f"{name}/skipped"] = np.array(model.step_facts.read()["skipped_steps"])
         print(name, "iterations", int(model.optimizer.iterations.numpy()), flush=True)
     # XLA: TensorFlow has no collectives on CPU devices; the plan says so
