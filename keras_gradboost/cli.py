@@ -3,9 +3,10 @@
 
 `compare` trains one model under each configuration (baseline, XLA,
 precision "auto", gradient accumulation, recompute, all on), each in a fresh
-subprocess (`keras_gradboost/compare.py`), and prints one side-by-side table.
-`launch` runs a script in N local workers of one MultiWorkerMirroredStrategy
-cluster (`keras_gradboost/launcher.py`). Arguments are checked before any TensorFlow process starts: a bad one exits
+subprocess (`keras_gradboost/compare.py`), and prints one side-by-side
+table. `launch` runs a script in N local workers of one
+MultiWorkerMirroredStrategy cluster (`keras_gradboost/launcher.py`).
+Arguments are checked before any TensorFlow process starts: a bad one exits
 with status 2 and a one-line error naming the argument, the value and what
 is accepted.
 """

@@ -215,14 +215,14 @@ def strategy_jit_blockers(strategy):
     on_cpus = all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in devices)
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and on_cpus:
         return [
-            f"MultiWorkerMirroredStrategy over {strategy.num_replicas_in_sync} "
+            f"{strategy_name(strategy)} over {strategy.num_replicas_in_sync} "
             "CPU replicas (TensorFlow's XLA has no collectives on CPU devices: "
             '"Collectives are not yet implemented for CPU devices when '
             'compiling with XLA")'
         ]
     if len(devices) > 1 and on_cpus:
         return [
-            f"{type(strategy).__name__} over {len(devices)} CPU devices of one "
+            f"{strategy_name(strategy)} over {len(devices)} CPU devices of one "
             "process (TensorFlow's XLA step reads every replica's variables on "
             "the first CPU)"
         ]
@@ -298,6 +298,7 @@ _REFUSED_STRATEGIES = (
     ),
 )
 
+
 def strategy_name(strategy):
     """The public name of `strategy`'s kind (MultiWorkerMirroredStrategy
     for its internal class CollectiveAllReduceStrategy)."""
@@ -323,13 +324,14 @@ def check_strategy(strategy, config, scale):
             if getattr(config, name)
         ]
         if checks:
+            off = " and ".join(c.replace("True", "False") for c in checks)
             raise ValueError(
                 f"{' and '.join(checks)} cannot be used under "
-                "MultiWorkerMirroredStrategy: the check replays this worker's "
+                f"{strategy_name(strategy)}: the check replays this worker's "
                 "first batches eagerly, outside the step all workers run "
                 "together (it fails in Keras' loss there). Run the check on "
                 "one machine with the same model and data, and train across "
-                f"workers with {' and '.join(c.replace('True', 'False') for c in checks)}."
+                f"workers with {off}."
             )
     if config.accumulate_steps == 1 and scale is None:
         return

@@ -121,9 +121,11 @@ def test_strategies_without_one_all_replica_step_are_refused_by_name(kind, name,
 
     # An uninitialised instance: only its type matters to the check.
     strategy = object.__new__(kind)
-    with pytest.raises(ValueError, match=rf"accumulate_steps=4 cannot be used under {name}: .*{reason}"):
+    refused = rf"accumulate_steps=4 cannot be used under {name}: .*{reason}"
+    with pytest.raises(ValueError, match=refused):
         check_strategy(strategy, GradBoostConfig(accumulate_steps=4), None)
-    with pytest.raises(ValueError, match=rf"loss_scale='dynamic' \(on for this model\) cannot be used under {name}"):
+    refused = rf"loss_scale='dynamic' \(on for this model\) cannot be used under {name}"
+    with pytest.raises(ValueError, match=refused):
         check_strategy(strategy, GradBoostConfig(loss_scale="dynamic"), (True, 1.0))
     check_strategy(strategy, GradBoostConfig(), None)  # plain Keras step: not refused here
 

@@ -127,9 +127,19 @@ def test_cli_launch_runs_the_workers_and_returns_a_failed_status(tmp_path, capsy
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["launch", "--workers", "0", "s.py"], "argument --workers: invalid value 0; expected an int >= 1"),
-        (["launch", "--timeout", "-1", "s.py"], "argument --timeout: invalid value -1; expected a number of seconds > 0"),
-        (["launch", "missing.py"], "argument script: invalid value 'missing.py'; expected the path of an existing Python file"),
+        (
+            ["launch", "--workers", "0", "s.py"],
+            "argument --workers: invalid value 0; expected an int >= 1",
+        ),
+        (
+            ["launch", "--timeout", "-1", "s.py"],
+            "argument --timeout: invalid value -1; expected a number of seconds > 0",
+        ),
+        (
+            ["launch", "missing.py"],
+            "argument script: invalid value 'missing.py'; expected the path of an "
+            "existing Python file",
+        ),
     ],
 )
 def test_cli_launch_bad_arguments_exit_2(argv, message, capsys, tmp_path, monkeypatch):

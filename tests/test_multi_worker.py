@@ -71,19 +71,22 @@ def _reference(ef, name, init):
 
 @pytest.mark.multiworker
 def test_multi_worker_fit_equals_one_process_large_batch(tmp_path):
-    """Two workers, eleven cases (accumulate_steps 1, 4, an uneven 3 with
-    Adam, 3 with a last global batch split 5 + 4 and 1 + 0 between the
-    workers, 4 with a dynamic loss scale, 4 with a NaN in one worker's part of
-    a micro-batch found by the loss scale's check or by a NaNWatcher
-    (action="skip", and "stop": every worker stops there, no update), 2 with recompute, a masked loss with 2): both workers
-    hold the same weights, equal to the single-process reference within
-    float32 round-off relative to the update; the logged loss is the mean
-    over all replicas (the same on both workers); the NaN micro-batch is
-    skipped on every worker, and only it; the gradients are all-reduced
-    once per update (2 for 8 micro-batches with accumulate_steps=4). XLA, which TensorFlow
-    cannot compile with CPU collectives, is off with the reason given."""
+    """Two workers, eleven cases (accumulate_steps 1, 4, an uneven 3 with Adam, 3
+    with a last global batch split 5 + 4 and 1 + 0 between the workers, 4
+    with a dynamic loss scale, 4 with a NaN in one worker's part of a
+    micro-batch found by the loss scale's check or by a NaNWatcher
+    (action="skip", and "stop": every worker stops there, no update), 2 with
+    recompute, a masked loss with 2): both workers hold the same weights,
+    equal to the single-process reference within float32 round-off relative
+    to the update; the logged loss is the mean over all replicas (the same
+    on both workers); the NaN micro-batch is skipped on every worker, and
+    only it; the gradients are all-reduced once per update (2 for 8
+    micro-batches with accumulate_steps=4). XLA, which TensorFlow cannot
+    compile with CPU collectives, is off with the reason given."""
     out = io.StringIO()
-    codes = launch(SCRIPT, [str(tmp_path)], workers=WORKERS, timeout=TIMEOUT, env=_env(), output=out)
+    codes = launch(
+        SCRIPT, [str(tmp_path)], workers=WORKERS, timeout=TIMEOUT, env=_env(), output=out
+    )
     assert codes == [0] * WORKERS, out.getvalue()[-4000:]
     ef = _worker_module()
     saved = [np.load(tmp_path / f"worker{i}.npz") for i in range(WORKERS)]

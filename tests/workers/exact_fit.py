@@ -1,11 +1,12 @@
 """A worker of tests/test_multi_worker.py: GradBoostModel.fit under
 MultiWorkerMirroredStrategy, one model per case, on the same global batches.
 
-Run by `keras_gradboost.launch` (which sets TF_CONFIG), with the
-output directory as argument. Each worker writes `worker<index>.npz`: per
-case the initial and final weights, the optimizer's iterations, the
-gradient all-reduces that ran, the skipped steps and the logged losses; and, for the sharding check, the rows of `x` this worker's
-replica received at each step of the regression dataset.
+Run by `keras_gradboost.launch` (which sets TF_CONFIG), with the output
+directory as argument. Each worker writes `worker<index>.npz`: per case the
+initial and final weights, the optimizer's iterations, the gradient
+all-reduces that ran, the skipped steps and the logged losses; and, for the
+sharding check, the rows of `x` this worker's replica received at each step
+of the regression dataset.
 
 The dataset is batched with the global batch size and sharded with
 `tf.data.experimental.AutoShardPolicy.DATA`: every worker reads the whole
