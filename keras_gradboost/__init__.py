@@ -20,6 +20,9 @@ Public API:
     callbacks: drop-in callbacks (NaNWatcher, StepTimeMonitor,
         RetraceCounter, GradientAuditor).
     data: input-pipeline helpers (bucket_by_length).
+    launch: runs a script in N local worker processes of one
+        MultiWorkerMirroredStrategy cluster (TF_CONFIG each, free ports,
+        prefixed output, bounded in time); `keras-gradboost launch`.
     gradcheck: checks every gradient of a function or Keras layer against
         float64 numeric differences, shape- and dtype-strict
         (`GradCheckResult`); `assert_gradients_close` raises on failure.
@@ -41,6 +44,7 @@ from keras_gradboost.gradcheck import assert_gradients_close
 from keras_gradboost.gradcheck import gradcheck
 from keras_gradboost.jit_measure import JitMeasurement
 from keras_gradboost.jit_measure import XLAUnsupportedOpError
+from keras_gradboost.launcher import launch
 from keras_gradboost.model import GradBoostModel
 from keras_gradboost.model import boost
 from keras_gradboost.plan import TrainPlan
@@ -67,6 +71,7 @@ __all__ = [
     "callbacks",
     "data",
     "gradcheck",
+    "launch",
     "ops",
     "recompute_function",
     "tracing",

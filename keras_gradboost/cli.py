@@ -1,8 +1,11 @@
-"""Command line: `keras-gradboost compare` (also `python -m keras_gradboost`).
+"""Command line: `keras-gradboost compare` and `keras-gradboost launch`
+(also `python -m keras_gradboost`).
 
 `compare` trains one model under each configuration (baseline, XLA,
 precision "auto", gradient accumulation, recompute, all on), each in a fresh
-subprocess (`keras_gradboost/compare.py`), and prints one side-by-side table.
+subprocess (`keras_gradboost/compare.py`), and prints one side-by-side
+table. `launch` runs a script in N local workers of one
+MultiWorkerMirroredStrategy cluster (`keras_gradboost/launcher.py`).
 Arguments are checked before any TensorFlow process starts: a bad one exits
 with status 2 and a one-line error naming the argument, the value and what
 is accepted.
@@ -16,6 +19,7 @@ import sys
 import zipfile
 
 from keras_gradboost import compare as compare_lib
+from keras_gradboost import launcher
 
 EPILOG = """\
 configurations (compile keyword arguments of GradBoostModel):
@@ -140,7 +144,83 @@ def _parser():
         help="plot step time and peak memory per configuration "
         "(needs matplotlib: pip install 'keras-gradboost[plot]')",
     )
+    launch = sub.add_parser(
+        "launch",
+        prog="keras-gradboost launch",
+        help="run a script in N local workers of one MultiWorkerMirroredStrategy",
+        description=(
+            "Run SCRIPT in N local worker processes on 127.0.0.1, each with "
+            "its own TF_CONFIG (ports picked free at run time), so that "
+            "tf.distribute.MultiWorkerMirroredStrategy() in SCRIPT spans them. "
+            "Each worker's lines are prefixed [worker i]. When one worker "
+            "fails, or at the timeout, the others are stopped."
+        ),
+        epilog=LAUNCH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    launch.add_argument(
+        "--workers",
+        type=_int_at_least(1),
+        default=2,
+        metavar="N",
+        help="worker processes. Default: 2",
+    )
+    launch.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=launcher.DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help="stop every worker still running after this long. "
+        f"Default: {launcher.DEFAULT_TIMEOUT:g}",
+    )
+    launch.add_argument("script", help="the Python script each worker runs")
+    launch.add_argument(
+        "args", nargs=argparse.REMAINDER, help="the script's own arguments"
+    )
     return parser
+
+
+LAUNCH_EPILOG = """exit status: 0 when every worker exited with 0; else the status of a worker
+that failed (128 + the signal number for a worker stopped by a signal);
+2 for a bad argument.
+"""
+
+
+def _positive_seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {text!r}; expected a number of seconds > 0"
+        ) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {text}; expected a number of seconds > 0"
+        )
+    return value
+
+
+def launch_status(codes):
+    """The exit status of `keras-gradboost launch` for the workers' exit
+    codes: 0, a failing worker's own status (preferred to those the
+    launcher stopped), or 128 + the signal number."""
+    failed = [c for c in codes if c > 0]
+    if failed:
+        return failed[0]
+    stopped = [c for c in codes if c < 0]
+    return 128 - stopped[0] if stopped else 0
+
+
+def launch(args, parser):
+    if not os.path.isfile(args.script):
+        parser.error(
+            f"argument script: invalid value {args.script!r}; expected the "
+            "path of an existing Python file"
+        )
+    codes = launcher.launch(
+        args.script, args.args, workers=args.workers, timeout=args.timeout
+    )
+    return launch_status(codes)
 
 
 def _check_output_path(parser, option, path):
@@ -401,7 +481,8 @@ def main(argv=None):
     """Entry point of the `keras-gradboost` console script.
 
     Returns:
-        The exit status: 0, or 1 when `compare`'s baseline failed. Bad
+        The exit status: 0, or 1 when `compare`'s baseline failed; for
+        `launch`, 0 or a failed worker's status (`launch_status`). Bad
         arguments exit with status 2 (`SystemExit`).
     """
     parser = _parser()
@@ -410,6 +491,8 @@ def main(argv=None):
     if args.command == "compare":
         rows, status = compare(args, parser)
         LAST_ROWS[:] = rows
+    elif args.command == "launch":
+        status = launch(args, parser)
     return status
 
 

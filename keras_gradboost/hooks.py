@@ -293,6 +293,95 @@ def print_msg(message):
     _print_msg(message)
 
 
+def reduces_logs_across_workers(strategy):
+    """Whether Keras' TensorFlow trainer reduces a step's logs across workers
+    with `strategy.reduce("MEAN", v, axis=0)`: its private
+    `_collective_all_reduce_multi_worker` (a MultiWorkerMirroredStrategy in
+    multi-worker mode), the very test `reduce_per_replica` makes."""
+    from keras.src.backend.tensorflow import trainer
+
+    return bool(trainer._collective_all_reduce_multi_worker(strategy))
+
+
+def _rank_one(value):
+    if isinstance(value, (tf.Tensor, tf.Variable)) and value.shape.rank == 0:
+        return tf.reshape(value, [1])
+    return value
+
+
+def logs_for_worker_reduce(step_function):
+    """`step_function` with each scalar it returns as shape `(1,)`.
+
+    Keras' TensorFlow trainer (`reduce_per_replica`, keras-team/keras#20585,
+    tensorflow/tensorflow#72388) reduces a step's outputs across workers with
+    `strategy.reduce("MEAN", v, axis=0)`, which fails on the scalar logs of
+    every step. On a `(1,)` value it is the mean over all replicas of all
+    workers, returned as a scalar: what Keras gives on one machine.
+    """
+
+    def step(data):
+        return tf.nest.map_structure(_rank_one, step_function(data))
+
+    return step
+
+
+def first_local_batch(strategy, batch):
+    """A distributed batch as this worker's first replica's part.
+
+    Keras' build step (`_maybe_symbolic_build`, private) reduces a whole
+    distributed `(x, y)` batch with `strategy.reduce("MEAN", ..., axis=None)`
+    only to read its shapes and dtypes: a cross-device reduce of the data
+    that MultiWorkerMirroredStrategy fails ("Attempt to convert a value
+    (PerReplica:{...})"), for dict inputs too. One replica's part has the
+    same dtypes and per-replica shapes, which is what each replica's step
+    sees.
+    """
+
+    def local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    return tf.nest.map_structure(local, batch)
+
+
+class MultiWorkerTrainer:
+    """Mixin for a `keras.Model` (GradBoostModel): Keras' TensorFlow trainer
+    under MultiWorkerMirroredStrategy, its two failures worked around.
+
+    1. the build step reads the first batch's shapes from this worker's
+       first replica instead of reducing the batch across devices
+       (`first_local_batch`);
+    2. the train and test functions' steps return their scalar logs with
+       shape `(1,)`, which Keras' cross-worker `reduce(..., axis=0)` reduces
+       to the scalar mean over all replicas (`logs_for_worker_reduce`).
+
+    Under any other strategy (or none) both are Keras' own code, unchanged.
+    Overrides the private `_maybe_symbolic_build` and `_make_function` of
+    Keras' TensorFlow trainer.
+    """
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = self._distribute_strategy  # None: Keras builds lazily
+        if (
+            iterator is not None
+            and data_batch is None
+            and isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        ):
+            # Keras' epoch iterator yields (begin, end, iterator) (3.15),
+            # (step, iterator) in older Keras (3.8): the iterator comes last.
+            for item in iterator:
+                data_batch = first_local_batch(strategy, next(item[-1]))
+                break
+            iterator = None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+    def _make_function(self, step_function):
+        if reduces_logs_across_workers(self.distribute_strategy):
+            step_function = logs_for_worker_reduce(step_function)
+        return super()._make_function(step_function)
+
+
 def check():
     """Fails with an AttributeError naming what moved, if a hook is broken.
 
@@ -350,6 +439,55 @@ def check():
     from keras.src.utils.io_utils import print_msg as _print_msg
 
     assert callable(_print_msg)
+    check_multi_worker_trainer()
     return True
+
+
+class _MultiWorkerExtended:
+    def _in_multi_worker_mode(self):
+        return True
+
+
+def check_multi_worker_trainer():
+    """Checks the facts `MultiWorkerTrainer` relies on, without a cluster:
+    Keras' trainer has the two private methods it overrides (with their
+    arguments), its epoch iterator yields tuples ending in the batch
+    iterator, it reduces a step's logs across workers for a multi-worker
+    MultiWorkerMirroredStrategy only, and does so with
+    `strategy.reduce("MEAN", v, axis=0)`, which makes the `(1,)` logs of
+    `logs_for_worker_reduce` scalars again."""
+    import inspect
+
+    from keras.src.backend.tensorflow import trainer
+
+    build = inspect.signature(trainer.TensorFlowTrainer._maybe_symbolic_build)
+    assert list(build.parameters) == ["self", "iterator", "data_batch"], build
+    make = inspect.signature(trainer.TensorFlowTrainer._make_function)
+    assert list(make.parameters) == ["self", "step_function"], make
+    epochs = trainer.TFEpochIterator(
+        x=np.zeros((4, 1), "float32"), batch_size=2,
+        distribute_strategy=tf.distribute.get_strategy(),
+    )
+    for item in epochs:  # what `_maybe_symbolic_build` reads its batch from
+        assert isinstance(item, tuple) and hasattr(item[-1], "__next__"), item
+        break
+    assert not reduces_logs_across_workers(tf.distribute.get_strategy())
+    # An uninitialised MultiWorkerMirroredStrategy in multi-worker mode,
+    # recording how Keras reduces the logs.
+    fake = object.__new__(tf.distribute.MultiWorkerMirroredStrategy)
+    fake._extended = _MultiWorkerExtended()
+    calls = []
+
+    def reduce(op, value, axis):
+        calls.append((op, axis))
+        return tf.reduce_mean(value, axis=axis)
+
+    fake.reduce = reduce
+    assert reduces_logs_across_workers(fake)
+    logs = logs_for_worker_reduce(lambda data: {"loss": tf.constant(2.0)})(None)
+    assert logs["loss"].shape == (1,)
+    reduced = trainer.reduce_per_replica(logs, fake, reduction="auto")
+    assert calls == [("MEAN", 0)], calls
+    assert reduced["loss"].shape == () and float(reduced["loss"]) == 2.0
 
 

@@ -107,7 +107,7 @@ class _Runtime:
 
 
 @keras.saving.register_keras_serializable(package="keras_gradboost")
-class GradBoostModel(keras.Model):
+class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
     """A `keras.Model` whose training step adds gradient accumulation, mixed
     precision and loss scaling, each switched on through `compile()`.
 

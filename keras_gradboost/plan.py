@@ -203,7 +203,9 @@ def strategy_jit_blockers(strategy):
     replicas on the CPUs of one process (logical CPU devices), whose XLA
     step TensorFlow compiles for the first CPU and then fails on the other
     replicas' variables ("Trying to access resource ... located in device
-    CPU:1 from device CPU:0"; plain Keras fails the same)."""
+    CPU:1 from device CPU:0"; plain Keras fails the same); and
+    MultiWorkerMirroredStrategy on CPUs, whose cross-worker all-reduce XLA
+    cannot compile on a CPU (an `UnimplementedError` at the first step)."""
     if strategy.num_replicas_in_sync < 2:
         return []
     try:
@@ -211,9 +213,16 @@ def strategy_jit_blockers(strategy):
     except (AttributeError, RuntimeError):  # a strategy without the notion
         return []
     on_cpus = all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in devices)
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and on_cpus:
+        return [
+            f"{strategy_name(strategy)} over {strategy.num_replicas_in_sync} "
+            "CPU replicas (TensorFlow's XLA has no collectives on CPU devices: "
+            '"Collectives are not yet implemented for CPU devices when '
+            'compiling with XLA")'
+        ]
     if len(devices) > 1 and on_cpus:
         return [
-            f"{type(strategy).__name__} over {len(devices)} CPU devices of one "
+            f"{strategy_name(strategy)} over {len(devices)} CPU devices of one "
             "process (TensorFlow's XLA step reads every replica's variables on "
             "the first CPU)"
         ]
@@ -270,26 +279,75 @@ def check_conflicts(config, optimizer, scale, auto_scale_loss, keras_scales):
         )
 
 
-_UNSUPPORTED_STRATEGIES = (
-    tf.distribute.MultiWorkerMirroredStrategy,
-    tf.distribute.experimental.ParameterServerStrategy,
-    tf.distribute.TPUStrategy,
+# Strategies GradBoostModel's accumulation and loss scaling refuse: the public
+# name (MultiWorkerMirroredStrategy's class is the internal
+# CollectiveAllReduceStrategy), and why.
+_REFUSED_STRATEGIES = (
+    (
+        tf.distribute.experimental.ParameterServerStrategy,
+        "ParameterServerStrategy",
+        "its workers step asynchronously on variables held by parameter "
+        "servers, so there is no one step over all replicas in which an "
+        "accumulation window or a finiteness decision could be exact",
+    ),
+    (
+        tf.distribute.TPUStrategy,
+        "TPUStrategy",
+        "the cross-replica step (replica-local accumulators, merge_call "
+        "inside the TPU loop) has not been proven on TPU replicas",
+    ),
 )
 
 
+def strategy_name(strategy):
+    """The public name of `strategy`'s kind (MultiWorkerMirroredStrategy
+    for its internal class CollectiveAllReduceStrategy)."""
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return "MultiWorkerMirroredStrategy"
+    for kind, name, _ in _REFUSED_STRATEGIES:
+        if isinstance(strategy, kind):
+            return name
+    return type(strategy).__name__
+
+
 def check_strategy(strategy, config, scale):
-    """Accumulation and loss scaling decide on local replicas' values: right
-    in one process (one device, MirroredStrategy), not yet across workers."""
+    """Accumulation and loss scaling decide over every replica's values:
+    proven exact on one device, under MirroredStrategy and under
+    MultiWorkerMirroredStrategy; refused, naming the strategy and the
+    reason, under ParameterServerStrategy and TPUStrategy. The first-step
+    checks (`accumulate_check`, `recompute_check`) are refused under
+    MultiWorkerMirroredStrategy."""
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        checks = [
+            f"{name}=True"
+            for name in ("accumulate_check", "recompute_check")
+            if getattr(config, name)
+        ]
+        if checks:
+            off = " and ".join(c.replace("True", "False") for c in checks)
+            raise ValueError(
+                f"{' and '.join(checks)} cannot be used under "
+                f"{strategy_name(strategy)}: the check replays this worker's "
+                "first batches eagerly, outside the step all workers run "
+                "together (it fails in Keras' loss there). Run the check on "
+                "one machine with the same model and data, and train across "
+                f"workers with {off}."
+            )
     if config.accumulate_steps == 1 and scale is None:
         return
-    if isinstance(strategy, _UNSUPPORTED_STRATEGIES):
-        raise ValueError(
-            f"accumulate_steps={config.accumulate_steps} and loss_scale="
-            f"{config.loss_scale!r} are not supported yet under "
-            f"{type(strategy).__name__}. Supported: one device and "
-            "MirroredStrategy. Use accumulate_steps=1 and loss_scale=None "
-            "with this strategy."
-        )
+    for kind, name, reason in _REFUSED_STRATEGIES:
+        if isinstance(strategy, kind):
+            features = []
+            if config.accumulate_steps > 1:
+                features.append(f"accumulate_steps={config.accumulate_steps}")
+            if scale is not None:
+                features.append(f"loss_scale={config.loss_scale!r} (on for this model)")
+            raise ValueError(
+                f"{' and '.join(features)} cannot be used under {name}: "
+                f"{reason}. Supported: one device, MirroredStrategy and "
+                "MultiWorkerMirroredStrategy. Use accumulate_steps=1 and "
+                f"loss_scale=None with {name}."
+            )
 
 
 def inexact_accumulation_warnings(model, config, loss):

@@ -13,7 +13,8 @@ in one `merge_call`, `CrossReplicaStep` decides for all replicas at once:
 `GradBoostModel.train_step` and the optimizer guard that `NaNWatcher` puts
 on a plain Keras model (`guard.guard_optimizer`) both run this. Supporting
 another distribution strategy is a change here: the reductions over
-replicas are `sum_over_replicas` and `local_value`.
+replicas are `sum_over_replicas` (over every worker too) and `local_value`
+(this worker's first replica: every replica holds the same value).
 
 The `tf.cond`s run in cross-replica context, where their branches may call
 the optimizer (whose all-reduce uses `merge_call`, which TensorFlow forbids
@@ -27,9 +28,13 @@ from keras_gradboost import precision as precision_lib
 
 
 def sum_over_replicas(strategy, value):
-    """Sum of a per-replica scalar, in cross-replica context, with local ops
-    (no collective: this process holds every replica of a MirroredStrategy;
-    a multi-worker strategy will need a cross-worker reduce here)."""
+    """Sum of a per-replica scalar over every replica of every worker, in
+    cross-replica context: with local ops when this process holds every
+    replica (one device, MirroredStrategy: no collective), with one
+    cross-worker all-reduce under MultiWorkerMirroredStrategy (each worker
+    gets the same sum)."""
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
     return tf.add_n(list(strategy.experimental_local_results(value)))
 
 

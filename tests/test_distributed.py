@@ -107,16 +107,54 @@ def test_gradients_are_all_reduced_once_per_update(regression_data):
     assert int(counter.numpy()) == 2
 
 
-def test_multi_worker_strategies_are_refused_with_a_clear_error():
+@pytest.mark.parametrize(
+    "kind, name, reason",
+    [
+        (tf.distribute.experimental.ParameterServerStrategy, "ParameterServerStrategy",
+         "asynchronously"),
+        (tf.distribute.TPUStrategy, "TPUStrategy", "not been proven on TPU"),
+    ],
+)
+def test_strategies_without_one_all_replica_step_are_refused_by_name(kind, name, reason):
     from keras_gradboost.config import GradBoostConfig
-    from keras_gradboost.plan import check_strategy as _check_strategy
+    from keras_gradboost.plan import check_strategy
 
     # An uninitialised instance: only its type matters to the check.
+    strategy = object.__new__(kind)
+    refused = rf"accumulate_steps=4 cannot be used under {name}: .*{reason}"
+    with pytest.raises(ValueError, match=refused):
+        check_strategy(strategy, GradBoostConfig(accumulate_steps=4), None)
+    refused = rf"loss_scale='dynamic' \(on for this model\) cannot be used under {name}"
+    with pytest.raises(ValueError, match=refused):
+        check_strategy(strategy, GradBoostConfig(loss_scale="dynamic"), (True, 1.0))
+    check_strategy(strategy, GradBoostConfig(), None)  # plain Keras step: not refused here
+
+
+def test_multi_worker_mirrored_strategy_is_accepted_and_named_publicly():
+    """Proven exact across workers by tests/test_multi_worker.py."""
+    from keras_gradboost.config import GradBoostConfig
+    from keras_gradboost.plan import check_strategy
+    from keras_gradboost.plan import strategy_name
+
     strategy = object.__new__(tf.distribute.MultiWorkerMirroredStrategy)
-    with pytest.raises(ValueError, match=r"accumulate_steps=4.*not supported yet.*MirroredStrategy"):
-        _check_strategy(strategy, GradBoostConfig(accumulate_steps=4), None)
-    _check_strategy(strategy, GradBoostConfig(), None)  # plain Keras step: fine
-    _check_strategy(_strategy(), GradBoostConfig(accumulate_steps=4), (True, 1.0))
+    assert type(strategy).__name__ != "MultiWorkerMirroredStrategy"  # the internal class
+    assert strategy_name(strategy) == "MultiWorkerMirroredStrategy"
+    check_strategy(strategy, GradBoostConfig(accumulate_steps=4), (True, 1.0))
+    check_strategy(_strategy(), GradBoostConfig(accumulate_steps=4), (True, 1.0))
+    with pytest.raises(
+        ValueError,
+        match=r"accumulate_check=True and recompute_check=True cannot be used under "
+        r"MultiWorkerMirroredStrategy: .* train across workers with "
+        r"accumulate_check=False and recompute_check=False\.",
+    ):
+        check_strategy(
+            strategy,
+            GradBoostConfig(
+                accumulate_steps=2, accumulate_check=True, recompute="auto",
+                recompute_check=True,
+            ),
+            None,
+        )
 
 
 def test_mirrored_recompute_equals_no_recompute():

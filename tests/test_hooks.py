@@ -102,3 +102,25 @@ def test_check_runs_every_hook():
 def test_fit_validation_flag():
     assert hooks.is_fit_validation({"_use_cached_eval_dataset": True})
     assert not hooks.is_fit_validation({})
+
+
+def test_multi_worker_trainer_facts_hold():
+    """Keras' TensorFlow trainer still reduces the logs across workers with
+    axis=0, and has the two methods `hooks.MultiWorkerTrainer` overrides;
+    tests/test_multi_worker.py runs them on two workers."""
+    hooks.check_multi_worker_trainer()
+
+
+def test_first_local_batch_keeps_one_replica_part_of_each_structure():
+    import tensorflow as tf
+    from conftest import shared_mirrored_strategy
+
+    strategy = shared_mirrored_strategy()
+    data = {"a": np.arange(8, dtype="float32").reshape(4, 2), "b": np.ones((4,), "int32")}
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((data, np.zeros((4, 1), "float32"))).batch(4)
+    )))
+    local = hooks.first_local_batch(strategy, batch)
+    assert local[0]["a"].shape == (2, 2) and local[0]["b"].dtype == tf.int32
+    assert local[1].shape == (2, 1)
+    assert hooks.first_local_batch(strategy, {"x": 1.0}) == {"x": 1.0}

@@ -10,6 +10,7 @@ from conftest import max_weight_diff
 from conftest import small_model
 from keras_gradboost import GradBoostModel
 from keras_gradboost import boost
+from keras_gradboost import hooks
 from keras_gradboost.model import FunctionalGradBoostModel
 
 
@@ -215,7 +216,8 @@ def test_functional_subclass_does_not_rewrite_gradboost_model(regression_data):
     inputs = keras.Input((5,))
     functional = Sub(inputs, keras.layers.Dense(3)(inputs))
     assert isinstance(functional, Sub) and isinstance(functional, GradBoostModel)
-    assert GradBoostModel.__bases__ == (keras.Model,)
+    # Keras' trainer adapted for multi-worker strategies, then keras.Model.
+    assert GradBoostModel.__bases__ == (hooks.MultiWorkerTrainer, keras.Model)
     assert Sub.__bases__ == (GradBoostModel,)
     functional.compile(optimizer="sgd", loss="mse", accumulate_steps=2)
     functional.fit(x, y, batch_size=52, verbose=0)
