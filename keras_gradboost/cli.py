@@ -103,8 +103,10 @@ def _parser():
     compare.add_argument(
         "--data",
         metavar="PATH.npz",
-        help="with --model PATH.keras: arrays `x` and `y` to train on "
-        "(default: synthetic data made from the model's input spec)",
+        help="with --model PATH.keras: arrays `x` and `y` to train on, or "
+        "for a model with several inputs one array per input named "
+        "`x_<input name>` (numpy.savez(path, x_token_ids=..., x_padding_mask=..., "
+        "y=...)); default: synthetic data made from the model's input spec",
     )
     compare.add_argument(
         "--batch-size",
@@ -313,16 +315,19 @@ def _check_data(parser, path):
     try:
         with np.load(path) as data:
             keys = set(data.files)
-            if not {"x", "y"} <= keys:
+            inputs = sorted(k for k in keys if k == "x" or k.startswith("x_"))
+            if "y" not in keys or not inputs:
                 parser.error(
                     f"argument --data: {path!r} holds {sorted(keys)}; "
-                    "expected arrays named 'x' and 'y'"
+                    "expected arrays named 'x' (or one per input, 'x_<input "
+                    "name>') and 'y'"
                 )
-            if len(data["x"]) != len(data["y"]) or len(data["x"]) == 0:
-                parser.error(
-                    f"argument --data: x has {len(data['x'])} rows and y "
-                    f"{len(data['y'])}; expected the same number, at least 1"
-                )
+            for key in inputs:
+                if len(data[key]) != len(data["y"]) or len(data[key]) == 0:
+                    parser.error(
+                        f"argument --data: {key} has {len(data[key])} rows and y "
+                        f"{len(data['y'])}; expected the same number, at least 1"
+                    )
     except (OSError, ValueError) as error:
         parser.error(f"argument --data: cannot read {path!r} as .npz: {error}")
 

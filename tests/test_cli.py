@@ -363,7 +363,7 @@ def _bad_argument_cases(tmp):
         (["compare", "--model", str(saved), "--data", str(npy_data)], "is not an .npz archive"),
         (["compare", "--data", str(no_y)], "argument --data: only used with --model PATH.keras"),
         (["compare", "--model", str(saved), "--data", str(tmp / "none.npz")], "argument --data: no such file"),
-        (["compare", "--model", str(saved), "--data", str(no_y)], "holds ['x']; expected arrays named 'x' and 'y'"),
+        (["compare", "--model", str(saved), "--data", str(no_y)], "holds ['x']; expected arrays named 'x' (or one per input, 'x_<input name>') and 'y'"),
         (["compare", "--model", str(saved), "--data", str(uneven)], "x has 4 rows and y 3"),
         (["compare", "--json", str(tmp / "no" / "out.json")], "argument --json: the folder of"),
         (["compare", "--plot", str(tmp / "no" / "out.png")], "argument --plot: the folder of"),

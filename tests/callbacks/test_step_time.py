@@ -171,10 +171,12 @@ def test_fresh_state_on_each_fit(monkeypatch):
 
 
 def _mlp(cls=keras.Model):
+    # Small: next to another test process its 256 x 512 matmuls took 100-160
+    # s instead of 6 (contended threads), and the split needs no size.
     keras.utils.set_random_seed(0)
-    inputs = keras.Input((256,))
-    h = keras.layers.Dense(512, activation="relu")(inputs)
-    h = keras.layers.Dense(512, activation="relu")(h)
+    inputs = keras.Input((64,))
+    h = keras.layers.Dense(128, activation="relu")(inputs)
+    h = keras.layers.Dense(128, activation="relu")(h)
     return cls(inputs, keras.layers.Dense(10)(h))
 
 
@@ -183,15 +185,15 @@ def test_real_split_parts_are_positive_add_up_and_change_nothing(kind, tmp_path)
     cls = GradBoostModel if kind == "gradboost" else keras.Model
     kwargs = {"accumulate_steps": 2} if kind == "gradboost" else {}
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(256 * 8, 256)).astype("float32")
-    y = rng.integers(0, 10, size=(256 * 8,)).astype("int32")
+    x = rng.normal(size=(64 * 8, 64)).astype("float32")
+    y = rng.integers(0, 10, size=(64 * 8,)).astype("int32")
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def run(callbacks):
         model = _mlp(cls)
         model.compile(optimizer="adam", loss=loss, metrics=["accuracy"], **kwargs)
         history = model.fit(
-            x, y, batch_size=256, shuffle=False, verbose=0, callbacks=callbacks
+            x, y, batch_size=64, shuffle=False, verbose=0, callbacks=callbacks
         )
         return model, history
 
