@@ -409,6 +409,23 @@ def _divide(x, y, eps):
     return out, grad
 
 
+@tf.custom_gradient
+def _divide_no_nan(x, y):
+    """`_divide` at eps=0 in TensorFlow's own `divide_no_nan` kernel (0
+    where y == 0), as few passes as the naive division: measured faster
+    than it and than the fused kernels without XLA."""
+    out = tf.math.divide_no_nan(x, y)
+
+    def grad(upstream):
+        dx = tf.math.divide_no_nan(upstream, y)
+        dy = -dx * out  # -upstream * x / y**2, and 0 where y == 0
+        if x.shape.is_fully_defined() and x.shape == y.shape:
+            return dx, dy
+        return _reduced(dx, dy, x, y)
+
+    return out, grad
+
+
 def safe_divide(x, y, eps=0.0):
     """`x / y` where `|y| > eps`, and 0 elsewhere (values and gradients).
 
@@ -446,6 +463,8 @@ def safe_divide(x, y, eps=0.0):
             f"Invalid value for argument `eps`. Received: eps={eps!r}. "
             "Expected a float >= 0."
         )
+    if eps == 0:
+        return _in_float32(_divide_no_nan, x, y)
     return _in_float32(lambda a, b: _divide(a, b, tf.constant(eps, a.dtype)), x, y)
 
 

@@ -204,11 +204,16 @@ def test_invalid_arguments_are_refused_naming_them(call, error, text):
         call()
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [n for n in CASES if n != "safe_divide"] + ["safe_divide eps"])
 def test_in_a_traced_function_forward_and_backward_are_fused_kernels(name):
     """The guards cost extra passes unless fused: in a graph, the op's
-    forward and its backward are each one XLA-compiled function call."""
-    op, _, inputs = CASES[name]
+    forward and its backward are each one XLA-compiled function call.
+    (safe_divide with eps=0 is TensorFlow's `divide_no_nan` kernel, as few
+    passes as the naive division: not fused.)"""
+    if name == "safe_divide eps":
+        op, inputs = (lambda a, b: ops.safe_divide(a, b, eps=1e-6)), CASES["safe_divide"][2]
+    else:
+        op, _, inputs = CASES[name]
     inputs = [tf.constant(x) for x in inputs]
     graph = tf.function(value_and_grad).get_concrete_function(op, *inputs).graph
     compiled = [
@@ -216,3 +221,15 @@ def test_in_a_traced_function_forward_and_backward_are_fused_kernels(name):
         if "PartitionedCall" in o.type and o.get_attr("_XlaMustCompile")
     ]
     assert len(compiled) >= 2, [o.type for o in graph.get_operations()]
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_safe_divide_with_eps_is_zero_below_it_and_naive_above(traced):
+    x = tf.constant([[1.0, 2.0, 3.0]])
+    y = tf.constant([[1e-4, -0.5, 4.0]])
+    run = tf.function(value_and_grad) if traced else value_and_grad
+    out, (dx, dy) = run(lambda a, b: ops.safe_divide(a, b, eps=1e-3), x, y)
+    np.testing.assert_allclose(out, [[0.0, -4.0, 0.75]], rtol=1e-6)
+    np.testing.assert_allclose(dx, [[0.0, -2.0, 0.25]], rtol=1e-6)
+    np.testing.assert_allclose(dy, [[0.0, -8.0, -3.0 / 16]], rtol=1e-6)
+    assert kgb.gradcheck(lambda a, b: ops.safe_divide(a, b, eps=1e-3), x, y, jit=False).ok
