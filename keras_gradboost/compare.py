@@ -377,9 +377,7 @@ def build(spec):
     if spec.get("data"):
         with np.load(spec["data"]) as data:
             x, y = synthetic.from_archive(model, data)
-        named = {"x": x} if not isinstance(x, (tuple, dict)) else {
-            key: a for key, a in zip(synthetic.expected_keys(model), keras.tree.flatten(x))
-        }
+        named = dict(zip(synthetic.expected_keys(model), keras.tree.flatten(x)))
         notes.extend(nonfinite_notes({**named, "y": y}))
     else:
         x = synthetic.inputs(model, samples, notes, rng)

@@ -182,27 +182,27 @@ def stop_recording():
     return record.stop_recording()
 
 
+class _UpdateRecordingScope(keras.StatelessScope):
+    def __init__(self, mapping):
+        super().__init__(state_mapping=mapping)
+        self.updated = []
+
+    def add_update(self, update):
+        self.updated.append(update[0])
+        super().add_update(update)
+
+
 def update_recording_scope(state_mapping):
     """A `keras.StatelessScope` over `state_mapping` that also keeps the
     Keras variables assigned inside it, in `scope.updated` (in order).
 
     Keras' scope keeps its updates by `id(variable)` only, in
     `state_mapping`; a variable's `assign` reaches the scope through its
-    `add_update((variable, value))`, which this subclass extends. The
-    recompute uses it to find state a block updates that no listed layer
+    `add_update((variable, value))`, which `_UpdateRecordingScope` extends.
+    The recompute uses it to find state a block updates that no listed layer
     owns (its recompute would read it after the forward's update).
     """
-
-    class UpdateRecordingScope(keras.StatelessScope):
-        def __init__(self, mapping):
-            super().__init__(state_mapping=mapping)
-            self.updated = []
-
-        def add_update(self, update):
-            self.updated.append(update[0])
-            super().add_update(update)
-
-    return UpdateRecordingScope(state_mapping)
+    return _UpdateRecordingScope(state_mapping)
 
 
 def keras_saveable_class():
@@ -244,9 +244,8 @@ def jit_blockers(model):
     """
     from tensorflow.python.framework.config import is_op_determinism_enabled
 
-    reasons = []
-    if no_xla_device():
-        reasons.append(no_xla_device())
+    no_xla = no_xla_device()
+    reasons = [no_xla] if no_xla else []
     layers = [
         layer for layer in flatten_layers(model) if not getattr(layer, "supports_jit", True)
     ]

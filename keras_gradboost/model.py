@@ -538,6 +538,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 rt.facts.watch.advance()  # after every update it recorded
         finally:
             rt.own_step_trace.active = False
+            rt.own_step_state.take()  # this trace's tensors: not for the next
             for undo in reversed(undos):
                 undo()
         if rt.updates_traced == before:

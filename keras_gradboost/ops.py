@@ -17,7 +17,9 @@ a half-precision model gets float32 accuracy inside the op.
 
 Inside a traced function (`tf.function`, Keras' `fit`) each op's forward and
 backward run as one fused XLA kernel each, so the guards cost no extra pass
-over the tensor; eagerly they run as plain TensorFlow ops.
+over the tensor; eagerly they run as plain TensorFlow ops. (`safe_divide`
+with `eps=0` runs TensorFlow's `divide_no_nan` kernels instead: as few passes
+as the naive division.)
 
 `log1pexp`, `safe_sqrt` and `safe_log` take one tensor, so they serve as Keras
 activations (`Dense(8, activation=kgb.ops.log1pexp)`); they are registered
@@ -101,7 +103,7 @@ def _axis_arg(axis):
     if isinstance(axis, (tuple, list)) and all(
         isinstance(a, int) and not isinstance(a, bool) for a in axis
     ):
-        return list(axis)
+        return tuple(axis)  # hashable: the kernels are cached per axis
     raise TypeError(
         f"Invalid type for argument `axis`. Received: axis={axis!r} of type "
         f"{type(axis).__name__}. Expected an int, a tuple of ints or None."
@@ -310,7 +312,7 @@ def safe_norm(x, axis=-1, keepdims=False):
     axis = _axis_arg(axis)
     _keepdims_arg(keepdims)
 
-    forward, backward = _norm_kernels(_hashable(axis), keepdims)
+    forward, backward = _norm_kernels(axis, keepdims)
 
     @tf.custom_gradient
     def norm(x):
@@ -326,8 +328,6 @@ def safe_norm(x, axis=-1, keepdims=False):
 
 @functools.lru_cache(maxsize=None)
 def _norm_kernels(axis, keepdims):
-    axis = list(axis) if isinstance(axis, tuple) else axis
-
     @_kernel
     def forward(x):
         # Not tf.math.reduce_euclidean_norm: XLA has no kernel for it.
@@ -339,10 +339,6 @@ def _norm_kernels(axis, keepdims):
         return x * _upstream_over(upstream, kept, kept, keepdims)
 
     return forward, backward
-
-
-def _hashable(axis):
-    return tuple(axis) if isinstance(axis, list) else axis
 
 
 def _dropped(kept, x, axis, keepdims):
@@ -502,7 +498,7 @@ def logsumexp(x, axis=-1, keepdims=False):
     axis = _axis_arg(axis)
     _keepdims_arg(keepdims)
 
-    forward, backward = _logsumexp_kernels(_hashable(axis), keepdims)
+    forward, backward = _logsumexp_kernels(axis, keepdims)
 
     @tf.custom_gradient
     def lse(x):
@@ -518,8 +514,6 @@ def logsumexp(x, axis=-1, keepdims=False):
 
 @functools.lru_cache(maxsize=None)
 def _logsumexp_kernels(axis, keepdims):
-    axis = list(axis) if isinstance(axis, tuple) else axis
-
     @_kernel
     def forward(x):
         biggest = tf.reduce_max(x, axis=axis, keepdims=True)

@@ -193,9 +193,9 @@ class CrossReplicaStep:
         """Replica context: `record`, and whether the step's state goes back:
         its update is dropped, and not for a dynamic loss scale's own
         overflow."""
-        # Read before `record` updates the loss scale, as `record` reads it.
+        # Read before `record` updates the loss scale.
         genuine = self._genuine(finite, loss_finite)
-        go = self.record(finite, loss_finite)
+        go = self.record(finite, genuine)
         ordinary_overflow = tf.logical_and(tf.logical_not(finite), tf.logical_not(genuine))
         if self.watch is not None:
             # A halted watch keeps the model as it was: no overflow exception.
@@ -220,10 +220,10 @@ class CrossReplicaStep:
             )
         return genuine
 
-    def record(self, finite, loss_finite):
-        """Replica context: records one checked step in this replica's copy
-        of the state; returns whether its update may be applied."""
-        genuine = self._genuine(finite, loss_finite)
+    def record(self, finite, genuine):
+        """Replica context: records one checked step (`genuine`: a real
+        non-finite one, see `_genuine`) in this replica's copy of the state;
+        returns whether its update may be applied."""
         facts = self.facts
         if facts is not None:
             facts.nonfinite_steps.assign_add(tf.cast(genuine, tf.int64))

@@ -14,9 +14,9 @@ from keras_gradboost import wrappers
 from keras_gradboost.callbacks import args
 from keras_gradboost.callbacks.base import CallbackBase
 from keras_gradboost.locate import as_local_batch
+from keras_gradboost.locate import locate_nonfinite
 from keras_gradboost.precision import computes_in_float16
 from keras_gradboost.state import every_copy
-from keras_gradboost.locate import locate_nonfinite
 
 ACTIONS = ("stop", "skip", "restore", "warn")
 # The model attribute holding its guarded train function: `(key, function,

@@ -170,10 +170,7 @@ def _refuse_unsaved_updates(updated, saved, name):
         ValueError: naming the variables and the fix.
     """
     known = {id(v) for v, _ in saved}
-    unsaved = []
-    for v in updated:
-        if id(v) not in known and all(v is not u for u in unsaved):
-            unsaved.append(v)
+    unsaved = list({id(v): v for v in updated if id(v) not in known}.values())
     if unsaved:
         paths = ", ".join(repr(getattr(v, "path", v.name)) for v in unsaved[:3])
         more = f" and {len(unsaved) - 3} more" if len(unsaved) > 3 else ""
