@@ -31,6 +31,7 @@ import weakref
 
 import numpy as np
 
+from keras_gradboost import cluster
 from keras_gradboost import hooks
 from keras_gradboost.step import local_value
 
@@ -83,11 +84,45 @@ def _first(variable, strategy):
     return np.asarray(local_value(variable, strategy).numpy())
 
 
+def pending_micro_batches(model):
+    """The micro-batches in `model`'s accumulation window, added since its
+    last update (0 for a model that does not accumulate, or a plain Keras
+    model)."""
+    rt = getattr(model, "_gradboost", None)
+    acc = None if rt is None else rt.accumulator
+    if acc is None:
+        return 0
+    return int(_first(acc.micro_step, model.distribute_strategy))
+
+
+def _refuse_partial_window_of_several_workers(acc, strategy):
+    """Each worker holds only its own replicas' part of a window's sums, and
+    a save reads this worker's: a file of one worker's part would load as
+    the whole window, wrong."""
+    pending = int(_first(acc.micro_step, strategy))
+    if pending and cluster.is_multi_worker(strategy):
+        raise ValueError(
+            f"Cannot save a GradBoostModel in the middle of an accumulation "
+            f"window under MultiWorkerMirroredStrategy: {pending} of "
+            f"{acc.steps} micro-batches are pending, and each worker holds only "
+            "its own part of their gradients. Save at an update boundary "
+            "(keras_gradboost.callbacks.BackupAndRestore waits for one), or at "
+            "an epoch's end."
+        )
+
+
 def collect(rt, strategy):
     """The entries to save for a model's runtime state `rt` (empty before
-    `compile()`)."""
+    `compile()`).
+
+    Raises:
+        ValueError: under several workers, when the accumulation window
+            holds micro-batches (only this worker's part of it is here).
+    """
     state = {}
     _warn_unsaved(rt)
+    if rt.accumulator is not None:
+        _refuse_partial_window_of_several_workers(rt.accumulator, strategy)
     if rt.facts is not None:
         for name in _FACTS:
             state[name] = _first(getattr(rt.facts, name), strategy)

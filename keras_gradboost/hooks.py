@@ -381,6 +381,78 @@ class MultiWorkerTrainer:
         return super()._make_function(step_function)
 
 
+def set_initial_epoch(model, epoch):
+    """Makes the next `fit()` of `model` start at `epoch` (None: at its own
+    `initial_epoch` argument), as Keras' `BackupAndRestore` does: through
+    the private `_initial_epoch`, which `fit()` reads before its first epoch
+    (`self._initial_epoch or initial_epoch`) and never resets."""
+    model._initial_epoch = epoch
+
+
+def initial_epoch(model):
+    """What `set_initial_epoch` set (None when nothing did)."""
+    return model._initial_epoch
+
+
+def _eager_context():
+    from tensorflow.python.eager import context
+
+    return context.context()
+
+
+class CoordinationKeyExists(Exception):
+    """`coordination_set` of a key that another worker set first."""
+
+
+def coordination_set(key, value):
+    """Sets `key` to the string `value` in the cluster's coordination service
+    (the key-value store TensorFlow's `PreemptionCheckpointHandler` agrees on
+    a step through; `tensorflow.python.eager.context`, private). A key is
+    set once: raises `CoordinationKeyExists` when it already has a value."""
+    try:
+        _eager_context().set_config_key_value(key, value)
+    except tf.errors.AlreadyExistsError as e:
+        raise CoordinationKeyExists(key) from e
+
+
+def coordination_get(key, timeout_seconds=None):
+    """The value of `key` in the coordination service, waiting until a
+    worker sets it; after `timeout_seconds` (None: no limit) raises
+    `TimeoutError`. (TensorFlow before 2.17 takes no timeout: the wait then
+    runs in a daemon thread, given up after the time.)"""
+    import inspect
+    import threading
+
+    get = _eager_context().get_config_key_value
+    if timeout_seconds is None:
+        return get(key)
+    if "timeout_in_ms" in inspect.signature(get).parameters:
+        try:
+            return get(key, timeout_in_ms=max(1, int(timeout_seconds * 1000)))
+        except tf.errors.DeadlineExceededError as e:
+            raise TimeoutError(f"no worker set {key!r} within {timeout_seconds} s") from e
+    found = []
+    waiter = threading.Thread(target=lambda: found.append(get(key)), daemon=True)
+    waiter.start()
+    waiter.join(timeout_seconds)
+    if not found:
+        raise TimeoutError(f"no worker set {key!r} within {timeout_seconds} s")
+    return found[0]
+
+
+def check_coordination():
+    """Checks the coordination-service calls `coordination_set` and
+    `coordination_get` rely on (they need a cluster to run)."""
+    import inspect
+
+    ctx = _eager_context()
+    assert list(inspect.signature(ctx.set_config_key_value).parameters) == [
+        "key", "value"
+    ]
+    get = inspect.signature(ctx.get_config_key_value).parameters
+    assert list(get)[:1] == ["key"], list(get)
+
+
 def check():
     """Fails with an AttributeError naming what moved, if a hook is broken.
 
@@ -439,6 +511,11 @@ def check():
 
     assert callable(_print_msg)
     check_multi_worker_trainer()
+    check_coordination()
+    assert initial_epoch(model) is None
+    set_initial_epoch(model, 2)
+    assert model._initial_epoch == 2 and initial_epoch(model) == 2
+    set_initial_epoch(model, None)
     return True
 
 

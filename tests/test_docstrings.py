@@ -70,6 +70,7 @@ def test_the_public_examples_are_found():
     expected = {
         "keras_gradboost.GradBoostModel",
         "keras_gradboost.boost",
+        "keras_gradboost.callbacks.BackupAndRestore",
         "keras_gradboost.callbacks.NaNWatcher",
         "keras_gradboost.callbacks.StepTimeMonitor",
         "keras_gradboost.callbacks.RetraceCounter",

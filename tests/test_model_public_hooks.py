@@ -29,7 +29,8 @@ def test_training_forward_is_the_steps_forward_and_changes_nothing(recompute):
     np.testing.assert_allclose(out, model(x, training=True), rtol=1e-6)
     # As a callback probes it (StepTimeMonitor traces without autograph).
     traced = tf.function(model.training_forward, autograph=False)(x)
-    np.testing.assert_allclose(traced, out, rtol=1e-6)
+    # (oneDNN may pick other float32 kernels in a graph: round-off apart.)
+    np.testing.assert_allclose(traced, out, rtol=1e-5)
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(model.training_forward(x))
     assert all(g is not None for g in tape.gradient(loss, model.trainable_variables))

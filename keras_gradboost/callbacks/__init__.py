@@ -1,5 +1,6 @@
 """Drop-in Keras callbacks for any model."""
 
+from keras_gradboost.callbacks.backup import BackupAndRestore
 from keras_gradboost.callbacks.gradient_audit import AuditReport
 from keras_gradboost.callbacks.gradient_audit import GradientAuditor
 from keras_gradboost.callbacks.gradient_audit import MissingGradient
@@ -18,6 +19,7 @@ from keras_gradboost.callbacks.step_time import StepTimeReport
 
 __all__ = [
     "AuditReport",
+    "BackupAndRestore",
     "GradientAuditor",
     "MissingGradient",
     "MissingGradientError",

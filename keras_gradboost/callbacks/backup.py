@@ -1,0 +1,364 @@
+"""BackupAndRestore: Keras' callback, resuming exactly where the backup was
+taken, under several workers too, and saving before a preemption."""
+
+import json
+import os
+import signal
+import warnings
+
+import keras
+import tensorflow as tf
+
+from keras_gradboost import checkpoint
+from keras_gradboost import cluster
+from keras_gradboost import hooks
+from keras_gradboost import preemption
+from keras_gradboost import wrappers
+from keras_gradboost.callbacks import args
+
+_METADATA = "training_metadata.json"
+_KERAS_WEIGHTS = "latest.weights.h5"  # the weights file of Keras' callback
+_FORMAT = "keras_gradboost.BackupAndRestore/1"
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Backs up the training state, and resumes an interrupted `fit()`
+    exactly where the backup was taken.
+
+    A drop-in for `keras.callbacks.BackupAndRestore` (the same arguments,
+    the same use: pass the same instance, or one with the same
+    `backup_dir`, to the `fit()` that restarts the interrupted one), for any
+    Keras model, that fixes what Keras' callback gets silently wrong:
+
+    * **Mid-epoch backups resume mid-epoch.** With an integer `save_freq`
+      Keras restores the weights of batch `b` and then trains the epoch
+      from its first batch, so batches `0..b` are applied twice. This
+      callback skips the batches the backup has seen (it draws them from
+      the data without training on them) and trains on from batch `b + 1`.
+      For a GradBoostModel the backup holds the accumulation window and the
+      loss scale too, so no micro-batch is lost or applied twice.
+    * **Several workers** (`MultiWorkerMirroredStrategy`) **share one
+      `backup_dir`**: only the chief writes (and deletes) it, and every
+      worker restores from it. Under several workers a GradBoostModel's
+      backup waits for an update boundary (each worker holds only its own
+      part of a pending window).
+    * **A backup is never half written**: the weights go to a new file
+      first, and the metadata naming it is replaced in one rename, so an
+      interruption while saving leaves the previous backup whole.
+    * **A second `fit()` starts where asked**: Keras leaves the restored
+      epoch in place for every later `fit()` of the model; it is cleared
+      when this `fit()` ends.
+    * **`save_before_preemption=True`** (Keras 2 had it; Keras 3 dropped
+      it): on SIGTERM to any worker, every worker saves at the same next
+      step (for a GradBoostModel under several workers, the next update
+      boundary) and exits with `preemption_exit_code`, so the restarted
+      job resumes from that step instead of the last backup.
+
+    Exactness needs the data to give the same batches, in the same order,
+    from the start of each epoch (`shuffle=False`, or a `tf.data` pipeline
+    with a fixed seed that does not reshuffle; a repeated dataset with
+    `steps_per_epoch` continues across epochs and does not restart). The
+    metrics logged for a resumed epoch are over the batches trained after
+    the resume.
+
+    Args:
+        backup_dir: the directory of the backup (created when needed).
+            Keep it for this training run only: it is deleted when `fit()`
+            completes (see `delete_checkpoint`).
+        save_freq: `"epoch"` (at each epoch's end), an int `n` >= 1 (after
+            every `n` batches), or `False` (only before a preemption).
+            Defaults to `"epoch"`.
+        double_checkpoint: keep the previous backup too, and restore it
+            when the latest one cannot be read. Defaults to `False`.
+        delete_checkpoint: delete the backup when `fit()` completes.
+            Defaults to `True`.
+        save_before_preemption: on SIGTERM, save at the next step every
+            worker agrees on, and exit. Defaults to `False`.
+        preemption_exit_code: the exit status after that save (143, what a
+            process ended by SIGTERM reports, so a cluster manager restarts
+            the job). Defaults to `143`.
+
+    Raises:
+        ValueError: for an argument out of range; at `fit()`, for a model
+            that is not built, or a backup taken inside a chunk of
+            `steps_per_execution` batches other than this model's.
+
+    Example:
+
+    ```python
+    import numpy as np, keras, tempfile
+    from keras_gradboost.callbacks import BackupAndRestore
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 5:
+                raise RuntimeError("interrupted")
+
+    x, y = np.random.rand(64, 3), np.random.rand(64, 1)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    backup = BackupAndRestore(tempfile.mkdtemp(), save_freq=2)
+    try:
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0,
+                  callbacks=[backup, Interrupt()])
+    except RuntimeError:
+        pass
+    # Restarted: batches 0-5 are not trained again (the backup after
+    # batch 5 holds them), training goes on from batch 6.
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=[backup])
+    ```
+    """
+
+    def __init__(
+        self,
+        backup_dir,
+        save_freq="epoch",
+        double_checkpoint=False,
+        delete_checkpoint=True,
+        save_before_preemption=False,
+        preemption_exit_code=143,
+    ):
+        super().__init__()
+        self.backup_dir = args.check_directory("backup_dir", backup_dir)
+        if self.backup_dir is None:
+            raise args.value_error("backup_dir", backup_dir, "a directory path")
+        self.save_freq = _check_save_freq(save_freq)
+        self.double_checkpoint = args.check_bool("double_checkpoint", double_checkpoint)
+        self.delete_checkpoint = args.check_bool("delete_checkpoint", delete_checkpoint)
+        self.save_before_preemption = args.check_bool(
+            "save_before_preemption", save_before_preemption
+        )
+        self.preemption_exit_code = args.check_int("preemption_exit_code", preemption_exit_code, 0)
+        self._metadata_path = os.path.join(self.backup_dir, _METADATA)
+        self._previous_path = self._metadata_path + ".bkp"
+        self._notice = None
+        self._undo_skip = None
+        self._set_epoch = False
+
+    # ------------------------------------------------------------ hooks
+
+    def on_train_begin(self, logs=None):
+        self._cleanup()  # what a fit() that raised left
+        model = self.model
+        if not model.built:
+            raise ValueError(
+                "To use the BackupAndRestore callback, your model must be built "
+                f"before you call `fit()`. Model {model.name} is unbuilt. You can "
+                "build it beforehand by calling it on a batch of data."
+            )
+        strategy = model.distribute_strategy
+        self._chief = cluster.is_chief(strategy)
+        self._several_workers = cluster.is_multi_worker(strategy)
+        self._epoch = 0
+        self._batches_done = 0  # in the current epoch
+        self._since_save = 0
+        self._step_ends = 0  # this fit()'s step ends, the same on every worker
+        self._skip_left = 0
+        self._skipped_call = False
+        self._preempting = False
+        restored = self._restore()
+        if restored is not None:
+            epoch, batches = restored
+            hooks.set_initial_epoch(model, epoch)
+            self._set_epoch = True
+            self._epoch = epoch
+            self._start_skipping(batches)
+        if self.save_before_preemption:
+            self._notice = preemption.PreemptionNotice(strategy)
+            self._notice.start()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._batches_done = self._skip_left  # those the backup has seen
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step_ends += 1
+        if self._skipped_call:
+            self._skipped_call = False
+            if self._skip_left == 0:
+                self._stop_skipping()
+            return
+        done = batch + 1
+        self._since_save += done - self._batches_done
+        self._batches_done = done
+        # (save_freq is an int >= 1 here, or "epoch", or False.)
+        due = self.save_freq not in ("epoch", False) and self._since_save >= self.save_freq
+        if self._notice is not None and self._notice.due(self._step_ends):
+            self._preempting = True
+        if (due or self._preempting) and self._can_save_now():
+            self._save()
+            if self._preempting:
+                self._exit_for_preemption()
+
+    def on_epoch_end(self, epoch, logs=None):
+        # (A GradBoostModel applied the epoch's last window before this.)
+        self._epoch = epoch + 1
+        self._batches_done = 0
+        if self.save_freq == "epoch" or self._preempting:
+            self._save()
+            if self._preempting:
+                self._exit_for_preemption()
+
+    def on_train_end(self, logs=None):
+        signalled = self._cleanup()
+        if self.delete_checkpoint and self._chief and tf.io.gfile.exists(self.backup_dir):
+            tf.io.gfile.rmtree(self.backup_dir)
+        if signalled:  # it came after the last step: act on it as asked
+            signal.raise_signal(signal.SIGTERM)
+
+    # -------------------------------------------------------- skipping
+
+    def _start_skipping(self, batches):
+        chunk = int(self.model.steps_per_execution)
+        if batches % chunk:
+            raise ValueError(
+                f"The backup in {self.backup_dir!r} was taken after {batches} "
+                f"batches of epoch {self._epoch}, inside a chunk of "
+                f"steps_per_execution={chunk} batches: the restarted fit() cannot "
+                "start there. Compile the model with the steps_per_execution it "
+                "was trained with."
+            )
+        self._skip_left = batches
+        if batches:
+            self._undo_skip = wrappers.patch(self.model, "train_function", self._skip_or_train)
+
+    def _skip_or_train(self, train_function, iterator):
+        if self._skip_left <= 0:
+            return train_function(iterator)
+        count = min(int(self.model.steps_per_execution), self._skip_left)
+        for _ in range(count):
+            if not _draw(iterator):
+                raise ValueError(
+                    f"The backup in {self.backup_dir!r} was taken after "
+                    f"{self._batches_done} batches of epoch {self._epoch}, but "
+                    "this epoch's data has fewer: the restarted fit() has other "
+                    "data than the interrupted one."
+                )
+        self._skip_left -= count
+        self._skipped_call = True
+        return {}
+
+    def _stop_skipping(self):
+        if self._undo_skip is not None:
+            self._undo_skip()
+            self._undo_skip = None
+
+    # ------------------------------------------------------ save, load
+
+    def _can_save_now(self):
+        # Under several workers a GradBoostModel's pending window is spread
+        # over the workers: wait for the update (the same step on each).
+        return not self._several_workers or checkpoint.pending_micro_batches(self.model) == 0
+
+    def _save(self):
+        self._since_save = 0
+        if not self._chief:
+            return
+        tf.io.gfile.makedirs(self.backup_dir)
+        name = f"epoch{self._epoch}-batch{self._batches_done}.weights.h5"
+        path = os.path.join(self.backup_dir, name)
+        staging = os.path.join(self.backup_dir, "staging-" + name)
+        self.model.save_weights(staging, overwrite=True)
+        tf.io.gfile.rename(staging, path, overwrite=True)
+        metadata = {
+            "epoch": self._epoch,
+            "batch": max(self._batches_done - 1, 0),  # what Keras' callback writes
+            "batches_done": self._batches_done,
+            "steps_per_execution": int(self.model.steps_per_execution),
+            "weights": name,
+            "format": _FORMAT,
+        }
+        kept = {name}
+        if self.double_checkpoint and tf.io.gfile.exists(self._metadata_path):
+            tf.io.gfile.copy(self._metadata_path, self._previous_path, overwrite=True)
+            kept.add(_read(self._previous_path).get("weights", _KERAS_WEIGHTS))
+        _write_atomically(self._metadata_path, json.dumps(metadata))
+        for old in tf.io.gfile.listdir(self.backup_dir):
+            if old.endswith(".weights.h5") and old not in kept:
+                tf.io.gfile.remove(os.path.join(self.backup_dir, old))
+
+    def _restore(self):
+        """Loads the backup, if any: `(epoch, batches done in it)`, or None."""
+        try:
+            return self._load(self._metadata_path)
+        except (OSError, ValueError, KeyError) as error:
+            if not tf.io.gfile.exists(self._previous_path):
+                raise
+            warnings.warn(
+                f"The latest backup in {self.backup_dir!r} cannot be read "
+                f"({error}); restoring the previous one.",
+                stacklevel=2,
+            )
+            return self._load(self._previous_path)
+
+    def _load(self, metadata_path):
+        metadata = _read(metadata_path) if tf.io.gfile.exists(metadata_path) else None
+        name = _KERAS_WEIGHTS if metadata is None else metadata.get("weights", _KERAS_WEIGHTS)
+        weights = os.path.join(self.backup_dir, name)
+        if metadata is not None and not tf.io.gfile.exists(weights):
+            raise OSError(f"{metadata_path} names {name}, which is not in {self.backup_dir!r}")
+        if tf.io.gfile.exists(weights):
+            optimizer = self.model.optimizer
+            if optimizer is not None and not optimizer.built:
+                optimizer.build(self.model.trainable_variables)
+            self.model.load_weights(weights)
+        if metadata is None:
+            return None
+        if "batches_done" in metadata:
+            batches = int(metadata["batches_done"])
+        else:  # Keras' own callback: "batch" is the last batch seen, 0 at an epoch's end
+            batches = int(metadata.get("batch", 0)) + 1 if metadata.get("batch", 0) else 0
+        return int(metadata["epoch"]), batches
+
+    # ---------------------------------------------------------- ending
+
+    def _exit_for_preemption(self):
+        self._cleanup()
+        raise SystemExit(self.preemption_exit_code)
+
+    def _cleanup(self):
+        """Undoes what a fit() put in place; returns whether a SIGTERM came
+        that was not acted on."""
+        self._stop_skipping()
+        signalled = False
+        if self._notice is not None:
+            signalled = self._notice.stop() and not self._preempting
+            self._notice = None
+        if self._set_epoch:  # Keras would start every later fit() there
+            hooks.set_initial_epoch(self.model, None)
+            self._set_epoch = False
+        return signalled
+
+
+def _check_save_freq(value):
+    expected = "'epoch', an int >= 1 (a number of batches) or False"
+    if value is False or value == "epoch":
+        return value
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise args.type_error("save_freq", value, expected)
+    if value < 1:
+        raise args.value_error("save_freq", value, expected)
+    return value
+
+
+def _draw(iterator):
+    """Draws one batch from a train function's iterator; False at its end."""
+    if hasattr(iterator, "get_next_as_optional"):
+        return bool(iterator.get_next_as_optional().has_value())
+    try:
+        next(iterator)
+    except (StopIteration, tf.errors.OutOfRangeError):
+        return False
+    return True
+
+
+def _read(path):
+    with tf.io.gfile.GFile(path, "r") as f:
+        return json.loads(f.read())
+
+
+def _write_atomically(path, text):
+    staging = path + ".staging"
+    with tf.io.gfile.GFile(staging, "w") as f:
+        f.write(text)
+    tf.io.gfile.rename(staging, path, overwrite=True)

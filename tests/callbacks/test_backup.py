@@ -1,0 +1,192 @@
+"""kgb.callbacks.BackupAndRestore: an interrupted fit(), restarted, ends with
+the weights of a fit() that was never interrupted, wherever the backup was
+taken (mid-epoch, mid-window, at a preemption), for a plain Keras model and
+a GradBoostModel."""
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import keras
+from conftest import max_weight_diff
+from keras_gradboost import GradBoostModel
+from keras_gradboost.callbacks import BackupAndRestore
+from keras_gradboost.callbacks import NaNWatcher
+
+N, BATCH, EPOCHS = 64, 4, 2  # 16 batches an epoch
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(N, 5)).astype("float32"), rng.normal(size=(N, 3)).astype("float32")
+
+
+def _model(kind, steps_per_execution=1):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    h = keras.layers.Dense(8, activation="tanh")(inputs)
+    outputs = keras.layers.Dense(3)(h)
+    if kind == "keras":
+        model = keras.Model(inputs, outputs)
+        model.compile(keras.optimizers.Adam(0.01), "mse", steps_per_execution=steps_per_execution)
+    else:  # accumulate 4: every backup below is taken mid-window
+        model = GradBoostModel(inputs, outputs)
+        model.compile(
+            keras.optimizers.Adam(0.01), "mse", steps_per_execution=steps_per_execution,
+            accumulate_steps=4, loss_scale="dynamic",
+        )
+    return model
+
+
+def _fit(model, callbacks, epochs=EPOCHS):
+    x, y = _data()
+    return model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+                     callbacks=callbacks)
+
+
+class _At(keras.callbacks.Callback):
+    """Calls `action()` at the end of batch `batch` of epoch `epoch`."""
+
+    def __init__(self, epoch, batch, action):
+        super().__init__()
+        self.at, self.action = (epoch, batch), action
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            self.action()
+
+
+def _interrupt():
+    raise RuntimeError("interrupted")
+
+
+def _metadata(backup_dir):
+    with open(os.path.join(backup_dir, "training_metadata.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize(
+    "kind, steps_per_execution", [("keras", 1), ("keras", 2), ("gradboost", 1), ("gradboost", 2)]
+)
+def test_a_mid_epoch_backup_resumes_exactly(tmp_path, kind, steps_per_execution):
+    never = _model(kind, steps_per_execution)
+    _fit(never, [])
+    backup_dir = str(tmp_path / "backup")
+    model = _model(kind, steps_per_execution)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(model, [BackupAndRestore(backup_dir, save_freq=6), _At(1, 9, _interrupt)])
+    # Saved after batch 5 of epoch 1 (6, 12, 18 batches: 2 into epoch 1, then 8).
+    saved = _metadata(backup_dir)
+    assert (saved["epoch"], saved["batches_done"]) == (1, 8)
+    if kind == "gradboost":  # 24 micro-batches: the backup holds none pending
+        pass
+    restarted = _model(kind, steps_per_execution)  # new weights: all come from the backup
+    history = _fit(restarted, [BackupAndRestore(backup_dir, save_freq=6)])
+    assert len(history.history["loss"]) == 1  # epoch 1 only
+    assert int(restarted.optimizer.iterations.numpy()) == int(never.optimizer.iterations.numpy())
+    assert max_weight_diff(restarted, never) == 0.0
+    assert not os.path.exists(backup_dir)  # completed: deleted
+
+
+def test_a_backup_mid_window_keeps_the_window(tmp_path):
+    never = _model("gradboost")
+    _fit(never, [])
+    backup_dir = str(tmp_path / "backup")
+    model = _model("gradboost")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(model, [BackupAndRestore(backup_dir, save_freq=3), _At(0, 7, _interrupt)])
+    assert _metadata(backup_dir)["batches_done"] == 6  # 2 of the window's 4 pending
+    restarted = _model("gradboost")
+    _fit(restarted, [BackupAndRestore(backup_dir, save_freq=3)])
+    assert max_weight_diff(restarted, never) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["keras", "gradboost"])
+def test_sigterm_saves_at_the_next_step_and_exits(tmp_path, kind):
+    never = _model(kind)
+    _fit(never, [])
+    backup_dir = str(tmp_path / "backup")
+    model = _model(kind)
+    handler = signal.getsignal(signal.SIGTERM)
+    terminate = _At(1, 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    with pytest.raises(SystemExit) as stopped:
+        _fit(model, [terminate, BackupAndRestore(backup_dir, save_freq=False,
+                                                 save_before_preemption=True)])
+    assert stopped.value.code == 143
+    assert signal.getsignal(signal.SIGTERM) is handler  # put back
+    assert _metadata(backup_dir)["epoch"] == 1 and _metadata(backup_dir)["batches_done"] == 3
+    restarted = _model(kind)
+    _fit(restarted, [BackupAndRestore(backup_dir, save_freq=False, save_before_preemption=True)])
+    assert max_weight_diff(restarted, never) == 0.0
+
+
+def test_the_previous_backup_serves_when_the_latest_is_unreadable(tmp_path):
+    never = _model("keras")
+    _fit(never, [])
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(_model("keras"), [BackupAndRestore(backup_dir, save_freq=4, double_checkpoint=True),
+                               _At(0, 9, _interrupt)])
+    latest = os.path.join(backup_dir, _metadata(backup_dir)["weights"])
+    with open(latest, "wb") as f:
+        f.write(b"not an h5 file")
+    restarted = _model("keras")
+    with pytest.warns(UserWarning, match="restoring the previous one"):
+        _fit(restarted, [BackupAndRestore(backup_dir, save_freq=4, double_checkpoint=True)])
+    assert max_weight_diff(restarted, never) == 0.0
+
+
+def test_later_fits_start_at_their_own_initial_epoch(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    model = _model("keras")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(model, [BackupAndRestore(backup_dir), _At(1, 0, _interrupt)], epochs=3)
+    assert len(_fit(model, [BackupAndRestore(backup_dir)], epochs=3).history["loss"]) == 2
+    # Keras' own callback leaves epoch 1 as the start of every later fit().
+    assert len(_fit(model, [], epochs=3).history["loss"]) == 3
+
+
+def test_a_backup_inside_a_chunk_is_refused(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(_model("keras"), [BackupAndRestore(backup_dir, save_freq=3), _At(0, 4, _interrupt)])
+    with pytest.raises(ValueError, match="steps_per_execution=2"):
+        _fit(_model("keras", 2), [BackupAndRestore(backup_dir)])
+
+
+def test_skipped_batches_pass_other_callbacks_by(tmp_path):
+    """A NaNWatcher next to it: the skipped calls return no logs, and the
+    watch goes on from the restored point."""
+    never = _model("gradboost")
+    _fit(never, [NaNWatcher(action="skip", verbose=0)])
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(_model("gradboost"), [NaNWatcher(action="skip", verbose=0),
+                                   BackupAndRestore(backup_dir, save_freq=5), _At(0, 12, _interrupt)])
+    restarted = _model("gradboost")
+    _fit(restarted, [NaNWatcher(action="skip", verbose=0), BackupAndRestore(backup_dir, save_freq=5)])
+    assert max_weight_diff(restarted, never) == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        (dict(backup_dir=None), ValueError),
+        (dict(backup_dir=""), ValueError),
+        (dict(backup_dir="b", save_freq=0), ValueError),
+        (dict(backup_dir="b", save_freq=True), TypeError),
+        (dict(backup_dir="b", save_freq="batch"), TypeError),
+        (dict(backup_dir="b", save_before_preemption=1), TypeError),
+        (dict(backup_dir="b", preemption_exit_code=-1), ValueError),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error):
+    name = [k for k in kwargs if k != "backup_dir"] or ["backup_dir"]
+    with pytest.raises(error, match=f"`{name[0]}`"):
+        BackupAndRestore(**kwargs)
