@@ -254,7 +254,10 @@ class GradientAuditor(CallbackBase):
 
     def _before_call(self, batches):
         if self._specs is None:
-            self._specs = tf.nest.map_structure(_spec, batches[0])
+            # Under a strategy a batch holds each replica's part: one part
+            # has the shapes and dtypes each replica's step traces with.
+            local = hooks.first_local_batch(self.model.distribute_strategy, batches[0])
+            self._specs = tf.nest.map_structure(_spec, local)
 
     def _on_trace(self, none_paths):
         if self._analysed:

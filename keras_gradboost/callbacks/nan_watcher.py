@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_gradboost import cluster
 from keras_gradboost import guard
 from keras_gradboost import hooks
 from keras_gradboost import wrappers
@@ -211,7 +212,8 @@ class NaNWatcher(CallbackBase):
         locate: replay the bad batch to name the layer and phase. Defaults to
             `True`.
         dump_dir: a directory to save the bad batch to (`.npz`), or `None`.
-            Defaults to `None`.
+            Under several workers each saves its own part of the batch,
+            `..._worker<i>.npz`. Defaults to `None`.
         max_skips: consecutive bad steps tolerated by `"skip"` and
             `"restore"` (counted in-graph, step by step, also within a
             `steps_per_execution` chunk). Defaults to `10`.
@@ -566,8 +568,13 @@ class _float32_policies:
 
 
 def _dump(directory, data, event, model):
+    """Saves this worker's part of the bad batch (under several workers each
+    holds another part, which may be the finite one: each writes its own
+    file, `..._worker<i>.npz`)."""
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"nonfinite_epoch{event.epoch}_step{event.step}.npz")
+    strategy = model.distribute_strategy
+    worker = f"_worker{cluster.worker_index(strategy)}" if cluster.is_multi_worker(strategy) else ""
+    path = os.path.join(directory, f"nonfinite_epoch{event.epoch}_step{event.step}{worker}.npz")
     flat = tf.nest.flatten(as_local_batch(data, model.distribute_strategy))
     np.savez(path, **{f"arr_{i}": np.asarray(t) for i, t in enumerate(flat)})
     return path

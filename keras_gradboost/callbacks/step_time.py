@@ -10,6 +10,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_gradboost import cluster
 from keras_gradboost import hooks
 from keras_gradboost.callbacks import args
 from keras_gradboost.callbacks.base import CallbackBase
@@ -257,7 +258,9 @@ class StepTimeMonitor(CallbackBase):
             `examples_per_s` and the split), or `None`. Defaults to `None`.
         profile_steps: `(first, last)` training steps (0-based, inclusive) to
             capture with `tf.profiler` into `log_dir` (TensorBoard's profile
-            tab), or `None`. Defaults to `None`.
+            tab), or `None`. Defaults to `None`. Under several workers only
+            the chief writes `log_dir` (scalars and profile); every worker
+            measures its own steps in `report()`.
         verbose: print the summary at the end of training. Defaults to `0`.
 
     Raises:
@@ -317,13 +320,19 @@ class StepTimeMonitor(CallbackBase):
         self._profiling = False
         self._profiled = False
         self._writer = None
+        self._writes = False
 
     # ------------------------------------------------------------ hooks
 
     def _install(self):
         if self.model.train_function is None:
             self.model.make_train_function()
-        if self.log_dir is not None:
+        # Several workers: each measures its own steps (report(), summary()),
+        # only the chief writes log_dir (one set of scalars, one profile).
+        self._writes = self.log_dir is not None and cluster.is_chief(
+            self.model.distribute_strategy
+        )
+        if self._writes:
             self._writer = tf.summary.create_file_writer(self.log_dir)
         self._hold(self._before_call, self._after_call)
 
@@ -347,6 +356,7 @@ class StepTimeMonitor(CallbackBase):
     def _before_call(self, batches):
         if (
             self.profile_steps
+            and self._writes
             and not self._profiling
             and not self._profiled
             and self._steps + len(batches) > self.profile_steps[0]

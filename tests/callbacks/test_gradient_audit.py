@@ -267,3 +267,22 @@ def test_custom_train_step_calling_optimizer_apply():
     assert report.checks == 3  # 6 steps, every 2nd
     assert set(report.layer_norms) == {"used", "out"}
     assert all(n > 0 for n in report.layer_norms.values())
+
+
+@needs_layer_set_on_functional
+@pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
+def test_cut_and_unused_variables_are_named_under_mirrored_strategy(cls):
+    """The forward the auditor traces takes one replica's part of the batch
+    (a distributed batch has no shape: it failed there)."""
+    from conftest import shared_mirrored_strategy
+
+    keras.utils.set_random_seed(0)
+    with shared_mirrored_strategy().scope():
+        model = _functional(cls)
+        model.compile(optimizer="sgd", loss="mse")
+    auditor = GradientAuditor(on_missing="ignore")
+    x, y = _data()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[auditor])
+    reasons = {"/".join(m.variable.split("/")[-2:]): m.reason for m in auditor.missing}
+    assert reasons == {"cut/kernel": "cut", "cut/bias": "cut",
+                       "unused/kernel": "unused", "unused/bias": "unused"}
