@@ -61,6 +61,10 @@ CASES = {
     # Keras divides a masked loss by the valid entries of each replica's
     # batch; the window normalises by the valid entries of all workers.
     "masked_k2": ("masked", dict(optimizer=("sgd", 0.5), accumulate_steps=2)),
+    # Mixed precision: bfloat16 (no loss scale) and float16 with the dynamic
+    # loss scale, each replica's scaled gradients summed over the workers.
+    "k2_bf16": ("dense", dict(optimizer=("sgd", 0.1), accumulate_steps=2, precision="mixed_bfloat16")),
+    "k2_f16": ("dense", dict(optimizer=("sgd", 0.1), accumulate_steps=2, precision="mixed_float16")),
 }
 
 
