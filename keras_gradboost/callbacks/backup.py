@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import warnings
+import weakref
 
 import keras
 import tensorflow as tf
@@ -19,6 +20,16 @@ from keras_gradboost.callbacks import args
 _METADATA = "training_metadata.json"
 _KERAS_WEIGHTS = "latest.weights.h5"  # the weights file of Keras' callback
 _FORMAT = "keras_gradboost.BackupAndRestore/1"
+# model -> (epoch, batches) of the fit() that resumed it mid-epoch.
+_RESUMED = weakref.WeakKeyDictionary()
+
+
+def resumed_at(model):
+    """`(epoch, batches)` while a `fit()` of `model` resumed mid-epoch from a
+    backup: the first `batches` batches of `epoch` were trained before the
+    interruption, and are skipped (other callbacks number the epoch's steps
+    from there); None otherwise."""
+    return _RESUMED.get(model)
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -220,6 +231,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         self._skip_left = batches
         if batches:
+            _RESUMED[self.model] = (self._epoch, batches)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._skip_left and self._undo_skip is None:
+            # Put in place at the first call, over the wrappers other
+            # callbacks put on the train function at on_train_begin: a
+            # skipped batch reaches none of them.
             self._undo_skip = wrappers.patch(self.model, "train_function", self._skip_or_train)
 
     def _skip_or_train(self, train_function, iterator):
@@ -320,6 +338,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         """Undoes what a fit() put in place; returns whether a SIGTERM came
         that was not acted on."""
         self._stop_skipping()
+        if self.model is not None:
+            _RESUMED.pop(self.model, None)
         signalled = False
         if self._notice is not None:
             signalled = self._notice.stop() and not self._preempting

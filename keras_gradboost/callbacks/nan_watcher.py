@@ -13,6 +13,7 @@ from keras_gradboost import guard
 from keras_gradboost import hooks
 from keras_gradboost import wrappers
 from keras_gradboost.callbacks import args
+from keras_gradboost.callbacks.backup import resumed_at
 from keras_gradboost.callbacks.base import CallbackBase
 from keras_gradboost.locate import as_local_batch
 from keras_gradboost.locate import locate_nonfinite
@@ -459,6 +460,12 @@ class NaNWatcher(CallbackBase):
             if int(watch.count.numpy()) == count:
                 watch.halted.assign(False)
             event.action_taken = "restored"
+            if resumed_at(self.model) is not None and resumed_at(self.model)[0] == self._epoch:
+                event.detail = (event.detail + "; " if event.detail else "") + (
+                    f"restored to the weights at batch {resumed_at(self.model)[1]} "
+                    "of this epoch, where the fit() resumed from a backup (the "
+                    "epoch's start is not held)"
+                )
         else:
             event.action_taken = "skipped" if self.action == "skip" else "warned"
         message = event.report()
@@ -471,7 +478,11 @@ class NaNWatcher(CallbackBase):
     def _event(self, step):
         """The event of the bad step with in-fit index `step`, located if
         asked."""
-        event = NaNEvent(epoch=self._epoch, step=step - self._epoch_first)
+        # A fit() resumed mid-epoch from a backup skips the epoch's first
+        # batches past this watcher: its steps count from there.
+        resumed = resumed_at(self.model)
+        offset = resumed[1] if resumed is not None and resumed[0] == self._epoch else 0
+        event = NaNEvent(epoch=self._epoch, step=step - self._epoch_first + offset)
         if not self.locate:
             event.detail = "not located (locate=False)"
             return event

@@ -160,18 +160,51 @@ def test_a_backup_inside_a_chunk_is_refused(tmp_path):
         _fit(_model("keras", 2), [BackupAndRestore(backup_dir)])
 
 
-def test_skipped_batches_pass_other_callbacks_by(tmp_path):
-    """A NaNWatcher next to it: the skipped calls return no logs, and the
-    watch goes on from the restored point."""
+@pytest.mark.parametrize("first", ["backup", "watcher"])
+def test_skipped_batches_pass_other_callbacks_by(tmp_path, first):
+    """A NaNWatcher beside it, before or after it in the list: the skipped
+    batches reach neither its wrapper nor its watch, and it numbers the
+    resumed epoch's steps from the epoch's start (a NaN in batch 10 of each
+    epoch is step 10, as in the uninterrupted fit)."""
+    x, y = _data()
+    x[40] = np.nan  # batch 10
+
+    def fit(model, *callbacks):
+        watcher = NaNWatcher(action="skip", verbose=0)
+        listed = [watcher, *callbacks] if first == "watcher" else [*callbacks[:1], watcher,
+                                                                   *callbacks[1:]]
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                  callbacks=listed)
+        return [(e.epoch, e.step, e.action_taken) for e in watcher.events]
+
     never = _model("gradboost")
-    _fit(never, [NaNWatcher(action="skip", verbose=0)])
+    assert fit(never) == [(0, 10, "skipped"), (1, 10, "skipped")]
     backup_dir = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="interrupted"):
-        _fit(_model("gradboost"), [NaNWatcher(action="skip", verbose=0),
-                                   BackupAndRestore(backup_dir, save_freq=5), _At(0, 12, _interrupt)])
+        fit(_model("gradboost"), BackupAndRestore(backup_dir, save_freq=5), _At(0, 7, _interrupt))
+    assert _metadata(backup_dir)["batches_done"] == 5
     restarted = _model("gradboost")
-    _fit(restarted, [NaNWatcher(action="skip", verbose=0), BackupAndRestore(backup_dir, save_freq=5)])
+    assert fit(restarted, BackupAndRestore(backup_dir, save_freq=5)) == [
+        (0, 10, "skipped"), (1, 10, "skipped")
+    ]
     assert max_weight_diff(restarted, never) == 0.0
+
+
+def test_a_restore_in_a_resumed_epoch_says_where_it_goes_back_to(tmp_path):
+    """NaNWatcher(action="restore") keeps the weights from its epoch's start;
+    in an epoch resumed at batch 5 it holds those of batch 5, and says so."""
+    x, y = _data()
+    x[40] = np.nan  # batch 10
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _model("keras").fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[
+            BackupAndRestore(backup_dir, save_freq=5), _At(0, 7, _interrupt)])
+    watcher = NaNWatcher(action="restore", verbose=0)
+    _model("keras").fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
+                        callbacks=[BackupAndRestore(backup_dir, save_freq=5), watcher])
+    (event,) = watcher.events
+    assert (event.epoch, event.step, event.action_taken) == (0, 10, "restored")
+    assert "restored to the weights at batch 5 of this epoch" in event.detail
 
 
 @pytest.mark.parametrize(
