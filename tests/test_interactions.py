@@ -30,7 +30,9 @@ end of the module (also without `-s`, through the terminal reporter).
 import contextlib
 import dataclasses
 import itertools
+import json
 import random
+import tempfile
 import warnings
 
 import numpy as np
@@ -39,6 +41,7 @@ import pytest
 import keras
 from conftest import shared_mirrored_strategy
 from keras_gradboost import GradBoostModel
+from keras_gradboost.callbacks import BackupAndRestore
 from keras_gradboost.callbacks import GradientAuditor
 from keras_gradboost.callbacks import NaNWatcher
 from keras_gradboost.callbacks import NonFiniteError
@@ -185,6 +188,11 @@ class Cell:
     devices: str = "one"
     step: str = "builtin"
     accumulate_check: bool = False
+    # Interrupted in epoch 1 and resumed from a kgb.callbacks.BackupAndRestore
+    # backup taken every 3 batches, mid-window for accumulate_steps=4: after
+    # batch 6 (micro-batches 4-6 pending), or with chunks of 3 after batch 5
+    # (4, 5 pending).
+    backup: bool = False
 
     @property
     def name(self):
@@ -211,6 +219,8 @@ class Cell:
             parts.append("schedule")
         if self.optimizer_accumulation:
             parts.append(f"optacc{self.optimizer_accumulation}")
+        if self.backup:
+            parts.append("resumed")
         return "-".join(parts)
 
     @property
@@ -254,6 +264,17 @@ SPECIFIC = [
     _cell(dict(accumulate_steps=K, watcher="stop", steps_per_execution=3)),
     # Accumulate x skip at the start of a window, with a fixed loss scale.
     _cell(dict(accumulate_steps=K, watcher="skip", scaling="fixed", bad=4)),
+    # Backup x everything that keeps state across batches: resumed mid-window
+    # (micro-batches 4, 5 pending) with a dynamic float16 loss scale,
+    # momentum, recompute, chunks of 3 and a restore just before the backup
+    # (bad step 2, acted on after chunk (3, 4, 5), as one call late as
+    # without a backup), on MirroredStrategy; with the three callbacks and a
+    # skip; with an own step calling minimize() under XLA.
+    _cell(dict(model="residual", accumulate_steps=K, steps_per_execution=3,
+               scaling="dynamic16", recompute="auto", watcher="restore",
+               optimizer="momentum", devices="mirrored", bad=2), backup=True),
+    _cell(dict(accumulate_steps=K, watcher="skip", callbacks="all"), backup=True),
+    _cell(dict(accumulate_steps=K, step="minimize", jit_compile=True), backup=True),
 ]
 
 # Cells that must refuse, with what the message must name.
@@ -534,11 +555,11 @@ def _plan_facts(model):
 
 def run(cell, with_callbacks=True):
     """Trains the cell's GradBoostModel; returns what the checks need."""
-    scope = (
-        shared_mirrored_strategy().scope()
-        if cell.devices == "mirrored"
-        else contextlib.nullcontext()
-    )
+    def scope():  # (a strategy's scope is entered once: a new one each time)
+        if cell.devices == "mirrored":
+            return shared_mirrored_strategy().scope()
+        return contextlib.nullcontext()
+
     x, y = make_data(cell.bad)
     watcher = None
     callbacks = make_callbacks(cell) if with_callbacks else []
@@ -546,12 +567,38 @@ def run(cell, with_callbacks=True):
         watcher = NaNWatcher(action=cell.watcher, verbose=0)
         callbacks = [watcher] + callbacks
     stopped = None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with scope:
+    events = []
+
+    def make_model():
+        with scope():
             model = build(cell.model, STEP_CLASSES[cell.step])
             model.compile(optimizer=make_optimizer(cell), loss="mse", **compile_kwargs(cell))
+        return model
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = make_model()
         plan_before = _plan_facts(model) if cell.recompute else None
+        if cell.backup:  # the interrupted fit; the one below resumes it
+            backup_dir = tempfile.mkdtemp()
+            with pytest.raises(RuntimeError, match="interrupted"):
+                model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                          callbacks=callbacks + [
+                              BackupAndRestore(backup_dir, save_freq=3),
+                              _InterruptAt(1, 5 if cell.steps_per_execution == 3 else 6),
+                          ])
+            if watcher:
+                # The events of the batches the backup holds; the resumed fit
+                # meets those after it again.
+                with open(f"{backup_dir}/training_metadata.json") as f:
+                    saved = json.load(f)
+                events += [e for e in watcher.events
+                           if (e.epoch, e.step) < (saved["epoch"], saved["batches_done"])]
+                watcher = NaNWatcher(action=cell.watcher, verbose=0)
+            callbacks = ([watcher] if watcher else []) + (
+                make_callbacks(cell) if with_callbacks else []
+            ) + [BackupAndRestore(backup_dir, save_freq=3)]
+            model = make_model()
         try:
             model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
                       callbacks=callbacks)
@@ -559,7 +606,10 @@ def run(cell, with_callbacks=True):
             stopped = error
     facts = model.step_facts.read()
     return {
-        "warnings": [str(w.message) for w in caught],
+        # (Keras' own save_weights warns under NumPy 2: its Dense layers
+        # save with np.array(variable), whose __array__ takes no `copy`.)
+        "warnings": [str(w.message) for w in caught
+                     if "__array__ implementation doesn't accept a copy" not in str(w.message)],
         "weights": model.get_weights(),
         # Micro-batches a dynamic loss scale dropped in its own search.
         "scale_overflows": facts["skipped_steps"] - facts["nonfinite_steps"],
@@ -567,13 +617,26 @@ def run(cell, with_callbacks=True):
         "slots": optimizer_slots(model.optimizer),
         "learning_rate": float(np.asarray(model.optimizer.learning_rate)),
         "stopped": stopped,
-        "events": [(e.epoch, e.step, e.phase, e.layer) for e in watcher.events]
+        "events": [(e.epoch, e.step, e.phase, e.layer) for e in events + watcher.events]
         if watcher
         else [],
         "callbacks": callbacks,
         "plan_before": plan_before,
         "plan_after": _plan_facts(model) if cell.recompute else None,
     }
+
+
+class _InterruptAt(keras.callbacks.Callback):
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("interrupted")
 
 
 def max_diff(a, b):
@@ -654,10 +717,11 @@ def _other_findings(cell, got, ref):
     # CPU without XLA.
     xla = cell.jit_compile and cell.devices == "one"
     slow = [w for w in got["warnings"] if w.startswith('precision="mixed_float16" on a CPU')]
-    if len(slow) != int(cell.scaling == "dynamic16" and not xla):
+    models = 2 if cell.backup else 1  # an interrupted fit's, the resumed one's
+    if len(slow) != models * int(cell.scaling == "dynamic16" and not xla):
         found.append(("other", f"{len(slow)} float16-on-CPU warnings"))
     blocked = [w for w in got["warnings"] if "but XLA is off: MirroredStrategy over 2 CPU" in w]
-    if len(blocked) != int(cell.jit_compile and cell.devices == "mirrored"):
+    if len(blocked) != models * int(cell.jit_compile and cell.devices == "mirrored"):
         found.append(("other", f"{len(blocked)} XLA-off-under-MirroredStrategy warnings"))
     # accumulate_check with the NaN in the first window: checked at the next.
     deferred = [w for w in got["warnings"] if "first accumulation window holds a non-finite" in w]

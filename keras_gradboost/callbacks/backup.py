@@ -24,6 +24,31 @@ _FORMAT = "keras_gradboost.BackupAndRestore/1"
 _RESUMED = weakref.WeakKeyDictionary()
 
 
+# model -> callables that hold a backup of it back (see `hold_backups`).
+_HOLDS = weakref.WeakKeyDictionary()
+
+
+def hold_backups(model, holding):
+    """Holds backups of `model` back while `holding()` is true: a callback
+    that acts on a step late (NaNWatcher reads a call's bad steps one call
+    later) would otherwise see a backup of a step nobody has acted on yet,
+    and a restart from it would never act on it. The held backup is written
+    at the first step end after, so the callbacks' own timing (and so the
+    training) is the same with and without backups.
+
+    Returns:
+        A function that takes `holding` away again.
+    """
+    holds = _HOLDS.setdefault(model, [])
+    holds.append(holding)
+
+    def undo():
+        if holding in holds:
+            holds.remove(holding)
+
+    return undo
+
+
 def resumed_at(model):
     """`(epoch, batches)` while a `fit()` of `model` resumed mid-epoch from a
     backup: the first `batches` batches of `epoch` were trained before the
@@ -167,6 +192,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._skip_left = 0
         self._skipped_call = False
         self._preempting = False
+        self._save_due = False
         restored = self._restore()
         if restored is not None:
             epoch, batches = restored
@@ -190,22 +216,30 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._stop_skipping()
             return
         done = batch + 1
+        steps = (self.params or {}).get("steps")
+        if steps:  # Keras numbers a short last chunk as a whole one
+            done = min(done, steps)
         self._since_save += done - self._batches_done
         self._batches_done = done
         # (save_freq is an int >= 1 here, or "epoch", or False.)
-        due = self.save_freq not in ("epoch", False) and self._since_save >= self.save_freq
+        if self.save_freq not in ("epoch", False) and self._since_save >= self.save_freq:
+            self._save_due = True
         if self._notice is not None and self._notice.due(self._step_ends):
-            self._preempting = True
-        if (due or self._preempting) and self._can_save_now():
-            self._save()
-            if self._preempting:
-                self._exit_for_preemption()
+            self._save_due = self._preempting = True
+        self._save_if_due()
 
     def on_epoch_end(self, epoch, logs=None):
         # (A GradBoostModel applied the epoch's last window before this.)
         self._epoch = epoch + 1
         self._batches_done = 0
-        if self.save_freq == "epoch" or self._preempting:
+        if self.save_freq == "epoch":
+            self._save_due = True
+        self._save_if_due()
+
+    def _save_if_due(self):
+        """Saves when a save is due and nothing holds it back (else at the
+        next step end); exits after a preemption's save."""
+        if self._save_due and self._can_save_now():
             self._save()
             if self._preempting:
                 self._exit_for_preemption()
@@ -244,8 +278,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._skip_left <= 0:
             return train_function(iterator)
         count = min(int(self.model.steps_per_execution), self._skip_left)
-        for _ in range(count):
+        for drawn in range(count):
             if not _draw(iterator):
+                if drawn and count < int(self.model.steps_per_execution):
+                    # A backup after the short last chunk of an epoch of
+                    # unknown length (Keras numbered it as a whole chunk):
+                    # the epoch ends here, as Keras' function ends it.
+                    self._skip_left = 0
+                    raise StopIteration
                 raise ValueError(
                     f"The backup in {self.backup_dir!r} was taken after "
                     f"{self._batches_done} batches of epoch {self._epoch}, but "
@@ -266,10 +306,13 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _can_save_now(self):
         # Under several workers a GradBoostModel's pending window is spread
         # over the workers: wait for the update (the same step on each).
-        return not self._several_workers or checkpoint.pending_micro_batches(self.model) == 0
+        if self._several_workers and checkpoint.pending_micro_batches(self.model):
+            return False
+        return not any(holding() for holding in list(_HOLDS.get(self.model, ())))
 
     def _save(self):
         self._since_save = 0
+        self._save_due = False
         if not self._chief:
             return
         tf.io.gfile.makedirs(self.backup_dir)

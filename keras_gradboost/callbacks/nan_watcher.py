@@ -13,6 +13,7 @@ from keras_gradboost import guard
 from keras_gradboost import hooks
 from keras_gradboost import wrappers
 from keras_gradboost.callbacks import args
+from keras_gradboost.callbacks.backup import hold_backups
 from keras_gradboost.callbacks.backup import resumed_at
 from keras_gradboost.callbacks.base import CallbackBase
 from keras_gradboost.locate import as_local_batch
@@ -302,6 +303,9 @@ class NaNWatcher(CallbackBase):
             or model.train_plan.loss_scale is not None
         )
         self._refuse(model, gradboost)
+        # A backup taken between a bad step and its late read would hold a
+        # halted step nobody acted on: held back until the watcher acts.
+        self._on_teardown(hold_backups(model, self._unread_bad_step))
         key = (
             model.optimizer,
             wrappers.base_train_function(model),
@@ -425,6 +429,13 @@ class NaNWatcher(CallbackBase):
         steps = (self.params or {}).get("steps")
         if steps and self._done - self._epoch_first >= steps:
             self._check_pending()  # the epoch's last call: Keras syncs next
+
+    def _unread_bad_step(self):
+        """Whether the last call, not yet read, had a bad step (a host read
+        of its count: only when a backup is due)."""
+        if self._pending is None:
+            return False
+        return int(round(float(np.asarray(self._pending[0])))) != self._seen
 
     def _check_pending(self):
         pending, self._pending = self._pending, None
