@@ -21,7 +21,8 @@ with accumulate_steps 1 and 4. It measures:
    an update is all of it: the all-reduce and the optimizer's step.
 
 Times are worker 0's (the collectives keep both workers in step). The
-default run takes about 2.5 minutes on 2 cores, `--quick` under one.
+default run takes about 2.5 minutes on 2 idle cores (3.5 beside a test
+run), `--quick` under one.
 
     python benchmarks/bench_multi_worker.py [--pairs 20] [--steps 16]
         [--count-steps 100] [--batch 256] [--quick]
@@ -82,13 +83,14 @@ def _check(parser, args):
         if value < K or value % K:
             parser.error(
                 f"Invalid value for argument `--{name.replace('_', '-')}`. Received: "
-                f"{value}. Expected a positive multiple of {K} (whole windows)."
+                f"--{name.replace('_', '-')}={value}. Expected a positive multiple of "
+                f"{K} (whole windows of accumulate_steps={K})."
             )
     if args.pairs < 2:
-        parser.error(f"Invalid value for argument `--pairs`. Received: {args.pairs}. "
+        parser.error(f"Invalid value for argument `--pairs`. Received: --pairs={args.pairs}. "
                      "Expected an int >= 2 (one of each order).")
     if args.batch < WORKERS or args.batch % WORKERS:
-        parser.error(f"Invalid value for argument `--batch`. Received: {args.batch}. "
+        parser.error(f"Invalid value for argument `--batch`. Received: --batch={args.batch}. "
                      f"Expected a multiple of the {WORKERS} workers.")
 
 
@@ -149,7 +151,7 @@ def main(argv=None):
     print("\nCommunication (counted in the graph, the same on every worker)")
     print(f"  {'':<40} {'k=1':>10} {f'k={K}':>10}  k={K} / k=1")
     for label, a, b, r in rows:
-        print(f"  {label:<40} {a:>10} {b:>10}  {'' if r is None else f'{r:.3f}x'}")
+        print(f"  {label:<40} {a:>10} {b:>10}  {'' if r is None else f'{r:.3f}x'}".rstrip())
     print(f"\nTime per micro-batch, worker 0: median of {args.pairs} alternating pairs of "
           f"{args.steps}-micro-batch fits, bootstrap 95% CI")
     for label, key in ((f"k={K} / k=1", "k4"), ("A/A: k=1 / k=1", "aa")):
