@@ -64,6 +64,11 @@ ENTRIES = {
         ["benchmarks/bench_all_on.py"],
         ["--steps", "4", "--rounds", "3"],
     ),
+    "multi_worker": (
+        "MultiWorkerMirroredStrategy, 2 workers: all-reduces, bytes, step time of k=4 vs k=1",
+        ["benchmarks/bench_multi_worker.py"],
+        ["--quick"],
+    ),
     "compare": (
         "keras-gradboost compare, default run",
         ["-m", "keras_gradboost", "compare", "--repeat", "3"],
