@@ -193,6 +193,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._skipped_call = False
         self._preempting = False
         self._save_due = False
+        self._chunk_begin = 0
         restored = self._restore()
         if restored is not None:
             epoch, batches = restored
@@ -215,9 +216,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             if self._skip_left == 0:
                 self._stop_skipping()
             return
-        done = batch + 1
+        done = self._chunk_begin + int(self.model.steps_per_execution)
         steps = (self.params or {}).get("steps")
-        if steps:  # Keras numbers a short last chunk as a whole one
+        if steps:  # a short last chunk counts its real batches
             done = min(done, steps)
         self._since_save += done - self._batches_done
         self._batches_done = done
@@ -268,6 +269,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             _RESUMED[self.model] = (self._epoch, batches)
 
     def on_train_batch_begin(self, batch, logs=None):
+        # The call's first batch: Keras 3.15 ends it at its last batch,
+        # Keras 3.8 at its first; counted from here the same in both.
+        self._chunk_begin = batch
         if self._skip_left and self._undo_skip is None:
             # Put in place at the first call, over the wrappers other
             # callbacks put on the train function at on_train_begin: a
