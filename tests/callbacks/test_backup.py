@@ -48,7 +48,9 @@ def _fit(model, callbacks, epochs=EPOCHS):
 
 
 class _At(keras.callbacks.Callback):
-    """Calls `action()` at the end of batch `batch` of epoch `epoch`."""
+    """Calls `action()` at the end of the call that trains batch `batch` of
+    epoch `epoch` (found from the call's first batch: Keras 3.8 ends a
+    chunk of steps_per_execution batches at its first, 3.15 at its last)."""
 
     def __init__(self, epoch, batch, action):
         super().__init__()
@@ -57,8 +59,12 @@ class _At(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
+    def on_train_batch_begin(self, batch, logs=None):
+        self.first = batch
+
     def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
+        chunk = range(self.first, self.first + self.model.steps_per_execution)
+        if self.epoch == self.at[0] and self.at[1] in chunk:
             self.action()
 
 
