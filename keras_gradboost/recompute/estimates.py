@@ -51,8 +51,8 @@ class RecomputePlan:
         measured_peak_bytes: after a `fit` at `batch_size`, the device
             allocator's peak during it above the level before it (activations,
             plus gradients, optimizer slots it created and temporaries), read
-            once at its end; None before, or where the device keeps no
-            allocator statistics (a CPU without
+            once at its end; None before, or where the device's allocator
+            keeps no statistics (on some CPUs, unless
             `TF_CPU_ALLOCATOR_USE_BFC=true`).
     """
 

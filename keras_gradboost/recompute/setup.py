@@ -121,8 +121,8 @@ class RecomputeSetup:
 
     def start_measuring(self):
         """Resets the device allocator's peak at the start of `fit` (when
-        the device keeps allocator statistics: a GPU, or a CPU with
-        `TF_CPU_ALLOCATOR_USE_BFC=true`)."""
+        the device's allocator keeps statistics: a GPU; a CPU with
+        `TF_CPU_ALLOCATOR_USE_BFC=true`, or by default on some)."""
         self._level = _memory_level()
 
     def stop_measuring(self):
