@@ -24,6 +24,14 @@ Measured, per configuration:
   over rounds of the ratio within each round.
 
     python benchmarks/bench_recompute.py [--rounds 3] [--quick]
+
+`--sweep` instead runs a budget sweep on keras.applications models
+(`--apps`, weights=None, `--pixels` square inputs, `--batch`, default 16):
+per model no recompute, "auto" and four budgets between "auto"'s estimate
+and no recompute's (`SWEEP_FRACTIONS` of the latter), each with its
+estimated peak activation bytes beside its measured train MiB.
+
+    python benchmarks/bench_recompute.py --sweep [--apps MobileNetV2,ResNet50]
 """
 
 import argparse
@@ -44,6 +52,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 BUDGET_FRACTIONS = (0.6, 0.4, 0.25)
+SWEEP_FRACTIONS = (0.8, 0.6, 0.45, 0.3)
 
 
 def _rss_bytes():
@@ -64,7 +73,13 @@ def worker(args):
     config = args.worker
     size = dict(blocks=args.blocks, width=args.width)
     kwargs = {}
-    if config.startswith("rematscope_"):
+    if args.app:
+        model = application(args)
+        if config == "auto":
+            kwargs["recompute"] = "auto"
+        elif config.startswith("budget_"):
+            kwargs["recompute"] = {"budget_mb": float(config.split("_")[1])}
+    elif config.startswith("rematscope_"):
         with keras.RematScope(mode=config.split("_", 1)[1]):
             model = zoo.residual_mlp(cls=keras.Model, **size)
     else:
@@ -81,7 +96,10 @@ def worker(args):
             jit_compile=False,
             **kwargs,
         )
-    x, y = zoo.classification_data(args.batch * 2)
+    if args.app:
+        x, y = zoo.image_data(args.batch * 2, shape=(args.pixels, args.pixels, 3))
+    else:
+        x, y = zoo.classification_data(args.batch * 2)
     data = (
         tf.data.Dataset.from_tensor_slices((x, y))
         .batch(args.batch, drop_remainder=True)
@@ -124,12 +142,27 @@ def worker(args):
     print(json.dumps(result))
 
 
+def application(args):
+    """`keras.applications.<args.app>` (weights=None), boosted."""
+    import keras
+
+    import keras_gradboost as kgb
+
+    keras.utils.set_random_seed(0)
+    shape = (args.pixels, args.pixels, 3)
+    built = getattr(keras.applications, args.app)(input_shape=shape, weights=None, classes=10)
+    return kgb.boost(built)
+
+
 def estimates(args):
     """The baseline's estimated activation bytes, and recompute="auto"'s."""
     import keras  # noqa: F401
     from keras_gradboost import zoo
 
-    model = zoo.residual_mlp(blocks=args.blocks, width=args.width)
+    if args.app:
+        model = application(args)
+    else:
+        model = zoo.residual_mlp(blocks=args.blocks, width=args.width)
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", recompute="auto")
     plan = model.recompute_plan(batch_size=args.batch)
     return plan.bytes_without, plan.bytes_with
@@ -146,7 +179,8 @@ def run(config, args):
         "--batch", str(args.batch),
         "--steps", str(args.steps),
         "--reps", str(args.reps),
-    ]
+        "--pixels", str(args.pixels),
+    ] + (["--app", args.app] if args.app else [])
     out = subprocess.run(command, capture_output=True, text=True, timeout=1200)
     for line in reversed(out.stdout.splitlines()):
         if line.startswith("{"):
@@ -163,10 +197,16 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="small model, 1 round")
+    parser.add_argument("--sweep", action="store_true", help="budget sweep on --apps")
+    parser.add_argument("--apps", default="MobileNetV2,ResNet50")
+    parser.add_argument("--pixels", type=int, default=64)
+    parser.add_argument("--app", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    if args.sweep:
+        return sweep(args)
     if args.quick:
         args.rounds, args.blocks, args.batch = 1, 4, 512
 
@@ -223,6 +263,47 @@ def main():
     print(
         "\nTargets: recompute=\"auto\" train memory <= 0.5x baseline, step time "
         "<= 1.4x; budget rows: measured train memory tracks the budget (MiB in the name)."
+    )
+
+
+def sweep(args):
+    """The budget sweep: per model, estimate against measured train MiB."""
+    mib = 2**20
+    if args.batch == 2048:  # the residual MLP's default: too large here
+        args.batch = 16
+    rows = []
+    for app in args.apps.split(","):
+        args.app = app
+        without, with_auto = estimates(args)
+        budgets = [f"budget_{without * f / mib:.1f}" for f in SWEEP_FRACTIONS]
+        for config in ["baseline", "auto"] + budgets:
+            result = run(config, args)
+            print(f"{app}: {config} done", file=sys.stderr, flush=True)
+            rows.append((app, without, result))
+    print(
+        f"\nBudget sweep: keras.applications, weights=None, {args.pixels}x"
+        f"{args.pixels} inputs, batch {args.batch}, Adam, float32, no XLA; "
+        "one process per row."
+    )
+    header = (
+        f"{'model':<14} {'configuration':<16} {'blocks':>6} {'estimate':>9} "
+        f"{'train MiB':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for app, without, result in rows:
+        if "error" in result:
+            print(f"{app:<14} {result['config']:<16} fails: {result['error']}")
+            continue
+        estimate = result.get("estimate_bytes", without)
+        print(
+            f"{app:<14} {result['config']:<16} {result.get('recomputed', 0):>6} "
+            f"{estimate / mib:>9.1f} {result['train_bytes'] / mib:>10.1f}"
+        )
+    print(
+        "\nestimate: activations kept for backward (no recompute's for the "
+        "baseline); train MiB: allocator peak of the timed steps above the level "
+        "before them (activations plus gradients and temporaries)."
     )
 
 

@@ -1059,8 +1059,14 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
     # --------------------------------------------------------------- fit hooks
 
     def fit(self, *args, **kwargs):
+        setup = self._gradboost.recompute
+        if setup is not None:  # the allocator peak, read once after the fit
+            setup.start_measuring()
         try:
-            return self._fit(*args, **kwargs)
+            history = self._fit(*args, **kwargs)
+            if setup is not None:
+                setup.stop_measuring()
+            return history
         except tf.errors.InvalidArgumentError as error:
             found = jit_measure.unsupported_op(error, self) if self.jit_compile else None
             if found is None:

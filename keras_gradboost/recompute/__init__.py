@@ -6,8 +6,10 @@ idea:
   that lets a layer recompute inside `active(...)`;
 * `choice`: which blocks a `recompute` setting names (patterns, "auto", the
   budget's candidates, graph segments between cut points);
-* `estimates`: what each block keeps for the backward pass, the budget's
-  choice, and the `RecomputePlan` that reports them;
+* `estimates`: what each block keeps for the backward pass, and the
+  `RecomputePlan` that reports them;
+* `budget`: the plans a `{"budget_mb": N}` setting chooses among (auto's
+  among them, recomputing nothing too), and its choice;
 * `setup`: `RecomputeSetup`, a model's setting turned into blocks, its
   training forward, and when each decision is made;
 * `check`: `recompute_check=True`, gradients with and without each block
@@ -16,6 +18,11 @@ idea:
   user's own block or training loop.
 """
 
+from keras_gradboost.recompute.budget import Candidate
+from keras_gradboost.recompute.budget import budget_choice
+from keras_gradboost.recompute.budget import candidates
+from keras_gradboost.recompute.budget import groups_of
+from keras_gradboost.recompute.budget import merge
 from keras_gradboost.recompute.check import RecomputeCheckError
 from keras_gradboost.recompute.choice import Segment
 from keras_gradboost.recompute.decorator import Recompute
@@ -26,11 +33,11 @@ from keras_gradboost.recompute.choice import choose
 from keras_gradboost.recompute.choice import cut_points
 from keras_gradboost.recompute.choice import match_blocks
 from keras_gradboost.recompute.choice import nested_blocks
+from keras_gradboost.recompute.choice import segment_layouts
 from keras_gradboost.recompute.choice import segments
 from keras_gradboost.recompute.estimates import MIB
 from keras_gradboost.recompute.estimates import BlockEstimate
 from keras_gradboost.recompute.estimates import RecomputePlan
-from keras_gradboost.recompute.estimates import budget_choice
 from keras_gradboost.recompute.estimates import estimate
 from keras_gradboost.recompute.estimates import plan_bytes
 from keras_gradboost.recompute.mechanism import active

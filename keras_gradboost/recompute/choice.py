@@ -137,6 +137,24 @@ def cut_points(model):
     return calls, cuts
 
 
+def segment_layouts(model):
+    """The cut sets a budget's search tries on a functional model's graph:
+    "auto"'s (~sqrt(n) segments) first, then about 2, 3, ... segments, up to
+    one between every two cut points.
+
+    Returns:
+        `(all_cuts, layouts)`: every cut index (`cut_points`), and a list of
+        sorted tuples of cut indices, without repeats.
+    """
+    calls, all_cuts = cut_points(model)
+    if not all_cuts:
+        return all_cuts, []
+    layouts = [tuple(_spread(all_cuts, len(calls)))]
+    for count in range(2, len(all_cuts) + 2):
+        layouts.append(tuple(_spread(all_cuts, len(calls), count)))
+    layouts.append(tuple(all_cuts))
+    return all_cuts, list(dict.fromkeys(layouts))
+
 
 def segments(model, count=None, cuts=None):
     """Splits a functional model's graph into segments at cut points.
@@ -228,7 +246,8 @@ def budget_candidates(model):
     Returns:
         `(layers, segments)` as in `choose`: the layers "auto" would
         recompute, or else a segment between every two cut points of a
-        functional model's graph.
+        functional model's graph (whose figures the search merges into
+        coarser segments, `segment_layouts`).
 
     Raises:
         ValueError: there is neither.

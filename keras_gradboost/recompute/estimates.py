@@ -1,5 +1,5 @@
-"""Estimates of what recomputing each block saves, the budget's choice, and
-the `RecomputePlan` that reports them.
+"""Estimates of what recomputing each block saves, and the `RecomputePlan`
+that reports them.
 
 The estimates come from the traced training graph: the forward tensors the
 backward pass reads are what the forward keeps for it; a block's share is
@@ -48,6 +48,12 @@ class RecomputePlan:
         bytes_without: estimated activation bytes without recompute.
         bytes_with: estimated peak activation bytes with this plan (what is
             kept plus the largest recomputed block, rebuilt during backward).
+        measured_peak_bytes: after a `fit` at `batch_size`, the device
+            allocator's peak during it above the level before it (activations,
+            plus gradients, optimizer slots it created and temporaries), read
+            once at its end; None before, or where the device's allocator
+            keeps no statistics (on some CPUs, unless
+            `TF_CPU_ALLOCATOR_USE_BFC=true`).
     """
 
     setting: object
@@ -55,6 +61,7 @@ class RecomputePlan:
     blocks: list = dataclasses.field(default_factory=list)
     bytes_without: object = None
     bytes_with: object = None
+    measured_peak_bytes: object = None
 
     @property
     def recomputed(self):
@@ -71,6 +78,12 @@ class RecomputePlan:
             f"~{self.bytes_without / MIB:.1f} MiB without recompute, "
             f"~{self.bytes_with / MIB:.1f} MiB peak with this plan"
         )
+        if self.measured_peak_bytes is not None:
+            lines.append(
+                f"  measured in the last fit: allocator peak "
+                f"{self.measured_peak_bytes / MIB:.1f} MiB above the level before "
+                "it (activations, gradients, optimizer slots and temporaries)"
+            )
         width = max([len(b.name) for b in self.blocks] + [5])
         lines.append(
             f"  {'block':<{width}}  recompute  cached MiB  inputs MiB  GFLOP"
@@ -241,29 +254,3 @@ def plan_bytes(total, per_block, sizes, chosen):
                 extra[name] = size
     transient = max([per_block[key]["cached"] for key in chosen], default=0)
     return kept + sum(extra.values()) + transient
-
-
-def budget_choice(budget_bytes, total, per_block, sizes, keys):
-    """The fewest blocks, best saving per recompute cost first, whose
-    estimate fits `budget_bytes`.
-
-    Returns:
-        `(chosen keys, estimated bytes, fits)`.
-    """
-    chosen = []
-    estimate_now = total
-    if estimate_now <= budget_bytes:
-        return chosen, estimate_now, True
-    ranked = sorted(
-        keys,
-        key=lambda k: -(per_block[k]["cached"] - per_block[k]["inputs"])
-        / max(per_block[k]["flops"], 1.0),
-    )
-    for key in ranked:
-        if per_block[key]["cached"] <= per_block[key]["inputs"]:
-            continue  # recomputing it would not save anything
-        chosen.append(key)
-        estimate_now = plan_bytes(total, per_block, sizes, chosen)
-        if estimate_now <= budget_bytes:
-            return chosen, estimate_now, True
-    return chosen, estimate_now, False

@@ -23,12 +23,17 @@ import tensorflow as tf
 from keras_gradboost import hooks
 from keras_gradboost.recompute import mechanism
 from keras_gradboost.recompute.check import check as check_gradients
+from keras_gradboost.recompute.budget import budget_choice
+from keras_gradboost.recompute.budget import candidates
+from keras_gradboost.recompute.budget import groups_of
+from keras_gradboost.recompute.budget import merge
 from keras_gradboost.recompute.choice import budget_candidates
 from keras_gradboost.recompute.choice import choose
+from keras_gradboost.recompute.choice import segment_layouts
+from keras_gradboost.recompute.choice import segments
 from keras_gradboost.recompute.estimates import MIB
 from keras_gradboost.recompute.estimates import BlockEstimate
 from keras_gradboost.recompute.estimates import RecomputePlan
-from keras_gradboost.recompute.estimates import budget_choice
 from keras_gradboost.recompute.estimates import estimate
 from keras_gradboost.recompute.estimates import plan_bytes
 
@@ -53,6 +58,8 @@ class RecomputeSetup:
         self.layers, self.segments = [], []
         self.chosen = set()  # keys: id(layer), or segment index
         self.plan = None  # the RecomputePlan made for a budget
+        self.measured = None  # (peak bytes, batch size) of the last fit
+        self._level = None
         if not self.budget:
             self.layers, self.segments = choose(model, setting)
             self.chosen = set(self.keys) - {
@@ -111,6 +118,26 @@ class RecomputeSetup:
             x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
             self.resolve_budget(model, x)
         check_gradients(model, self, batch)
+
+    def start_measuring(self):
+        """Resets the device allocator's peak at the start of `fit` (when
+        the device's allocator keeps statistics: a GPU; a CPU with
+        `TF_CPU_ALLOCATOR_USE_BFC=true`, or by default on some)."""
+        self._level = _memory_level()
+
+    def stop_measuring(self):
+        """Reads the allocator's peak at the end of `fit`: the measured
+        figure `recompute_plan()` shows beside its estimate."""
+        if self._level is None:
+            return
+        device, before = self._level
+        self._level = None
+        try:
+            peak = tf.config.experimental.get_memory_info(device)["peak"]
+        except (ValueError, RuntimeError):
+            return
+        if peak > 0:  # 0: an allocator that keeps no statistics
+            self.measured = (peak - before, self.batch_hint)
 
     # ---------------------------------------------------------------- forward
 
@@ -184,26 +211,62 @@ class RecomputeSetup:
                 'fixed one. Add it: recompute={"budget_mb": '
                 f'{self.setting["budget_mb"]:g}, "batch_size": B}}.'
             )
-        self.layers, self.segments = budget_candidates(model)
-        self.apply()
-        estimated = self._estimate(model, spec)
-        budget = self.setting["budget_mb"] * MIB
-        keys = [k for k in self.keys if not (self.segments and self.segments[k].last)]
-        chosen, best, fits = budget_choice(budget, *estimated, keys)
-        self.chosen = set(chosen)
-        self.plan = self._plan(estimated, self.batch_hint)
+        total, sizes, cut_sets, layouts, found = self.search(model, spec)
+        best, fits = budget_choice(self.setting["budget_mb"] * MIB, found)
+        figures = layouts[best.layout][0]
+        if self.segments:
+            self.segments = segments(model, cuts=cut_sets[best.layout])
+        self.chosen = set(best.chosen)
+        self.plan = self._plan((total, figures, sizes), self.batch_hint)
         self.pending = False
-        if not fits:
+        if fits:
+            return
+        where = (
+            f"recompute={self.setting!r}: the activation memory cannot be "
+            f"brought under {self.setting['budget_mb']:g} MiB at batch size "
+            f"{self.batch_hint}"
+        )
+        advice = (
+            "Lower the batch size (with accumulate_steps to keep the effective "
+            "batch), use mixed precision, or raise the budget."
+        )
+        if best.chosen:
             warnings.warn(
-                f"recompute={self.setting!r}: the activation memory cannot be "
-                f"brought under {self.setting['budget_mb']:g} MiB at batch size "
-                f"{self.batch_hint}; the best estimate, recomputing every "
-                f"block that saves memory, is {best / MIB:.1f} MiB "
-                f"(without recompute: {estimated[0] / MIB:.1f} MiB). Lower the "
-                "batch size (with accumulate_steps to keep the effective "
-                "batch), use mixed precision, or raise the budget.",
+                f"{where}; the best estimate, recomputing {len(best.chosen)} of "
+                f"{len(self.keys)} blocks, is {best.bytes / MIB:.1f} MiB "
+                f"(without recompute: {total / MIB:.1f} MiB). {advice}",
                 stacklevel=2,
             )
+        else:
+            warnings.warn(
+                f"{where}, and no plan of recompute is estimated to save "
+                f"memory (without recompute: {total / MIB:.1f} MiB): nothing "
+                f"is recomputed. {advice}",
+                stacklevel=2,
+            )
+
+    def search(self, model, spec):
+        """Takes the budget's candidate blocks, estimates them once at
+        `spec`, and lists the plans a budget chooses among (`budget`).
+
+        Returns:
+            `(total, sizes, cut_sets, layouts, found)`: bytes without
+            recompute, cached tensor sizes, per layout its cut indices (None
+            for nested blocks) and `(figures, keys)`, and the `Candidate`s.
+        """
+        self.layers, self.segments = budget_candidates(model)
+        self.apply()
+        total, per_block, sizes = self._estimate(model, spec)
+        if self.segments:
+            all_cuts, cut_sets = segment_layouts(model)
+            layouts = []
+            for cuts in cut_sets:
+                groups = groups_of(all_cuts, cuts)
+                keys = list(range(len(groups) - 1))  # the last is never recomputed
+                layouts.append((merge(per_block, sizes, groups), keys))
+        else:
+            cut_sets, layouts = [None], [(per_block, list(self.keys))]
+        return total, sizes, cut_sets, layouts, candidates(total, layouts, sizes)
 
     def _plan(self, estimated, batch_size):
         total, per_block, sizes = estimated
@@ -227,8 +290,17 @@ class RecomputeSetup:
         )
 
     def report(self, model, batch_size=None):
-        """A `RecomputePlan` with estimates when the input shapes are known."""
+        """A `RecomputePlan` with estimates when the input shapes are known,
+        and the last fit's measured peak when it ran at that batch size."""
         batch_size = batch_size or self.batch_hint
+        plan = self._report(model, batch_size)
+        if self.measured is not None and plan.batch_size is not None and (
+            self.measured[1] == plan.batch_size
+        ):
+            plan.measured_peak_bytes = self.measured[0]
+        return plan
+
+    def _report(self, model, batch_size):
         if self.pending:  # what the budget would choose, not committed
             spec = self._spec(model, batch_size)
             if spec is None:
@@ -250,6 +322,17 @@ class RecomputeSetup:
                 ],
             )
         return self._plan(self._estimate(model, spec), batch_size)
+
+
+def _memory_level():
+    """`(device, bytes in use)` after resetting the device allocator's peak,
+    or None where it keeps no statistics."""
+    device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+        return device, tf.config.experimental.get_memory_info(device)["current"]
+    except (ValueError, RuntimeError):
+        return None
 
 
 def batch_size_hint(fit_args):

@@ -1,0 +1,137 @@
+"""The budget's search: the plans `{"budget_mb": N}` chooses among, and the
+choice.
+
+A plan is a layout (the candidate blocks, each a run of one or more of the
+estimated blocks) and the blocks of it that are recomputed. For a flat
+functional graph the estimated blocks are the segments between every two
+cut points, and the layouts are coarser segmentations of them (about
+2..n segments, "auto"'s ~sqrt(n) among them): the figures of a coarse
+segment are merged from the fine ones, so one traced estimate serves every
+layout. For nested blocks there is one layout, the blocks themselves.
+
+Per layout the candidates are: nothing recomputed, each prefix of the
+blocks ranked by saving per recompute cost, and every block ("auto"'s plan).
+The candidates do not depend on the budget, and the choice is the cheapest
+in recompute cost among those that fit (else the lowest estimate), so a
+smaller budget never gets a larger estimate, a budget at or below "auto"'s
+estimate never gets a worse one, and no plan estimated above no recompute
+is ever chosen (recomputing nothing is a candidate).
+"""
+
+import dataclasses
+
+from keras_gradboost.recompute.estimates import plan_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One plan the budget can choose.
+
+    Attributes:
+        layout: index of its layout in the list given to `candidates`.
+        chosen: indices of the layout's blocks that are recomputed.
+        bytes: its estimated peak activation bytes (`plan_bytes`).
+        flops: the estimated cost of recomputing its blocks.
+    """
+
+    layout: int
+    chosen: tuple
+    bytes: int
+    flops: float
+
+
+def groups_of(all_cuts, cuts):
+    """The fine segments (indices, one per gap between `all_cuts` and one
+    after the last) that each segment of the coarser cut set `cuts` spans."""
+    kept = set(cuts)
+    groups, current = [], []
+    for index, cut in enumerate(all_cuts):
+        current.append(index)
+        if cut in kept:
+            groups.append(tuple(current))
+            current = []
+    groups.append(tuple(current) + (len(all_cuts),))
+    return groups
+
+
+def merge(per_block, sizes, groups):
+    """The figures (as in `estimate`'s `per_block`) of blocks that each run
+    the fine blocks of one group in order: inside a merged block is what is
+    inside its parts and the tensors passed between them.
+
+    Returns:
+        A dict: group index -> figures.
+    """
+    merged = {}
+    for index, group in enumerate(groups):
+        inside, flops = set(), 0.0
+        for position, key in enumerate(group):
+            inside |= per_block[key]["inside"]
+            flops += per_block[key]["flops"]
+            if position:
+                inside |= {n for n in per_block[key]["input_roots"] if n in sizes}
+        first = per_block[group[0]]
+        merged[index] = {
+            "cached": sum(sizes[n] for n in inside),
+            "inputs": first["inputs"],
+            "flops": flops,
+            "inside": inside,
+            "input_roots": dict(first["input_roots"]),
+        }
+    return merged
+
+
+def candidates(total, layouts, sizes):
+    """Every plan of every layout the budget chooses among.
+
+    Args:
+        total: estimated activation bytes without recompute.
+        layouts: per layout, `(figures, keys)`: the blocks' figures (as in
+            `estimate`) and the keys of those that may be recomputed.
+        sizes: the size of every cached tensor by name.
+
+    Returns:
+        A list of `Candidate`s, recomputing nothing first.
+    """
+    found = [Candidate(0, (), total, 0.0)]
+    for layout, (figures, keys) in enumerate(layouts):
+        ranked = sorted(
+            keys,
+            key=lambda k: -(figures[k]["cached"] - figures[k]["inputs"])
+            / max(figures[k]["flops"], 1.0),
+        )
+        prefixes = []
+        chosen = []
+        for key in ranked:
+            if figures[key]["cached"] <= figures[key]["inputs"]:
+                continue  # recomputing it alone would not save anything
+            chosen.append(key)
+            prefixes.append(tuple(chosen))
+        prefixes.append(tuple(keys))  # every block: "auto"'s plan
+        for prefix in dict.fromkeys(prefixes):
+            if not prefix:
+                continue
+            found.append(
+                Candidate(
+                    layout,
+                    tuple(sorted(prefix)),
+                    plan_bytes(total, figures, sizes, prefix),
+                    sum(figures[k]["flops"] for k in prefix),
+                )
+            )
+    return found
+
+
+def budget_choice(budget_bytes, found):
+    """The plan for a budget: the cheapest to recompute (then the lowest
+    estimate, then the fewest blocks) of the `found` candidates that fit
+    `budget_bytes`, or, when none fits, the lowest estimate (recomputing
+    nothing when nothing saves).
+
+    Returns:
+        `(candidate, fits)`.
+    """
+    fitting = [c for c in found if c.bytes <= budget_bytes]
+    if fitting:
+        return min(fitting, key=lambda c: (c.flops, c.bytes, len(c.chosen))), True
+    return min(found, key=lambda c: (c.bytes, c.flops, len(c.chosen))), False

@@ -1,0 +1,220 @@
+"""The budget's search: coarse segments merged from fine ones agree with a
+direct estimate, a smaller budget never gets a larger estimate, "auto"'s plan
+is never beaten by the budget's, and nothing is recomputed when nothing
+saves."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+import keras_gradboost as kgb
+from keras_gradboost import recompute
+from keras_gradboost import zoo
+from recompute.models import flat_model
+from recompute.models import wide_model
+
+MIB = recompute.MIB
+
+
+def mobilenet():
+    keras.utils.set_random_seed(0)
+    return kgb.boost(
+        keras.applications.MobileNetV2(input_shape=(32, 32, 3), weights=None, classes=3)
+    )
+
+
+MODELS = {
+    "MobileNetV2": (mobilenet, (32, 32, 3), 8),
+    "zoo.cnn": (lambda: zoo.cnn(), (32, 32, 3), 32),
+    "zoo.residual_mlp": (lambda: zoo.residual_mlp(blocks=4, width=64), (784,), 64),
+    "zoo.transformer": (lambda: zoo.transformer(), (32,), 16),
+    "flat_model": (lambda: flat_model(), (5,), 64),
+    "wide_model": (lambda: wide_model(), (64,), 256),
+}
+
+
+def _spec(shape, batch, name):
+    dtype = "int32" if name == "zoo.transformer" else "float32"
+    return tf.TensorSpec((batch,) + shape, dtype)
+
+
+def _auto_bytes(build, spec):
+    """`recompute="auto"`'s estimate, traced with its own blocks."""
+    model = build()
+    model.compile(optimizer="sgd", loss="mse", recompute="auto")
+    return model.recompute_plan(batch_size=spec.shape[0]).bytes_with
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_budget_sweep_is_monotonic_and_never_worse_than_auto(name):
+    build, shape, batch = MODELS[name]
+    spec = _spec(shape, batch, name)
+    auto = _auto_bytes(build, spec)
+    model = build()
+    model.compile(optimizer="sgd", loss="mse", recompute={"budget_mb": 1.0})
+    setup = model._gradboost.recompute
+    total, _, _, _, found = setup.search(model, spec)
+    # "auto"'s plan is a candidate: merged from the fine estimate, the same
+    # bytes as its own trace.
+    assert auto in [c.bytes for c in found]
+    budgets = np.linspace(1.1 * total, 0.0, 41)
+    chosen = [recompute.budget_choice(b, found) for b in budgets]
+    estimates = [c.bytes for c, _ in chosen]
+    assert all(b <= a for a, b in zip(estimates, estimates[1:])), estimates
+    for budget, (candidate, fits) in zip(budgets, chosen):
+        assert candidate.bytes <= total  # never worse than no recompute
+        assert fits == (candidate.bytes <= budget)
+        if budget <= auto:
+            assert candidate.bytes <= auto
+    assert estimates[0] == total and chosen[0][0].chosen == ()
+
+
+def test_merged_segments_match_a_direct_estimate():
+    """Merging the every-cut segments into "auto"'s gives, block by block,
+    the figures of tracing "auto"'s segments themselves."""
+    model = flat_model()
+    model.compile(optimizer="sgd", loss="mse", recompute="auto")
+    direct = model.recompute_plan(batch_size=64)
+    fine = recompute.RecomputeSetup(model, {"budget_mb": 1.0})
+    total, sizes, cut_sets, layouts, _ = fine.search(model, tf.TensorSpec((64, 5)))
+    _, all_cuts = recompute.cut_points(model)
+    auto_cuts = [c for c in cut_sets if c is not None][0]  # "auto"'s first
+    assert len(recompute.groups_of(all_cuts, auto_cuts)) == len(direct.blocks)
+    figures = layouts[0][0]
+    assert total == direct.bytes_without
+    for index, block in enumerate(direct.blocks):
+        assert figures[index]["cached"] == block.cached_bytes, block.name
+        assert figures[index]["inputs"] == block.input_bytes, block.name
+        assert figures[index]["flops"] == pytest.approx(block.recompute_flops)
+    keys = layouts[0][1]
+    assert recompute.plan_bytes(total, figures, sizes, keys) == direct.bytes_with
+
+
+def test_budget_at_autos_estimate_is_no_worse_through_compile():
+    build, shape, batch = MODELS["flat_model"]
+    auto = _auto_bytes(build, tf.TensorSpec((batch,) + shape))
+    model = build()
+    model.compile(
+        optimizer="sgd", loss="mse",
+        recompute={"budget_mb": auto / MIB, "batch_size": batch},
+    )
+    plan = model.recompute_plan()
+    assert plan.bytes_with <= auto
+    assert plan.bytes_with < plan.bytes_without
+
+
+def _nothing_saves():
+    """Dense layers joined by Rescaling: every cut tensor is cached anyway
+    (the next Dense's input) or not needed (a Rescaling's input), and no
+    segment holds more than what recomputing it keeps."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    h = inputs
+    for i in range(4):
+        h = keras.layers.Dense(8, name=f"dense_{i}")(h)
+        h = keras.layers.Rescaling(2.0, name=f"scale_{i}")(h)
+    return kgb.GradBoostModel(inputs, keras.layers.Dense(3, name="head")(h))
+
+
+def test_when_nothing_saves_the_budget_warns_and_recomputes_nothing():
+    model = _nothing_saves()
+    model.compile(optimizer="sgd", loss="mse", recompute={"budget_mb": 1e-6})
+    x, y = np.zeros((32, 8), "float32"), np.zeros((32, 3), "float32")
+    with pytest.warns(UserWarning, match="no plan of recompute is estimated to save"):
+        model.fit(x, y, batch_size=32, verbose=0)
+    plan = model.recompute_plan()
+    assert plan.recomputed == []
+    assert plan.bytes_with == plan.bytes_without
+    # "auto" would recompute them all, estimated no better.
+    auto = _nothing_saves()
+    auto.compile(optimizer="sgd", loss="mse", recompute="auto")
+    assert auto.recompute_plan(batch_size=32).bytes_with >= plan.bytes_without
+
+
+def test_candidates_recompute_nothing_when_no_block_saves():
+    figures = {
+        k: {"cached": 10, "inputs": 20, "flops": 1.0, "inside": {f"t{k}"}, "input_roots": {f"in{k}": 20}}
+        for k in range(3)
+    }
+    sizes = {f"t{k}": 10 for k in range(3)}
+    found = recompute.candidates(30, [(figures, [0, 1, 2])], sizes)
+    assert found[0] == recompute.Candidate(0, (), 30, 0.0)
+    assert [c.chosen for c in found[1:]] == [(0, 1, 2)]  # "auto"'s plan only
+    assert found[1].bytes > 30
+    assert recompute.budget_choice(1, found) == (found[0], False)
+    assert recompute.budget_choice(30, found) == (found[0], True)
+
+
+def test_groups_of_cover_every_fine_segment_once():
+    assert recompute.groups_of([3, 5, 9, 12], (5, 12)) == [(0, 1), (2, 3), (4,)]
+    assert recompute.groups_of([3, 5], (3, 5)) == [(0,), (1,), (2,)]
+
+
+MEASURE = r"""
+import json
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import tensorflow as tf
+from recompute.models import wide_model
+
+model = wide_model()
+model.compile(optimizer="sgd", loss="mse", recompute="auto")
+x, y = np.zeros((256, 64), "float32"), np.zeros((256, 3), "float32")
+tf.config.experimental.reset_memory_stats("CPU:0")
+before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+model.fit(x, y, batch_size=64, verbose=0)
+peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+plan = model.recompute_plan()
+print(json.dumps({
+    "measured": plan.measured_peak_bytes, "outside": peak - before,
+    "estimate": plan.bytes_with, "text": str(plan),
+    "other_batch": model.recompute_plan(batch_size=32).measured_peak_bytes,
+}))
+"""
+
+
+def test_plan_shows_the_fits_measured_peak():
+    """With allocator statistics (TensorFlow's BFC allocator on a CPU), the
+    plan carries the fit's allocator peak, as measured around the fit from
+    outside; at another batch size it has none."""
+    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")]
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE], capture_output=True, text=True, env=env, timeout=300
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["measured"] == result["outside"] > result["estimate"] > 0
+    assert "measured in the last fit: allocator peak" in result["text"]
+    assert result["other_batch"] is None
+
+
+@pytest.mark.parametrize("reply", ["raises", "zeros"])
+def test_without_allocator_statistics_nothing_is_measured(monkeypatch, reply):
+    """An allocator that keeps no statistics raises, or (TensorFlow's
+    default CPU allocator on some builds) answers zeros."""
+
+    def memory_info(device):
+        if reply == "raises":
+            raise ValueError(f"no statistics on {device}")
+        return {"current": 0, "peak": 0}
+
+    monkeypatch.setattr(tf.config.experimental, "get_memory_info", memory_info)
+    monkeypatch.setattr(tf.config.experimental, "reset_memory_stats", lambda device: None)
+    setup = recompute.RecomputeSetup(None, {"budget_mb": 1.0})
+    setup.start_measuring()
+    setup.stop_measuring()
+    assert setup.measured is None
+    plan = recompute.RecomputePlan(setting="auto", batch_size=8, bytes_without=1, bytes_with=1)
+    assert "measured" not in str(plan)
