@@ -32,7 +32,7 @@ from keras_gradboost import hooks
 
 # Bounds every wait for the other workers: a worker that died is not waited
 # for forever (TensorFlow notices a dead peer in about 10 s).
-ACK_TIMEOUT_SECONDS = 60.0
+ACK_TIMEOUT_SECONDS = 20.0
 _STOP = "stop"
 # The same sequence on every worker (each runs the same fit() calls): the
 # keys of one fit() are never those of another.
@@ -54,6 +54,7 @@ class PreemptionNotice:
         self.key = f"keras_gradboost/preemption/{next(_fits)}"
         self.signalled = False  # this process got SIGTERM
         self.step = None  # the agreed step (a count of step ends)
+        self._proposed = False
         self._previous = None
         self._watcher = None
 
@@ -92,18 +93,22 @@ class PreemptionNotice:
     def due(self, steps_done):
         """Whether the workers save now, after `steps_done` step ends of this
         `fit()` (the same count on every worker)."""
-        if self.signalled and self.step is None:
+        if self.signalled and self.step is None and not self._proposed:
             self._propose(steps_done)
         return self.step is not None and steps_done >= self.step
 
     def _propose(self, steps_done):
+        self._proposed = True  # once: a proposal that timed out is not repeated
         if self.workers == 1:
             self.step = steps_done
             return
         try:
             hooks.coordination_set(self.key, str(steps_done + 1))
         except hooks.CoordinationKeyExists:
-            pass  # another worker proposed first: its step holds
+            # Another worker proposed first (its step holds), or the fit()
+            # ended (the chief's "stop"): the signal is acted on at its end.
+            if hooks.coordination_get(self.key) == _STOP:
+                return
         try:
             for i in range(self.workers):
                 hooks.coordination_get(f"{self.key}/ack/{i}", ACK_TIMEOUT_SECONDS)
@@ -114,7 +119,6 @@ class PreemptionNotice:
                 "died. Training goes on until TensorFlow notices it.",
                 stacklevel=3,
             )
-            self.signalled = False
 
     def stop(self):
         """Puts the previous SIGTERM handler back and ends the watcher thread.

@@ -194,6 +194,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._preempting = False
         self._save_due = False
         self._chunk_begin = 0
+        self._announced = False
         restored = self._restore()
         if restored is not None:
             epoch, batches = restored
@@ -206,6 +207,19 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._notice.start()
 
     def on_epoch_begin(self, epoch, logs=None):
+        if self._set_epoch:
+            # fit() has read it by now: cleared at once, so no later fit()
+            # starts there, even if this one raises.
+            hooks.set_initial_epoch(self.model, None)
+            self._set_epoch = False
+            if epoch != self._epoch:
+                raise ValueError(
+                    f"The backup in {self.backup_dir!r} resumes at epoch "
+                    f"{self._epoch}, but this fit() starts at epoch {epoch} (its "
+                    "`initial_epoch` argument): the batches skipped would be "
+                    "another epoch's. Pass initial_epoch=0 (the backup sets the "
+                    "start), or delete the backup."
+                )
         self._epoch = epoch
         self._batches_done = self._skip_left  # those the backup has seen
 
@@ -246,17 +260,24 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._exit_for_preemption()
 
     def on_train_end(self, logs=None):
-        signalled = self._cleanup()
+        if self._notice is not None and self._notice.signalled and not self._preempting:
+            # SIGTERM after the last step end: training is done, but the
+            # process is asked to go before fit() returns. A backup of the
+            # end, kept: the restarted fit() returns at once, and the code
+            # after it runs then.
+            self._cleanup()
+            self._save()
+            raise SystemExit(self.preemption_exit_code)
+        self._cleanup()
         if self.delete_checkpoint and self._chief and tf.io.gfile.exists(self.backup_dir):
             tf.io.gfile.rmtree(self.backup_dir)
-        if signalled:  # it came after the last step: act on it as asked
-            signal.raise_signal(signal.SIGTERM)
 
     # -------------------------------------------------------- skipping
 
     def _start_skipping(self, batches):
         chunk = int(self.model.steps_per_execution)
-        if batches % chunk:
+        steps = (self.params or {}).get("steps")
+        if batches % chunk and batches != steps:  # (the epoch's short last chunk is whole)
             raise ValueError(
                 f"The backup in {self.backup_dir!r} was taken after {batches} "
                 f"batches of epoch {self._epoch}, inside a chunk of "
@@ -272,6 +293,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         # The call's first batch: Keras 3.15 ends it at its last batch,
         # Keras 3.8 at its first; counted from here the same in both.
         self._chunk_begin = batch
+        self._announced = True
         if self._skip_left and self._undo_skip is None:
             # Put in place at the first call, over the wrappers other
             # callbacks put on the train function at on_train_begin: a
@@ -279,12 +301,16 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._undo_skip = wrappers.patch(self.model, "train_function", self._skip_or_train)
 
     def _skip_or_train(self, train_function, iterator):
+        announced, self._announced = self._announced, False
+        if not announced:  # not this callback's fit(): the one that was raised
+            self._cleanup()
+            return train_function(iterator)
         if self._skip_left <= 0:
             return train_function(iterator)
         count = min(int(self.model.steps_per_execution), self._skip_left)
         for drawn in range(count):
             if not _draw(iterator):
-                if drawn and count < int(self.model.steps_per_execution):
+                if drawn and count == self._skip_left:
                     # A backup after the short last chunk of an epoch of
                     # unknown length (Keras numbered it as a whole chunk):
                     # the epoch ends here, as Keras' function ends it.
@@ -325,6 +351,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         staging = os.path.join(self.backup_dir, "staging-" + name)
         self.model.save_weights(staging, overwrite=True)
         tf.io.gfile.rename(staging, path, overwrite=True)
+        seeds = _seed_states(self.model)
         metadata = {
             "epoch": self._epoch,
             "batch": max(self._batches_done - 1, 0),  # what Keras' callback writes
@@ -332,6 +359,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             "steps_per_execution": int(self.model.steps_per_execution),
             "weights": name,
             "format": _FORMAT,
+            # Keras' save_weights leaves out the seed generators' states:
+            # without them a resumed Dropout draws the masks of epoch 0.
+            "seed_states": [v.numpy().tolist() for v in seeds],
         }
         kept = {name}
         if self.double_checkpoint and tf.io.gfile.exists(self._metadata_path):
@@ -354,7 +384,11 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"({error}); restoring the previous one.",
                 stacklevel=2,
             )
-            return self._load(self._previous_path)
+            restored = self._load(self._previous_path)
+            # The previous backup is the latest now (the next save keeps it as
+            # the previous one, not the unreadable one).
+            tf.io.gfile.copy(self._previous_path, self._metadata_path, overwrite=True)
+            return restored
 
     def _load(self, metadata_path):
         metadata = _read(metadata_path) if tf.io.gfile.exists(metadata_path) else None
@@ -369,10 +403,23 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.model.load_weights(weights)
         if metadata is None:
             return None
+        saved_states, states = metadata.get("seed_states", []), _seed_states(self.model)
+        if len(saved_states) == len(states):  # (else not this model's backup)
+            for variable, value in zip(states, saved_states):
+                variable.assign(value)
         if "batches_done" in metadata:
             batches = int(metadata["batches_done"])
         else:  # Keras' own callback: "batch" is the last batch seen, 0 at an epoch's end
             batches = int(metadata.get("batch", 0)) + 1 if metadata.get("batch", 0) else 0
+            if not batches and int(metadata["epoch"]):
+                warnings.warn(
+                    f"The backup in {self.backup_dir!r} was written by Keras' own "
+                    "BackupAndRestore, whose `batch: 0` means either an epoch's "
+                    "end or its first batch: resumed at the start of epoch "
+                    f"{int(metadata['epoch'])}. If it was taken after that epoch's "
+                    "first batch, that batch is trained twice.",
+                    stacklevel=3,
+                )
         return int(metadata["epoch"]), batches
 
     # ---------------------------------------------------------- ending
@@ -395,6 +442,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             hooks.set_initial_epoch(self.model, None)
             self._set_epoch = False
         return signalled
+
+
+def _seed_states(model):
+    """The states of the model's seed generators (the random layers':
+    Dropout, GaussianNoise, ...), in the order of `model.variables` (their
+    paths get a suffix when a process builds the model twice)."""
+    return [v for v in model.variables if v.path.endswith("seed_generator_state")]
 
 
 def _check_save_freq(value):

@@ -236,6 +236,95 @@ def test_a_restore_in_a_resumed_epoch_says_where_it_goes_back_to(tmp_path):
     assert "restored to the weights at batch 5 of this epoch" in event.detail
 
 
+def _dropout_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    h = keras.layers.Dropout(0.5)(keras.layers.Dense(8, activation="tanh")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3)(h))
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    return model
+
+
+def test_dropout_resumes_with_the_masks_of_the_uninterrupted_fit(tmp_path):
+    """Keras' save_weights leaves out the seed generators' states: without
+    them the resumed fit would draw epoch 0's masks again."""
+    never = _dropout_model()
+    _fit(never, [])
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(_dropout_model(), [BackupAndRestore(backup_dir, save_freq=6), _At(1, 9, _interrupt)])
+    restarted = _dropout_model()
+    _fit(restarted, [BackupAndRestore(backup_dir, save_freq=6)])
+    assert max_weight_diff(restarted, never) == 0.0
+
+
+def test_a_fit_that_raised_while_skipping_leaves_nothing_behind(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(_model("keras"), [BackupAndRestore(backup_dir, save_freq=6), _At(1, 9, _interrupt)])
+    model = _model("keras")
+    with pytest.raises(RuntimeError, match="interrupted"):  # raises while skipping
+        _fit(model, [BackupAndRestore(backup_dir, save_freq=6), _At(1, 2, _interrupt)])
+    before = int(model.optimizer.iterations.numpy())
+    history = _fit(model, [])  # no backup: both epochs, every batch trained
+    assert len(history.history["loss"]) == EPOCHS
+    assert int(model.optimizer.iterations.numpy()) - before == EPOCHS * N // BATCH
+
+
+def test_an_initial_epoch_other_than_the_backups_is_refused(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(_model("keras"), [BackupAndRestore(backup_dir, save_freq=6), _At(0, 9, _interrupt)])
+    x, y = _data()
+    with pytest.raises(ValueError, match="resumes at epoch 0, but this fit\(\) starts at epoch 1"):
+        _model("keras").fit(x, y, batch_size=BATCH, epochs=3, initial_epoch=1, shuffle=False,
+                            verbose=0, callbacks=[BackupAndRestore(backup_dir)])
+
+
+def test_a_backup_after_a_short_last_chunk_resumes(tmp_path):
+    """60 samples: 15 batches, chunks of 2, the last one short; the backup
+    after it holds the whole epoch."""
+    x, y = _data()
+    x, y = x[:60], y[:60]
+
+    def fit(model, callbacks):
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+
+    never = _model("keras", 2)
+    fit(never, [])
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit(_model("keras", 2), [BackupAndRestore(backup_dir, save_freq=3), _At(1, 0, _interrupt)])
+    restarted = _model("keras", 2)
+    fit(restarted, [BackupAndRestore(backup_dir, save_freq=3)])
+    assert max_weight_diff(restarted, never) == 0.0
+
+
+def test_sigterm_after_the_last_step_keeps_a_backup_of_the_end(tmp_path):
+    """The signal comes at the last epoch's end: the fit is done, the process
+    must go; the backup of the end is kept, and the restarted fit returns at
+    once with the finished weights."""
+    never = _model("keras")
+    _fit(never, [])
+
+    class TermAtTheEnd(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == EPOCHS - 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    backup_dir = str(tmp_path / "backup")
+    model = _model("keras")
+    with pytest.raises(SystemExit):
+        _fit(model, [TermAtTheEnd(), BackupAndRestore(backup_dir, save_freq=False,
+                                                      save_before_preemption=True)])
+    assert _metadata(backup_dir)["epoch"] == EPOCHS
+    restarted = _model("keras")
+    history = _fit(restarted, [BackupAndRestore(backup_dir, save_before_preemption=True)])
+    assert history.history.get("loss", []) == []  # nothing left to train
+    assert max_weight_diff(restarted, never) == 0.0
+
+
 @pytest.mark.parametrize(
     "kwargs, error",
     [
