@@ -30,11 +30,17 @@ SCRIPT = pathlib.Path(__file__).parent / "workers" / "exact_fit.py"
 TOLERANCE = {"k2_bf16": 3e-2, "k2_f16": 3e-3}
 
 
-def _worker_module():
-    spec = importlib.util.spec_from_file_location("exact_fit", SCRIPT)
+def load_script(script):
+    """A worker script (tests/workers/) imported as a module, for its cases,
+    data and model builders."""
+    spec = importlib.util.spec_from_file_location(pathlib.Path(script).stem, script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _worker_module():
+    return load_script(SCRIPT)
 
 
 def _env():

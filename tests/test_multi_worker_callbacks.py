@@ -8,7 +8,6 @@ times each worker's own steps and only the chief writes TensorBoard's
 `log_dir`; NaNWatcher's dumps are one file per worker (each holds its own
 part of the bad batch)."""
 
-import importlib.util
 import io
 import json
 import os
@@ -20,17 +19,11 @@ import pytest
 import tensorflow as tf
 from keras_gradboost.launcher import launch
 from test_multi_worker import _env
+from test_multi_worker import load_script
 
 WORKERS = 2
 TIMEOUT = 100.0
 SCRIPT = pathlib.Path(__file__).parent / "workers" / "callbacks_fit.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("callbacks_fit", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.multiworker
@@ -38,7 +31,7 @@ def test_callbacks_agree_across_workers_and_with_one_process(tmp_path):
     out = io.StringIO()
     codes = launch(SCRIPT, [str(tmp_path)], workers=WORKERS, timeout=TIMEOUT, env=_env(), output=out)
     assert codes == [0] * WORKERS, out.getvalue()[-4000:]
-    cf = _module()
+    cf = load_script(SCRIPT)
     one_dir = tmp_path / "one"
     weights, report = cf.run(tf.distribute.get_strategy(), str(one_dir), shard=False)
     init = cf.build().get_weights()

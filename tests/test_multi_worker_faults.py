@@ -6,7 +6,6 @@ uninterrupted large-batch steps on the same global batches. A SIGTERM to
 one worker: every worker saves at the same step (for accumulate_steps=4,
 the next update boundary) and exits; restarted, the same."""
 
-import importlib.util
 import io
 import json
 import pathlib
@@ -19,17 +18,11 @@ import keras
 from keras_gradboost.launcher import launch
 from test_multi_worker import _env
 from test_multi_worker import _worker_module
+from test_multi_worker import load_script
 
 WORKERS = 2
 TIMEOUT = 120.0
 SCRIPT = pathlib.Path(__file__).parent / "workers" / "fault_fit.py"
-
-
-def _fault_module():
-    spec = importlib.util.spec_from_file_location("fault_fit", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _reference(ef, k, init, epochs):
@@ -59,7 +52,7 @@ def _metadata(tmp_path, name):
 
 @pytest.mark.multiworker
 def test_a_killed_worker_and_a_preemption_resume_exactly(tmp_path):
-    ff, ef = _fault_module(), _worker_module()
+    ff, ef = load_script(SCRIPT), _worker_module()
     # k=1: worker 1 killed at (1, 5), after the backup of (1, 3).
     codes, seconds, log = _run(tmp_path, ["k1:kill"])
     assert codes[1] == -9 and codes[0] != 0, log[-3000:]  # the job stopped, both workers

@@ -7,7 +7,6 @@ import signal
 import warnings
 import weakref
 
-import keras
 import tensorflow as tf
 
 from keras_gradboost import checkpoint
@@ -16,6 +15,7 @@ from keras_gradboost import hooks
 from keras_gradboost import preemption
 from keras_gradboost import wrappers
 from keras_gradboost.callbacks import args
+from keras_gradboost.callbacks.gate import RunGate
 
 _METADATA = "training_metadata.json"
 _KERAS_WEIGHTS = "latest.weights.h5"  # the weights file of Keras' callback
@@ -57,7 +57,7 @@ def resumed_at(model):
     return _RESUMED.get(model)
 
 
-class BackupAndRestore(keras.callbacks.Callback):
+class BackupAndRestore(RunGate):
     """Backs up the training state, and resumes an interrupted `fit()`
     exactly where the backup was taken.
 
@@ -194,7 +194,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._preempting = False
         self._save_due = False
         self._chunk_begin = 0
-        self._announced = False
         restored = self._restore()
         if restored is not None:
             epoch, batches = restored
@@ -290,10 +289,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             _RESUMED[self.model] = (self._epoch, batches)
 
     def on_train_batch_begin(self, batch, logs=None):
+        super().on_train_batch_begin(batch, logs)  # the run gate's mark
         # The call's first batch: Keras 3.15 ends it at its last batch,
         # Keras 3.8 at its first; counted from here the same in both.
         self._chunk_begin = batch
-        self._announced = True
         if self._skip_left and self._undo_skip is None:
             # Put in place at the first call, over the wrappers other
             # callbacks put on the train function at on_train_begin: a
@@ -301,8 +300,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._undo_skip = wrappers.patch(self.model, "train_function", self._skip_or_train)
 
     def _skip_or_train(self, train_function, iterator):
-        announced, self._announced = self._announced, False
-        if not announced:  # not this callback's fit(): the one that was raised
+        if not self._in_run("train"):  # not this callback's fit(): one that raised
             self._cleanup()
             return train_function(iterator)
         if self._skip_left <= 0:

@@ -7,7 +7,8 @@ import keras
 class RunGate(keras.callbacks.Callback):
     """The run gate of `CallbackBase` (the base of the callbacks that wrap
     the model's train or test function with
-    `keras_gradboost.wrappers.hold_batches`).
+    `keras_gradboost.wrappers.hold_batches`) and of `BackupAndRestore`
+    (whose wrapper skips the batches a backup has seen).
 
     Keras calls `on_train_batch_begin` (`on_test_batch_begin`) right before
     each call of the train (test) function. A wrapper whose callback got no

@@ -430,6 +430,12 @@ class NaNWatcher(CallbackBase):
         if steps and self._done - self._epoch_first >= steps:
             self._check_pending()  # the epoch's last call: Keras syncs next
 
+    def _resumed_batches(self):
+        """The batches of this epoch a fit() resumed from a backup skipped
+        past this watcher (its steps count from there); 0 for others."""
+        resumed = resumed_at(self.model)
+        return resumed[1] if resumed is not None and resumed[0] == self._epoch else 0
+
     def _unread_bad_step(self):
         """Whether the last call, not yet read, had a bad step (a host read
         of its count: only when a backup is due)."""
@@ -471,9 +477,10 @@ class NaNWatcher(CallbackBase):
             if int(watch.count.numpy()) == count:
                 watch.halted.assign(False)
             event.action_taken = "restored"
-            if resumed_at(self.model) is not None and resumed_at(self.model)[0] == self._epoch:
+            resumed = self._resumed_batches()
+            if resumed:
                 event.detail = (event.detail + "; " if event.detail else "") + (
-                    f"restored to the weights at batch {resumed_at(self.model)[1]} "
+                    f"restored to the weights at batch {resumed} "
                     "of this epoch, where the fit() resumed from a backup (the "
                     "epoch's start is not held)"
                 )
@@ -489,11 +496,9 @@ class NaNWatcher(CallbackBase):
     def _event(self, step):
         """The event of the bad step with in-fit index `step`, located if
         asked."""
-        # A fit() resumed mid-epoch from a backup skips the epoch's first
-        # batches past this watcher: its steps count from there.
-        resumed = resumed_at(self.model)
-        offset = resumed[1] if resumed is not None and resumed[0] == self._epoch else 0
-        event = NaNEvent(epoch=self._epoch, step=step - self._epoch_first + offset)
+        event = NaNEvent(
+            epoch=self._epoch, step=step - self._epoch_first + self._resumed_batches()
+        )
         if not self.locate:
             event.detail = "not located (locate=False)"
             return event
