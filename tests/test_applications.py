@@ -195,3 +195,38 @@ def test_convnext_accumulation_equals_the_large_batch():
     # one update, not one per micro-batch (iterations above).
     assert max(float(np.max(np.abs(a - b)))
                for a, b in zip(initial, large.get_weights())) > 1e-3
+
+
+class _InterruptAtEpoch1(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 1:
+            raise RuntimeError("interrupted")
+
+
+def test_efficientnet_resumed_mid_window_equals_uninterrupted(tmp_path):
+    """kgb.callbacks.BackupAndRestore on EfficientNetB0 (BatchNormalization,
+    Dropout and stochastic depth: random layers whose seed states the backup
+    keeps), boosted with accumulate_steps=2: a backup after batch 0 of epoch
+    1 holds half a window; resumed, the weights and moving statistics equal
+    the uninterrupted fit's exactly."""
+    from keras_gradboost.callbacks import BackupAndRestore
+
+    def model():
+        return compile_model(kgb.boost(application("EfficientNetB0")), accumulate_steps=2)
+
+    x, y = images()
+
+    def two_epochs(m, callbacks):
+        m.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+
+    never = model()
+    two_epochs(never, [])
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        two_epochs(model(), [BackupAndRestore(backup_dir, save_freq=1), _InterruptAtEpoch1()])
+    restarted = model()
+    two_epochs(restarted, [BackupAndRestore(backup_dir, save_freq=1)])
+    assert max_diff(restarted, never) == 0.0

@@ -402,9 +402,17 @@ class BackupAndRestore(RunGate):
         if metadata is None:
             return None
         saved_states, states = metadata.get("seed_states", []), _seed_states(self.model)
-        if len(saved_states) == len(states):  # (else not this model's backup)
+        if len(saved_states) == len(states):
             for variable, value in zip(states, saved_states):
                 variable.assign(value)
+        else:
+            warnings.warn(
+                f"The backup in {self.backup_dir!r} holds {len(saved_states)} "
+                f"random seed states, this model has {len(states)} random "
+                "layers: their seeds are not restored (the random layers draw "
+                "other values than the interrupted fit would have).",
+                stacklevel=3,
+            )
         if "batches_done" in metadata:
             batches = int(metadata["batches_done"])
         else:  # Keras' own callback: "batch" is the last batch seen, 0 at an epoch's end
