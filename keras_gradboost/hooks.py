@@ -6,6 +6,8 @@ of them against the installed Keras, so an upgrade that moves one fails loudly
 in one named test instead of somewhere deep inside a training step.
 """
 
+import sys
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -392,6 +394,40 @@ def set_initial_epoch(model, epoch):
 def initial_epoch(model):
     """What `set_initial_epoch` set (None when nothing did)."""
     return model._initial_epoch
+
+
+def fit_epoch_iterator(model, frame=None):
+    """Keras' epoch iterator of the `fit()` of `model` that is running now
+    (the local `epoch_iterator` of `fit`, private), or None when no `fit()`
+    of `model` is on the call stack. `frame`: where to start looking up the
+    stack (a signal handler's frame); defaults to the caller's."""
+    frame = sys._getframe(1) if frame is None else frame
+    while frame is not None:
+        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+            found = frame.f_locals.get("epoch_iterator")
+            if found is not None:
+                return found
+        frame = frame.f_back
+    return None
+
+
+def stream_position(epoch_iterator):
+    """How many batches the epoch iterator has drawn from the data iterator
+    it will draw the next batch from, where `fit()` keeps one data iterator
+    across epochs (a `steps_per_epoch` was given: the epochs go on from each
+    other until the data runs out); None where each epoch starts a new one.
+    (Keras' private `_steps_seen`, which it compares with the data's length
+    to start the data again.)"""
+    if not epoch_iterator.steps_per_epoch:
+        return None
+    return int(epoch_iterator._steps_seen)
+
+
+def advance_stream(epoch_iterator, batches):
+    """Tells the epoch iterator that `batches` more batches were drawn from
+    its data iterator (by BackupAndRestore, outside Keras' own count), so it
+    starts the data again where the uninterrupted `fit()` would."""
+    epoch_iterator._steps_seen += int(batches)
 
 
 def _eager_context():

@@ -124,3 +124,48 @@ def test_first_local_batch_keeps_one_replica_part_of_each_structure():
     assert local[0]["a"].shape == (2, 2) and local[0]["b"].dtype == tf.int32
     assert local[1].shape == (2, 1)
     assert hooks.first_local_batch(strategy, {"x": 1.0}) == {"x": 1.0}
+
+
+def test_the_fit_epoch_iterator_says_where_the_data_iterator_is():
+    """`fit_epoch_iterator` finds Keras' epoch iterator from a callback;
+    `stream_position` counts the batches drawn from a data iterator kept
+    across epochs (None without `steps_per_epoch`); `advance_stream` moves
+    Keras' count, so Keras starts the data again that much earlier."""
+    import tensorflow as tf
+
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.zeros((32, 2), "float32"), np.zeros((32, 1), "float32"))
+    ).batch(4)  # 8 batches
+    seen = []
+
+    class Look(keras.callbacks.Callback):
+        def __init__(self, advance=0):
+            super().__init__()
+            self.advance = advance
+
+        def on_train_begin(self, logs=None):
+            self.found = hooks.fit_epoch_iterator(self.model)
+
+        def on_train_batch_begin(self, batch, logs=None):
+            # (After Keras started the epoch's data iterator.)
+            if self.advance:
+                hooks.advance_stream(self.found, self.advance)
+                self.advance = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(hooks.stream_position(self.found))
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    look = Look()
+    fit = dict(shuffle=False, verbose=0)
+    model.fit(data, steps_per_epoch=3, epochs=2, callbacks=[look], **fit)
+    assert look.found is not None and seen == [1, 2, 3, 4, 5, 6]
+    seen.clear()
+    model.fit(data, epochs=1, callbacks=[Look()], **fit)
+    assert seen == [None] * 8
+    assert hooks.fit_epoch_iterator(model) is None  # no fit() running
+    seen.clear()
+    # 2 more counted as drawn: epoch 1 ends the data, epoch 2 starts it again.
+    model.fit(data, steps_per_epoch=3, epochs=3, callbacks=[Look(advance=2)], **fit)
+    assert seen == [3, 4, 5, 6, 7, 8, 1, 2, 3]

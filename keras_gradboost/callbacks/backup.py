@@ -20,6 +20,7 @@ from keras_gradboost.callbacks.gate import RunGate
 _METADATA = "training_metadata.json"
 _KERAS_WEIGHTS = "latest.weights.h5"  # the weights file of Keras' callback
 _FORMAT = "keras_gradboost.BackupAndRestore/1"
+_UNKNOWN = object()  # a backup that does not say where in the data it was
 # model -> (epoch, batches) of the fit() that resumed it mid-epoch.
 _RESUMED = weakref.WeakKeyDictionary()
 
@@ -91,11 +92,15 @@ class BackupAndRestore(RunGate):
       job resumes from that step instead of the last backup.
 
     Exactness needs the data to give the same batches, in the same order,
-    from the start of each epoch (`shuffle=False`, or a `tf.data` pipeline
-    with a fixed seed that does not reshuffle; a repeated dataset with
-    `steps_per_epoch` continues across epochs and does not restart). The
-    metrics logged for a resumed epoch are over the batches trained after
-    the resume.
+    each time `fit()` starts it (`shuffle=False`, or a `tf.data` pipeline
+    with a fixed seed that does not reshuffle). With `steps_per_epoch`
+    Keras keeps one data iterator across epochs (a repeated dataset goes on
+    from epoch to epoch): the backup notes how many batches it had drawn,
+    and the restarted `fit()` draws as many before it trains, so it resumes
+    at the same place in the data; a restart with or without
+    `steps_per_epoch` where the interrupted `fit()` had the other is
+    refused. The metrics logged for a resumed epoch are over the batches
+    trained after the resume.
 
     Args:
         backup_dir: the directory of the backup (created when needed).
@@ -116,8 +121,10 @@ class BackupAndRestore(RunGate):
 
     Raises:
         ValueError: for an argument out of range; at `fit()`, for a model
-            that is not built, or a backup taken inside a chunk of
-            `steps_per_execution` batches other than this model's.
+            that is not built, a backup taken inside a chunk of
+            `steps_per_execution` batches other than this model's, or one
+            taken with `steps_per_epoch` restored without it (or the other
+            way round).
 
     Example:
 
@@ -170,6 +177,7 @@ class BackupAndRestore(RunGate):
         self._notice = None
         self._undo_skip = None
         self._set_epoch = False
+        self._epoch_iterator = None
 
     # ------------------------------------------------------------ hooks
 
@@ -194,13 +202,16 @@ class BackupAndRestore(RunGate):
         self._preempting = False
         self._save_due = False
         self._chunk_begin = 0
+        self._stream_left = 0
+        # Keras' epoch iterator of this fit(): where its data iterator is.
+        self._epoch_iterator = hooks.fit_epoch_iterator(model)
         restored = self._restore()
         if restored is not None:
-            epoch, batches = restored
+            epoch, batches, stream = restored
             hooks.set_initial_epoch(model, epoch)
             self._set_epoch = True
             self._epoch = epoch
-            self._start_skipping(batches)
+            self._start_skipping(batches, stream)
         if self.save_before_preemption:
             self._notice = preemption.PreemptionNotice(strategy)
             self._notice.start()
@@ -273,7 +284,7 @@ class BackupAndRestore(RunGate):
 
     # -------------------------------------------------------- skipping
 
-    def _start_skipping(self, batches):
+    def _start_skipping(self, batches, stream):
         chunk = int(self.model.steps_per_execution)
         steps = (self.params or {}).get("steps")
         if batches % chunk and batches != steps:  # (the epoch's short last chunk is whole)
@@ -287,13 +298,41 @@ class BackupAndRestore(RunGate):
         self._skip_left = batches
         if batches:
             _RESUMED[self.model] = (self._epoch, batches)
+        now = self._stream_position()
+        if stream is _UNKNOWN:
+            if now is not None and (self._epoch or batches):
+                warnings.warn(
+                    f"The backup in {self.backup_dir!r} does not say where in the "
+                    "data the interrupted fit() was (it was written by Keras' own "
+                    "BackupAndRestore), and with `steps_per_epoch` the epochs go "
+                    "on from each other through the data: resumed at the data's "
+                    "start, which the interrupted fit() was not at.",
+                    stacklevel=3,
+                )
+            return
+        if (stream is None) != (now is None):
+            raise ValueError(
+                f"The backup in {self.backup_dir!r} was taken in a fit() "
+                + ("with" if stream is not None else "without")
+                + " `steps_per_epoch`, where the epochs "
+                + ("go on from each other through the data" if stream is not None
+                   else "each start the data again")
+                + "; this fit() is "
+                + ("without" if stream is not None else "with")
+                + " one: it would resume at other batches. Pass the "
+                "`steps_per_epoch` the interrupted fit() had, or delete the backup."
+            )
+        if stream is not None:
+            # The batches earlier epochs drew from the data iterator, which
+            # the interrupted fit() went on with and this one starts again.
+            self._stream_left = stream - batches
 
     def on_train_batch_begin(self, batch, logs=None):
         super().on_train_batch_begin(batch, logs)  # the run gate's mark
         # The call's first batch: Keras 3.15 ends it at its last batch,
         # Keras 3.8 at its first; counted from here the same in both.
         self._chunk_begin = batch
-        if self._skip_left and self._undo_skip is None:
+        if (self._skip_left or self._stream_left) and self._undo_skip is None:
             # Put in place at the first call, over the wrappers other
             # callbacks put on the train function at on_train_begin: a
             # skipped batch reaches none of them.
@@ -303,7 +342,20 @@ class BackupAndRestore(RunGate):
         if not self._in_run("train"):  # not this callback's fit(): one that raised
             self._cleanup()
             return train_function(iterator)
+        if self._stream_left > 0:
+            for _ in range(self._stream_left):
+                if not _draw(iterator):
+                    raise ValueError(
+                        f"The backup in {self.backup_dir!r} was taken after the "
+                        "data iterator had given more batches than this fit()'s "
+                        "data has: the restarted fit() has other data than the "
+                        "interrupted one."
+                    )
+            hooks.advance_stream(self._epoch_iterator, self._stream_left)
+            self._stream_left = 0
         if self._skip_left <= 0:
+            if self._undo_skip is not None:
+                self._stop_skipping()
             return train_function(iterator)
         count = min(int(self.model.steps_per_execution), self._skip_left)
         for drawn in range(count):
@@ -354,6 +406,9 @@ class BackupAndRestore(RunGate):
             "epoch": self._epoch,
             "batch": max(self._batches_done - 1, 0),  # what Keras' callback writes
             "batches_done": self._batches_done,
+            # Batches drawn from the data iterator the next batch comes from,
+            # where epochs go on from each other (None: each starts it again).
+            "stream_batches": self._stream_position(),
             "steps_per_execution": int(self.model.steps_per_execution),
             "weights": name,
             "format": _FORMAT,
@@ -371,7 +426,8 @@ class BackupAndRestore(RunGate):
                 tf.io.gfile.remove(os.path.join(self.backup_dir, old))
 
     def _restore(self):
-        """Loads the backup, if any: `(epoch, batches done in it)`, or None."""
+        """Loads the backup, if any: `(epoch, batches done in it, batches drawn
+        from the data iterator)`, or None."""
         try:
             return self._load(self._metadata_path)
         except (OSError, ValueError, KeyError) as error:
@@ -426,7 +482,14 @@ class BackupAndRestore(RunGate):
                     "first batch, that batch is trained twice.",
                     stacklevel=3,
                 )
-        return int(metadata["epoch"]), batches
+        return int(metadata["epoch"]), batches, metadata.get("stream_batches", _UNKNOWN)
+
+    def _stream_position(self):
+        """Where the data iterator is: `hooks.stream_position` of this fit()'s
+        epoch iterator (None: each epoch starts the data again)."""
+        if self._epoch_iterator is None:
+            return None
+        return hooks.stream_position(self._epoch_iterator)
 
     # ---------------------------------------------------------- ending
 
@@ -438,6 +501,7 @@ class BackupAndRestore(RunGate):
         """Undoes what a fit() put in place; returns whether a SIGTERM came
         that was not acted on."""
         self._stop_skipping()
+        self._epoch_iterator = None
         if self.model is not None:
             _RESUMED.pop(self.model, None)
         signalled = False

@@ -301,6 +301,46 @@ def test_a_backup_after_a_short_last_chunk_resumes(tmp_path):
     assert max_weight_diff(restarted, never) == 0.0
 
 
+@pytest.mark.parametrize(
+    "repeat, save_freq, stop_at, saved_at",
+    [
+        # One data iterator over all epochs (6 of its batches an epoch).
+        (True, 4, (1, 4), (1, 2, 8)),  # mid-epoch: 2 into epoch 1, 8 drawn
+        (True, "epoch", (2, 1), (2, 0, 12)),  # an epoch's end: 12 drawn
+        # 16 batches, 8 an epoch: epoch 2 starts the data again.
+        (False, 3, (1, 5), (1, 4, 12)),
+        (False, "epoch", (2, 3), (2, 0, 0)),
+    ],
+)
+def test_epochs_that_go_on_from_each_other_resume_in_the_stream(
+    tmp_path, repeat, save_freq, stop_at, saved_at
+):
+    """With `steps_per_epoch`, Keras keeps one data iterator across epochs
+    (until the data runs out): a resumed epoch starts where the
+    uninterrupted one drew its batches from, not at the data's start."""
+    import tensorflow as tf
+
+    x, y = _data()
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    data, steps = (data.repeat(), 6) if repeat else (data, 8)
+
+    def fit(model, callbacks):
+        return model.fit(data, steps_per_epoch=steps, epochs=3, shuffle=False, verbose=0,
+                         callbacks=callbacks)
+
+    never = _model("keras")
+    fit(never, [])
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit(_model("keras"), [BackupAndRestore(backup_dir, save_freq=save_freq),
+                              _At(*stop_at, _interrupt)])
+    saved = _metadata(backup_dir)
+    assert (saved["epoch"], saved["batches_done"], saved["stream_batches"]) == saved_at
+    restarted = _model("keras")
+    fit(restarted, [BackupAndRestore(backup_dir, save_freq=save_freq)])
+    assert max_weight_diff(restarted, never) == 0.0
+
+
 def test_sigterm_after_the_last_step_keeps_a_backup_of_the_end(tmp_path):
     """The signal comes at the last epoch's end: the fit is done, the process
     must go; the backup of the end is kept, and the restarted fit returns at
