@@ -23,6 +23,7 @@ same test on every worker: True from the agreed step on.
 """
 
 import itertools
+import os
 import signal
 import threading
 import warnings
@@ -45,10 +46,17 @@ class PreemptionNotice:
 
     Args:
         strategy: the model's `tf.distribute` strategy.
+        running: called with the frame a signal interrupted, says whether
+            the `fit()` is still running there. A SIGTERM that comes after
+            a `fit()` that raised (so never reached its end, where the
+            handler is put back) goes to the handler from before, as if
+            this one had never been installed. Defaults to `None` (always
+            running).
     """
 
-    def __init__(self, strategy):
+    def __init__(self, strategy, running=None):
         self.strategy = strategy
+        self._running = running
         self.workers = cluster.worker_count(strategy)
         self.index = cluster.worker_index(strategy)
         self.key = f"keras_gradboost/preemption/{next(_fits)}"
@@ -80,8 +88,15 @@ class PreemptionNotice:
             self._watcher.start()
 
     def _on_sigterm(self, signum, frame):
-        del signum, frame
-        self.signalled = True
+        if self._running is None or self._running(frame):
+            self.signalled = True
+            return
+        previous, self._previous = self._previous, None
+        signal.signal(signal.SIGTERM, previous)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signum)  # delivered again: the default ends the process
 
     def _watch(self):
         value = hooks.coordination_get(self.key)

@@ -213,7 +213,9 @@ class BackupAndRestore(RunGate):
             self._epoch = epoch
             self._start_skipping(batches, stream)
         if self.save_before_preemption:
-            self._notice = preemption.PreemptionNotice(strategy)
+            self._notice = preemption.PreemptionNotice(
+                strategy, running=lambda frame: hooks.fit_epoch_iterator(model, frame) is not None
+            )
             self._notice.start()
 
     def on_epoch_begin(self, epoch, logs=None):

@@ -271,6 +271,40 @@ def test_a_fit_that_raised_while_skipping_leaves_nothing_behind(tmp_path):
     assert int(model.optimizer.iterations.numpy()) - before == EPOCHS * N // BATCH
 
 
+def test_a_sigterm_after_a_fit_that_raised_goes_to_the_handler_from_before(tmp_path):
+    """Keras calls no on_train_end when fit() raises, so the callback's
+    handler stays; a SIGTERM then is not held for a fit() that is gone."""
+    received = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        with pytest.raises(RuntimeError, match="interrupted"):
+            _fit(_model("keras"), [BackupAndRestore(str(tmp_path / "b"), save_before_preemption=True),
+                                   _At(0, 3, _interrupt)])
+        mine = signal.getsignal(signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert received == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is not mine  # the one from before, again
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert received == [signal.SIGTERM] * 2
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_restart_with_other_steps_per_epoch_is_refused(tmp_path):
+    import tensorflow as tf
+
+    x, y = _data()
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _model("keras").fit(data.repeat(), steps_per_epoch=6, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[BackupAndRestore(backup_dir, save_freq=2),
+                                       _At(1, 3, _interrupt)])
+    with pytest.raises(ValueError, match="with `steps_per_epoch`.*this fit\\(\\) is without"):
+        _model("keras").fit(data, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[BackupAndRestore(backup_dir)])
+
+
 def test_an_initial_epoch_other_than_the_backups_is_refused(tmp_path):
     backup_dir = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="interrupted"):
