@@ -73,8 +73,15 @@ def test_a_killed_worker_and_a_preemption_resume_exactly(tmp_path):
     assert 143 in codes and set(codes) <= {143, -15}, log[-3000:]
     saved = _metadata(tmp_path, "k4_term")
     assert (saved["epoch"], saved["batches_done"]) == (1, 4), saved
-    codes, seconds, log = _run(tmp_path, ["k4_term:resume", "k4:midwindow"])
+    codes, seconds, log = _run(
+        tmp_path, ["k4_term:resume", "k4:midwindow", "split:interrupt", "split:resume"]
+    )
     assert codes == [0, 0], log[-3000:]
+    # Backup directories that are not shared: the chief restored its backup,
+    # worker 1 none; refused on both before the first step.
+    for i in range(WORKERS):
+        text = (tmp_path / f"split-worker{i}.txt").read_text()
+        assert "Worker 1 restored no backup" in text and "chief restored epoch0-batch4" in text, text
     # A save in the middle of a window is refused on every worker (each
     # holds only its part of the window), not written wrong.
     for i in range(WORKERS):

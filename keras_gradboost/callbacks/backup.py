@@ -1,6 +1,7 @@
 """BackupAndRestore: Keras' callback, resuming exactly where the backup was
 taken, under several workers too, and saving before a preemption."""
 
+import itertools
 import json
 import os
 import signal
@@ -21,6 +22,8 @@ _METADATA = "training_metadata.json"
 _KERAS_WEIGHTS = "latest.weights.h5"  # the weights file of Keras' callback
 _FORMAT = "keras_gradboost.BackupAndRestore/1"
 _UNKNOWN = object()  # a backup that does not say where in the data it was
+# The same sequence on every worker (each runs the same fit() calls).
+_fits = itertools.count()
 # model -> (epoch, batches) of the fit() that resumed it mid-epoch.
 _RESUMED = weakref.WeakKeyDictionary()
 
@@ -76,7 +79,11 @@ class BackupAndRestore(RunGate):
       loss scale too, so no micro-batch is lost or applied twice.
     * **Several workers** (`MultiWorkerMirroredStrategy`) **share one
       `backup_dir`**: only the chief writes (and deletes) it, and every
-      worker restores from it. Under several workers a GradBoostModel's
+      worker restores from it. Each worker checks, through the cluster's
+      coordination service, that it restored what the chief restored (a
+      `backup_dir` that is a local path on each machine would start the
+      workers from different steps): a difference raises on every worker
+      before the first step. Under several workers a GradBoostModel's
       backup waits for an update boundary (each worker holds only its own
       part of a pending window).
     * **A backup is never half written**: the weights go to a new file
@@ -124,7 +131,8 @@ class BackupAndRestore(RunGate):
             that is not built, a backup taken inside a chunk of
             `steps_per_execution` batches other than this model's, or one
             taken with `steps_per_epoch` restored without it (or the other
-            way round).
+            way round); under several workers, when a worker restored
+            another backup than the chief (or none).
 
     Example:
 
@@ -205,7 +213,10 @@ class BackupAndRestore(RunGate):
         self._stream_left = 0
         # Keras' epoch iterator of this fit(): where its data iterator is.
         self._epoch_iterator = hooks.fit_epoch_iterator(model)
+        self._restored_file = None
         restored = self._restore()
+        if self._several_workers:
+            _agree_on_restore(strategy, self.backup_dir, restored, self._restored_file)
         if restored is not None:
             epoch, batches, stream = restored
             hooks.set_initial_epoch(model, epoch)
@@ -457,6 +468,7 @@ class BackupAndRestore(RunGate):
             if optimizer is not None and not optimizer.built:
                 optimizer.build(self.model.trainable_variables)
             self.model.load_weights(weights)
+            self._restored_file = name
         if metadata is None:
             return None
         saved_states, states = metadata.get("seed_states", []), _seed_states(self.model)
@@ -514,6 +526,53 @@ class BackupAndRestore(RunGate):
             hooks.set_initial_epoch(self.model, None)
             self._set_epoch = False
         return signalled
+
+
+def _agree_on_restore(strategy, backup_dir, restored, weights_file):
+    """Checks that every worker restored what the chief restored.
+
+    A `backup_dir` that is not one shared directory (a local path on each
+    machine), or a worker whose read of the latest backup failed and fell
+    back to the previous one, would start the workers from different
+    weights and steps: their all-reduced steps would mix them silently. The
+    chief publishes what it restored through the coordination service;
+    every other worker compares and answers; any difference raises on every
+    worker, before the first step.
+    """
+    key = f"keras_gradboost/backup/{next(_fits)}"
+    at = None if restored is None else [None if v is _UNKNOWN else v for v in restored]
+    mine = json.dumps({"weights": weights_file, "at": at})
+    index = cluster.worker_index(strategy)
+    if cluster.is_chief(strategy):
+        hooks.coordination_set(key, mine)
+        for other in range(1, cluster.worker_count(strategy)):
+            try:
+                answer = hooks.coordination_get(f"{key}/{other}", preemption.ACK_TIMEOUT_SECONDS)
+            except TimeoutError:
+                continue  # a worker that died: TensorFlow notices it at the first step
+            if answer:
+                raise ValueError(answer)
+        return
+    chief = hooks.coordination_get(key, preemption.ACK_TIMEOUT_SECONDS * 3)
+    problem = ""
+    if chief != mine:
+        def say(text):
+            found = json.loads(text)
+            if found["at"] is None:
+                return "no backup" if found["weights"] is None else f"{found['weights']}"
+            epoch, batches, _ = found["at"]
+            return f"{found['weights']} (epoch {epoch}, after {batches} batches)"
+
+        problem = (
+            f"Worker {index} restored {say(mine)} from {backup_dir!r}, but the "
+            f"chief restored {say(chief)}: the workers would start from "
+            "different weights and steps. `backup_dir` must be one directory "
+            "every worker reads (a shared file system, or a cloud bucket "
+            "path), not a local path on each machine."
+        )
+    hooks.coordination_set(f"{key}/{index}", problem)
+    if problem:
+        raise ValueError(problem)
 
 
 def _seed_states(model):

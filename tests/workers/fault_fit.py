@@ -12,7 +12,11 @@ Run by `keras_gradboost.launch` with `out_dir` and a list of
   writes `<case>-worker<i>.npz` with its final weights and the optimizer's
   iterations;
 * `midwindow` (no backup): every worker calls `save_weights` in the middle
-  of a window, and writes the error it got to `midwindow-worker<i>.txt`.
+  of a window, and writes the error it got to `midwindow-worker<i>.txt`;
+* `split:interrupt` and `split:resume`: each worker has a `backup_dir` of
+  its own (not shared); the first fit() raises on every worker at
+  `SPLIT_AT` (only the chief's directory gets a backup), the second one
+  restores: every worker writes the error it got to `split-worker<i>.txt`.
 
 Each case's data is the regression data of tests/workers/exact_fit.py,
 batched with the global batch size and sharded with AutoShardPolicy.DATA
@@ -31,6 +35,7 @@ import exact_fit  # noqa: E402
 
 EPOCHS = 2
 KILL_AT = (1, 5)  # after the backup at (1, 3): mid-epoch
+SPLIT_AT = (0, 4)  # after the backup of 4 batches (save_freq=2)
 TERM_AT = (1, 1)  # the agreed step is (1, 2): mid-window for k=4
 # name: (accumulate_steps, BackupAndRestore kwargs)
 CASES = {
@@ -43,7 +48,7 @@ CASES = {
 class _At:
     """At the end of batch `at` of its epoch, calls `action` on worker 1."""
 
-    def __init__(self, at, action, index):
+    def __init__(self, at, action, index, every_worker=False):
         import keras
 
         class At(keras.callbacks.Callback):
@@ -51,7 +56,7 @@ class _At:
                 self.epoch = epoch
 
             def on_train_batch_end(self, batch, logs=None):
-                if (self.epoch, batch) == at and index == 1:
+                if (self.epoch, batch) == at and (index == 1 or every_worker):
                     print("worker 1 at", at, flush=True)
                     action()
 
@@ -89,6 +94,30 @@ def _save_mid_window(m, out_dir, index):
     m.fit(exact_fit.dataset("dense"), epochs=1, verbose=0, callbacks=[SaveAfterOneBatch()])
 
 
+def _split(m, out_dir, index, phase):
+    """Backups in a directory of each worker's own."""
+    from keras_gradboost.callbacks import BackupAndRestore
+
+    backup = BackupAndRestore(os.path.join(out_dir, f"split-{index}"), save_freq=2)
+    if phase == "interrupt":
+        def stop():
+            raise RuntimeError("interrupted")
+
+        callbacks = [backup, _At(SPLIT_AT, stop, index, every_worker=True).callback]
+        try:
+            m.fit(exact_fit.dataset("dense"), epochs=EPOCHS, verbose=0, callbacks=callbacks)
+        except RuntimeError:
+            pass
+        return
+    try:
+        m.fit(exact_fit.dataset("dense"), epochs=EPOCHS, verbose=0, callbacks=[backup])
+        error = "trained"
+    except ValueError as e:
+        error = str(e)
+    with open(os.path.join(out_dir, f"split-worker{index}.txt"), "w") as f:
+        f.write(error)
+
+
 def main(out_dir, jobs):
     import tensorflow as tf
 
@@ -98,6 +127,9 @@ def main(out_dir, jobs):
 
     for job in jobs:
         name, phase = job.split(":")
+        if name == "split":
+            _split(model(strategy, 1), out_dir, index, phase)
+            continue
         k, kwargs = CASES[name]
         m = model(strategy, k)
         if phase == "midwindow":
