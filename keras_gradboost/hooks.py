@@ -430,6 +430,14 @@ def advance_stream(epoch_iterator, batches):
     epoch_iterator._steps_seen += int(batches)
 
 
+def symbolic_build(model, batch):
+    """Builds what Keras builds at the first trace of a model's train
+    function (its compiled metrics and loss), from the shapes of one `batch`
+    of its data (`(x, y)` or `(x, y, sample_weight)`): Keras' private
+    `_symbolic_build`, which `fit()` runs itself only under a strategy."""
+    model._symbolic_build(data_batch=batch)
+
+
 def _eager_context():
     from tensorflow.python.eager import context
 

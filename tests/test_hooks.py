@@ -169,3 +169,11 @@ def test_the_fit_epoch_iterator_says_where_the_data_iterator_is():
     # 2 more counted as drawn: epoch 1 ends the data, epoch 2 starts it again.
     model.fit(data, steps_per_epoch=3, epochs=3, callbacks=[Look(advance=2)], **fit)
     assert seen == [3, 4, 5, 6, 7, 8, 1, 2, 3]
+
+
+def test_symbolic_build_builds_the_compiled_metrics_from_one_batch():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse", metrics=["mae"])
+    before = len(model.metrics_variables)  # the loss tracker's only
+    hooks.symbolic_build(model, (np.zeros((4, 2), "float32"), np.zeros((4, 1), "float32")))
+    assert len(model.metrics_variables) == before + 2  # mae's total and count

@@ -106,8 +106,9 @@ class BackupAndRestore(RunGate):
     and the restarted `fit()` draws as many before it trains, so it resumes
     at the same place in the data; a restart with or without
     `steps_per_epoch` where the interrupted `fit()` had the other is
-    refused. The metrics logged for a resumed epoch are over the batches
-    trained after the resume.
+    refused. The metrics of a resumed epoch go on from the backup's, so
+    they cover the whole epoch as uninterrupted; under several workers
+    they cover the batches trained after the resume.
 
     Args:
         backup_dir: the directory of the backup (created when needed).
@@ -214,6 +215,7 @@ class BackupAndRestore(RunGate):
         # Keras' epoch iterator of this fit(): where its data iterator is.
         self._epoch_iterator = hooks.fit_epoch_iterator(model)
         self._restored_file = None
+        self._metric_states = None  # to put back at the resumed epoch's start
         restored = self._restore()
         if self._several_workers:
             _agree_on_restore(strategy, self.backup_dir, restored, self._restored_file)
@@ -355,9 +357,11 @@ class BackupAndRestore(RunGate):
         if not self._in_run("train"):  # not this callback's fit(): one that raised
             self._cleanup()
             return train_function(iterator)
+        first = None
         if self._stream_left > 0:
             for _ in range(self._stream_left):
-                if not _draw(iterator):
+                first = _draw(iterator)
+                if first is None:
                     raise ValueError(
                         f"The backup in {self.backup_dir!r} was taken after the "
                         "data iterator had given more batches than this fit()'s "
@@ -367,17 +371,20 @@ class BackupAndRestore(RunGate):
             hooks.advance_stream(self._epoch_iterator, self._stream_left)
             self._stream_left = 0
         if self._skip_left <= 0:
-            if self._undo_skip is not None:
-                self._stop_skipping()
+            self._stop_skipping()
             return train_function(iterator)
         count = min(int(self.model.steps_per_execution), self._skip_left)
         for drawn in range(count):
-            if not _draw(iterator):
+            batch = _draw(iterator)
+            first = batch if first is None else first
+            if batch is None:
                 if drawn and count == self._skip_left:
                     # A backup after the short last chunk of an epoch of
                     # unknown length (Keras numbered it as a whole chunk):
                     # the epoch ends here, as Keras' function ends it.
                     self._skip_left = 0
+                    if self._metric_states is not None:
+                        self._restore_metric_states(first)
                     raise StopIteration
                 raise ValueError(
                     f"The backup in {self.backup_dir!r} was taken after "
@@ -387,7 +394,31 @@ class BackupAndRestore(RunGate):
                 )
         self._skip_left -= count
         self._skipped_call = True
+        if self._metric_states is not None:  # (Keras reset them at the epoch's start)
+            self._restore_metric_states(first)
         return {}
+
+    def _restore_metric_states(self, batch):
+        """Puts the backup's metric states in, at the resumed epoch's first
+        call: the epoch's logs cover every batch of the epoch, as
+        uninterrupted. Keras builds a model's compiled metrics at the first
+        trace when no strategy is set: they are built here first, from the
+        shapes of `batch` (one the skipping drew)."""
+        states, self._metric_states = self._metric_states, None
+        model = self.model
+        if len(states) != len(model.metrics_variables) and batch is not None:
+            hooks.symbolic_build(model, batch)
+        variables = model.metrics_variables
+        if len(states) != len(variables):
+            warnings.warn(
+                f"The backup in {self.backup_dir!r} holds {len(states)} metric "
+                f"states, this model has {len(variables)}: the metrics of the "
+                "resumed epoch cover the batches after the resume only.",
+                stacklevel=2,
+            )
+            return
+        for variable, value in zip(variables, states):
+            variable.assign(value)
 
     def _stop_skipping(self):
         if self._undo_skip is not None:
@@ -406,6 +437,12 @@ class BackupAndRestore(RunGate):
     def _save(self):
         self._since_save = 0
         self._save_due = False
+        # The epoch's metrics so far (a resumed epoch goes on from them).
+        # Under several workers a metric's value is all-reduced when read,
+        # which only the chief does here: not kept.
+        metrics = None
+        if self._batches_done and not self._several_workers:
+            metrics = [v.numpy().tolist() for v in self.model.metrics_variables]
         if not self._chief:
             return
         tf.io.gfile.makedirs(self.backup_dir)
@@ -428,6 +465,7 @@ class BackupAndRestore(RunGate):
             # Keras' save_weights leaves out the seed generators' states:
             # without them a resumed Dropout draws the masks of epoch 0.
             "seed_states": [v.numpy().tolist() for v in seeds],
+            "metric_states": metrics,
         }
         kept = {name}
         if self.double_checkpoint and tf.io.gfile.exists(self._metadata_path):
@@ -483,6 +521,7 @@ class BackupAndRestore(RunGate):
                 "other values than the interrupted fit would have).",
                 stacklevel=3,
             )
+        self._metric_states = metadata.get("metric_states")
         if "batches_done" in metadata:
             batches = int(metadata["batches_done"])
         else:  # Keras' own callback: "batch" is the last batch seen, 0 at an epoch's end
@@ -594,14 +633,14 @@ def _check_save_freq(value):
 
 
 def _draw(iterator):
-    """Draws one batch from a train function's iterator; False at its end."""
+    """Draws one batch from a train function's iterator; None at its end."""
     if hasattr(iterator, "get_next_as_optional"):
-        return bool(iterator.get_next_as_optional().has_value())
+        optional = iterator.get_next_as_optional()
+        return optional.get_value() if bool(optional.has_value()) else None
     try:
-        next(iterator)
+        return next(iterator)
     except (StopIteration, tf.errors.OutOfRangeError):
-        return False
-    return True
+        return None
 
 
 def _read(path):

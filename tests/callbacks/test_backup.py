@@ -31,12 +31,13 @@ def _model(kind, steps_per_execution=1):
     outputs = keras.layers.Dense(3)(h)
     if kind == "keras":
         model = keras.Model(inputs, outputs)
-        model.compile(keras.optimizers.Adam(0.01), "mse", steps_per_execution=steps_per_execution)
+        model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"],
+                      steps_per_execution=steps_per_execution)
     else:  # accumulate 4: every backup below is taken mid-window
         model = GradBoostModel(inputs, outputs)
         model.compile(
-            keras.optimizers.Adam(0.01), "mse", steps_per_execution=steps_per_execution,
-            accumulate_steps=4, loss_scale="dynamic",
+            keras.optimizers.Adam(0.01), "mse", metrics=["mae"],
+            steps_per_execution=steps_per_execution, accumulate_steps=4, loss_scale="dynamic",
         )
     return model
 
@@ -82,7 +83,7 @@ def _metadata(backup_dir):
 )
 def test_a_mid_epoch_backup_resumes_exactly(tmp_path, kind, steps_per_execution):
     never = _model(kind, steps_per_execution)
-    _fit(never, [])
+    logs = _fit(never, []).history
     backup_dir = str(tmp_path / "backup")
     model = _model(kind, steps_per_execution)
     with pytest.raises(RuntimeError, match="interrupted"):
@@ -93,6 +94,8 @@ def test_a_mid_epoch_backup_resumes_exactly(tmp_path, kind, steps_per_execution)
     restarted = _model(kind, steps_per_execution)  # new weights: all come from the backup
     history = _fit(restarted, [BackupAndRestore(backup_dir, save_freq=6)])
     assert len(history.history["loss"]) == 1  # epoch 1 only
+    # The epoch's logs go on from the backup's metrics: over all its batches.
+    assert {k: v[-1] for k, v in history.history.items()} == {k: v[-1] for k, v in logs.items()}
     assert int(restarted.optimizer.iterations.numpy()) == int(never.optimizer.iterations.numpy())
     assert max_weight_diff(restarted, never) == 0.0
     assert not os.path.exists(backup_dir)  # completed: deleted
