@@ -55,6 +55,8 @@ class _Runtime:
         self.in_fit = False
         # (skipped_steps, checked_steps) at the last epoch end.
         self.last_health = (0, 0)
+        self.warned_uneven = False  # see `_check_even_split`
+        self.split_check = None  # its tf.function
         self.recompute_check_pending = bool(plan and plan.config.recompute_check)
         self.accumulate_check_pending = bool(plan and plan.config.accumulate_check)
         self.accumulate_check_deferred = False  # a window was not finite
@@ -687,6 +689,8 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             raise RuntimeError("Call `compile()` before training the model.")
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         n = sample_count(x)
+        if replicas > 1:  # (read at the epoch's end: `_check_even_split`)
+            rt.facts.rows_seen.assign_add(tf.cast(n, tf.int64))
         # Put back if the step is dropped as non-finite (before the forward
         # pass writes BatchNormalization's moving statistics).
         state = guard.StepState.take(self) if self._checks_steps() else None
@@ -1078,8 +1082,9 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         rt = self._gradboost
         if rt.recompute is not None:  # a budget's batch size (binds only then)
             rt.recompute.before_fit(lambda: _bind_fit_args(args, kwargs))
-        if rt.config.accumulate_steps == 1 and rt.scaler is None:
-            return super().fit(*args, **kwargs)
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        if rt.config.accumulate_steps == 1 and rt.scaler is None and replicas == 1:
+            return super().fit(*args, **kwargs)  # (nothing to do at an epoch's end)
         bound = _bind_fit_args(args, kwargs)
         callbacks = bound.get("callbacks")
         epoch_end = _EpochEnd(self)
@@ -1107,6 +1112,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
     def _epoch_end(self):
         rt = self._gradboost
         self.flush_accumulated_gradients()
+        self._check_even_split()
         if rt.scaler is None:
             return
         skipped = int(rt.facts.skipped_steps.numpy())
@@ -1121,6 +1127,58 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         )
         if message:
             warnings.warn(message, stacklevel=2)
+
+
+    def _check_even_split(self):
+        """Warns when, without accumulation, a global batch of the epoch
+        split unevenly between the replicas: its update is Keras' mean of
+        the replicas' mean gradients, not the step on the whole batch.
+
+        Every replica counts the samples it trained on; TensorFlow gives a
+        short global batch's extra rows to the first replicas, so the counts
+        differ from the first uneven split on. One max and one min over the
+        replicas per epoch (a collective under several workers, run by
+        every worker at its epoch's end, the same point); once warned, not
+        checked again."""
+        rt = self._gradboost
+        strategy = self.distribute_strategy
+        if (
+            strategy.num_replicas_in_sync == 1
+            or rt.config.accumulate_steps != 1
+            or rt.warned_uneven
+        ):
+            return
+        if rt.split_check is None:
+            rows = rt.facts.rows_seen
+            add = tf.distribute.ReduceOp.SUM  # (a strategy reduces by SUM or MEAN only)
+
+            def first_replicas():
+                first = tf.distribute.get_replica_context().replica_id_in_sync_group == 0
+                return tf.where(first, rows.read_value(), tf.zeros_like(rows))
+
+            def fewer(first):
+                return tf.cast(rows.read_value() != first, tf.int64)
+
+            def replicas_with_fewer():
+                first = strategy.reduce(add, strategy.run(first_replicas), axis=None)
+                return strategy.reduce(add, strategy.run(fewer, args=(first,)), axis=None)
+
+            rt.split_check = tf.function(replicas_with_fewer, autograph=False)
+        others = rt.split_check()
+        if int(others) == 0:
+            return
+        rt.warned_uneven = True  # once per compile()
+        warnings.warn(
+            "A global batch of this epoch split unevenly between the "
+            f"{strategy.num_replicas_in_sync} replicas ({int(others)} of them "
+            "have trained on fewer samples than the first): with accumulate_steps=1 its "
+            "update is Keras' mean of the replicas' mean gradients, not the step "
+            "on the whole batch (the README measures 0.045 of an update off for "
+            "5 + 4 rows). Make the dataset size a multiple of the global batch "
+            "size, batch with drop_remainder=True, or compile with "
+            "accumulate_steps >= 2 (weighted by samples: exact).",
+            stacklevel=2,
+        )
 
 
 @keras.saving.register_keras_serializable(package="keras_gradboost")

@@ -64,6 +64,9 @@ class StepFacts:
             dynamic loss scale; with one, those whose unscaled loss was
             non-finite or that overflowed at the floor scale (the scale's
             ordinary overflows while it searches are not counted).
+        rows_seen: int64 variable: samples this replica trained on, since
+            `compile()` (under a strategy of several replicas; their
+            difference says that a global batch split unevenly).
         none_gradient_variables: tuple of the paths of trainable variables that
             got a `None` gradient when the step was last traced.
         checks_gradients: whether the traced step checks gradients for
@@ -82,6 +85,7 @@ class StepFacts:
         self.skipped_steps = replica_local_variable(0, "skipped_steps", tf.int64)
         self.checked_steps = replica_local_variable(0, "checked_steps", tf.int64)
         self.nonfinite_steps = replica_local_variable(0, "nonfinite_steps", tf.int64)
+        self.rows_seen = replica_local_variable(0, "rows_seen", tf.int64)
         self.none_gradient_variables = ()
         self.checks_gradients = False
         self.watch = None

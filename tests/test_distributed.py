@@ -181,3 +181,24 @@ def test_mirrored_recompute_equals_no_recompute():
     assert models["auto"].recompute_plan().recomputed == ["res_0", "res_1", "res_2"]
     for a, b in zip(models[None].variables, models["auto"].variables):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, err_msg=a.path)
+
+
+@pytest.mark.parametrize("samples, uneven", [(18, False), (19, True)])
+def test_an_uneven_split_without_accumulation_warns(samples, uneven):
+    """Global batches of 4 on 2 replicas: the last of 18 samples is 1 + 1
+    rows (even, exact), the last of 19 is 2 + 1 (not the large-batch step)."""
+    import warnings
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(samples, 5)).astype("float32")
+    y = rng.normal(size=(samples, 3)).astype("float32")
+    with _strategy().scope():
+        model = small_model(GradBoostModel)
+        model.compile(optimizer="sgd", loss="mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    said = [str(w.message) for w in caught if "split unevenly" in str(w.message)]
+    assert len(said) == (1 if uneven else 0), said  # once, not every epoch
+    if uneven:
+        assert "1 of them" in said[0] and "accumulate_steps >= 2" in said[0]
