@@ -6,7 +6,8 @@ after it equal one process's; GradientAuditor names the same cut variables
 on each worker and RetraceCounter counts the same traces; StepTimeMonitor
 times each worker's own steps and only the chief writes TensorBoard's
 `log_dir`; NaNWatcher's dumps are one file per worker (each holds its own
-part of the bad batch)."""
+part of the bad batch). With `action="warn"` every worker drops the bad
+micro-batch and goes on, as one process does."""
 
 import io
 import json
@@ -57,3 +58,15 @@ def test_callbacks_agree_across_workers_and_with_one_process(tmp_path):
     ], dumps
     x_parts = [np.load(tmp_path / "dumps" / d)["arr_0"] for d in dumps]
     assert [bool(np.isnan(p).any()) for p in x_parts] == [False, True] * 2
+    # NaNWatcher(action="warn"): every worker drops the bad micro-batch and
+    # goes on, as one process does.
+    weights, report = cf.run(tf.distribute.get_strategy(), str(tmp_path / "one-warn"),
+                             shard=False, action="warn")
+    assert report["nan_events"] == [[0, 3, "warned"], [1, 3, "warned"]], report
+    for i in range(WORKERS):
+        saved = np.load(tmp_path / f"warn-worker{i}.npz")
+        got = json.loads(str(saved["report"]))
+        assert got["nan_events"] == report["nan_events"] and got["iterations"] == report["iterations"]
+        final = [saved[f"arr_{j}"] for j in range(len(weights))]
+        diff = max(float(np.max(np.abs(f - w))) for f, w in zip(final, weights))
+        assert diff <= 1e-5 * update, (i, diff)

@@ -4,7 +4,8 @@ part of one global batch, a variable whose gradient is cut.
 
 Run by `keras_gradboost.launch` with the output directory as argument. Each
 worker writes `callbacks-worker<i>.npz`: its final weights, the optimizer's
-iterations, what each callback reported. `run(strategy, out_dir)` is also
+iterations, what each callback reported; then the same with
+`NaNWatcher(action="warn")` (in `<out_dir>/warn`), `warn-worker<i>.npz`. `run(strategy, out_dir)` is also
 called by the test in its own process (the default strategy, no sharding)
 for the single-process reference.
 """
@@ -58,7 +59,7 @@ def build():
     return model
 
 
-def run(strategy, out_dir, index=0, shard=True):
+def run(strategy, out_dir, index=0, shard=True, action="restore"):
     from keras_gradboost.callbacks import GradientAuditor
     from keras_gradboost.callbacks import NaNWatcher
     from keras_gradboost.callbacks import RetraceCounter
@@ -66,7 +67,7 @@ def run(strategy, out_dir, index=0, shard=True):
 
     with strategy.scope():
         model = build()
-    watcher = NaNWatcher(action="restore", dump_dir=os.path.join(out_dir, "dumps"), verbose=0)
+    watcher = NaNWatcher(action=action, dump_dir=os.path.join(out_dir, "dumps"), verbose=0)
     monitor = StepTimeMonitor(window=2, log_dir=os.path.join(out_dir, "tensorboard"))
     counter = RetraceCounter()
     auditor = GradientAuditor(on_missing="ignore")
@@ -87,9 +88,11 @@ def main(out_dir):
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-    weights, report = run(strategy, out_dir, index)
-    np.savez(os.path.join(out_dir, f"callbacks-worker{index}.npz"), *weights,
-             report=np.array(json.dumps(report)))
+    for action, name in (("restore", "callbacks"), ("warn", "warn")):
+        where = out_dir if action == "restore" else os.path.join(out_dir, action)
+        weights, report = run(strategy, where, index, action=action)
+        np.savez(os.path.join(out_dir, f"{name}-worker{index}.npz"), *weights,
+                 report=np.array(json.dumps(report)))
 
 
 if __name__ == "__main__":
