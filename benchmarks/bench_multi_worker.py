@@ -1,5 +1,6 @@
 """Multi-worker benchmark: what accumulate_steps=4 saves under
-MultiWorkerMirroredStrategy, two workers on 127.0.0.1.
+MultiWorkerMirroredStrategy, two workers on 127.0.0.1, and under
+MirroredStrategy over two logical CPU devices of one process.
 
 `keras_gradboost.launch` starts two worker processes (benchmarks/mw_worker.py,
 one CPU thread each) that fit GradBoostModel's MLP 784-1024-1024-10 (1.86M
@@ -26,6 +27,7 @@ run), `--quick` under one.
 
     python benchmarks/bench_multi_worker.py [--pairs 20] [--steps 16]
         [--count-steps 100] [--batch 256] [--quick]
+        [--strategy both|multi_worker|mirrored]
 """
 
 import argparse
@@ -73,6 +75,9 @@ def _parser():
     parser.add_argument("--batch", type=int, default=256, help="global batch size")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the job")
     parser.add_argument("--quick", action="store_true", help="a tiny run, to check the set-up")
+    parser.add_argument("--strategy", choices=("both", "multi_worker", "mirrored"),
+                        default="both",
+                        help="2 workers, 2 logical devices in one process, or both")
     return parser
 
 
@@ -110,6 +115,24 @@ def run_job(settings, timeout):
     return results
 
 
+def run_mirrored(settings, timeout):
+    """Runs mw_worker.py as one process with MirroredStrategy over two
+    logical CPU devices (one intra-op thread, two inter-op: each replica's
+    ops side by side, as the two one-thread workers); returns its result."""
+    import subprocess
+
+    env = dict(_env(), TF_NUM_INTEROP_THREADS="2")
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run(
+            [sys.executable, str(WORKER), tmp, json.dumps(dict(settings, strategy="mirrored"))],
+            env=env, timeout=timeout, stdout=sys.stderr, stderr=sys.stderr,
+        )
+        if done.returncode:
+            sys.exit(f"the MirroredStrategy process exited with {done.returncode}")
+        with open(os.path.join(tmp, "worker0.json")) as f:
+            return [json.load(f)]
+
+
 def megabytes(n):
     return f"{n / 1e6:.2f} MB"
 
@@ -122,19 +145,25 @@ def main(argv=None):
     _check(parser, args)
     settings = {"batch": args.batch, "count_steps": args.count_steps,
                 "steps": args.steps, "pairs": args.pairs}
-    results = run_job(settings, args.timeout)
+    print(f"TF {tf.__version__}, Keras {keras.__version__}, {os.cpu_count()} CPUs; "
+          f"MLP 784-1024-1024-10 (float32), global batch {args.batch}, Adam")
+    if args.strategy in ("both", "multi_worker"):
+        report(run_job(settings, args.timeout), args,
+               f"MultiWorkerMirroredStrategy, {WORKERS} workers on 127.0.0.1, 1 thread each")
+    if args.strategy in ("both", "mirrored"):
+        report(run_mirrored(settings, args.timeout), args,
+               "MirroredStrategy, 2 logical CPU devices in one process")
+
+
+def report(results, args, title):
+    """Prints one strategy's tables."""
     first = results[0]
     counts = first["counts"]
     if any(r["counts"] != counts for r in results[1:]):
         sys.exit(f"the workers counted differently: {[r['counts'] for r in results]}")
     n = args.count_steps
-    print(
-        f"TF {tf.__version__}, Keras {keras.__version__}, {os.cpu_count()} CPUs; "
-        "MultiWorkerMirroredStrategy, "
-        f"{WORKERS} workers on 127.0.0.1, {first['replicas']} replicas, 1 thread each; "
-        f"MLP 784-1024-1024-10 ({first['parameters']:,} parameters, float32), "
-        f"global batch {args.batch}, Adam"
-    )
+    print(f"\n== {title}: {first['replicas']} replicas, "
+          f"{first['parameters']:,} parameters")
     k1, k4 = counts["k1"], counts["k4"]
     rows = [
         (f"gradient all-reduces per {n} micro-batches",
@@ -148,11 +177,11 @@ def main(argv=None):
         (f"bytes all-reduced per {n} micro-batches", megabytes(k1["gradient_bytes"]),
          megabytes(k4["gradient_bytes"]), k4["gradient_bytes"] / k1["gradient_bytes"]),
     ]
-    print("\nCommunication (counted in the graph, the same on every worker)")
+    print("Communication (counted in the graph per replica, the same on every worker)")
     print(f"  {'':<40} {'k=1':>10} {f'k={K}':>10}  k={K} / k=1")
     for label, a, b, r in rows:
         print(f"  {label:<40} {a:>10} {b:>10}  {'' if r is None else f'{r:.3f}x'}".rstrip())
-    print(f"\nTime per micro-batch, worker 0: median of {args.pairs} alternating pairs of "
+    print(f"Time per micro-batch, worker 0: median of {args.pairs} alternating pairs of "
           f"{args.steps}-micro-batch fits, bootstrap 95% CI")
     for label, key in ((f"k={K} / k=1", "k4"), ("A/A: k=1 / k=1", "aa")):
         times = first["times"][key]

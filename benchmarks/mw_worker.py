@@ -4,7 +4,8 @@ accumulate_steps 1 and 4.
 
 Run by `keras_gradboost.launch` (which sets TF_CONFIG) with two arguments:
 the output directory and the settings as JSON (`batch`, `count_steps`,
-`steps`, `pairs`). Each worker writes `worker<index>.json`:
+`steps`, `pairs`; `"strategy": "mirrored"` runs one process instead,
+MirroredStrategy over two logical CPU devices). Each worker writes `worker<index>.json`:
 
 - `counts`: per `accumulate_steps`, the gradient all-reduces, their bytes
   and the updates in one fit of `count_steps` micro-batches (the first fit
@@ -71,12 +72,25 @@ def count_all_reduces(tf):
     return counters
 
 
+def _strategy(tf, settings):
+    """MultiWorkerMirroredStrategy (this worker's index from TF_CONFIG), or,
+    with `settings["strategy"] == "mirrored"`, MirroredStrategy over two
+    logical CPU devices of this one process (index 0)."""
+    if settings.get("strategy") == "mirrored":
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+        )
+        return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), 0
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    return strategy, json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+
+
 def main(out_dir, settings):
     # The strategy first: it configures the collectives before any op runs.
     import tensorflow as tf
 
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    strategy, index = _strategy(tf, settings)
     import keras
     from fit_rounds import paired
     from keras_gradboost import zoo
@@ -102,7 +116,11 @@ def main(out_dir, settings):
         for variable in counters.values():
             variable.assign(0)
         models[name].fit(ds, steps_per_epoch=settings["count_steps"], epochs=1, verbose=0)
-        counts[name] = {key: int(v.numpy()) for key, v in counters.items()}
+        # Each worker process counts its own replicas' calls: under
+        # MirroredStrategy one process holds every replica, each calling the
+        # all-reduce once per update.
+        local_replicas = 1 if settings.get("strategy") != "mirrored" else strategy.num_replicas_in_sync
+        counts[name] = {key: int(v.numpy()) // local_replicas for key, v in counters.items()}
         counts[name]["updates"] = int(models[name].optimizer.iterations.numpy())
         print(name, counts[name], flush=True)
     times = paired(

@@ -65,9 +65,15 @@ ENTRIES = {
         ["--steps", "4", "--rounds", "3"],
     ),
     "multi_worker": (
-        "MultiWorkerMirroredStrategy, 2 workers: all-reduces, bytes, step time of k=4 vs k=1",
+        "MultiWorkerMirroredStrategy (2 workers) and MirroredStrategy (2 logical "
+        "devices): all-reduces, bytes, step time of k=4 vs k=1",
         ["benchmarks/bench_multi_worker.py"],
         ["--quick"],
+    ),
+    "faults": (
+        "2 workers: time to notice a killed worker, time to resume from a backup",
+        ["benchmarks/bench_faults.py"],
+        ["--rounds", "1"],
     ),
     "compare": (
         "keras-gradboost compare, default run",
