@@ -101,6 +101,28 @@ def test_a_mid_epoch_backup_resumes_exactly(tmp_path, kind, steps_per_execution)
     assert not os.path.exists(backup_dir)  # completed: deleted
 
 
+def test_a_resumed_epoch_logs_as_uninterrupted_under_mirrored_strategy(tmp_path):
+    """The metrics' states are sums over the replicas (read summed, put back
+    spread over them): the resumed epoch's logs are the uninterrupted ones."""
+    from conftest import shared_mirrored_strategy
+
+    def model():
+        with shared_mirrored_strategy().scope():
+            return _model("keras")
+
+    never = model()
+    logs = _fit(never, []).history
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(model(), [BackupAndRestore(backup_dir, save_freq=6), _At(1, 9, _interrupt)])
+    restarted = model()
+    history = _fit(restarted, [BackupAndRestore(backup_dir, save_freq=6)])
+    assert {k: v[-1] for k, v in history.history.items()} == pytest.approx(
+        {k: v[-1] for k, v in logs.items()}, rel=1e-6
+    )
+    assert max_weight_diff(restarted, never) == 0.0
+
+
 def test_a_backup_mid_window_keeps_the_window(tmp_path):
     never = _model("gradboost")
     _fit(never, [])
