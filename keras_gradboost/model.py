@@ -219,14 +219,19 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 Dropout masks and BatchNormalization statistics (moving
                 statistics are updated once). `None` (off); a list of layer
                 names or glob patterns (`["encoder_*", "res_block_3"]`),
-                nested layers included; `"auto"`: every block (a layer that
-                holds layers; a stack of them is split into its members), or,
-                for a functional model without such layers, about sqrt(n)
-                segments of its layer graph cut where one tensor carries
-                everything; `{"budget_mb": N}`: the fewest of the "auto"
-                candidates (best saving per extra compute first) whose
-                estimated activation memory fits N MiB at the training batch
-                size (add `"batch_size": B` when batches have no fixed size).
+                nested layers included; `"auto"`: at the first training
+                batch, the plan with the lowest estimated activation memory
+                among two kinds, every block (a layer that holds layers; a
+                stack of them is split into its members), and segmentations
+                of a functional model's layer graph cut where one tensor
+                carries everything (about 2..n segments, sqrt(n) among
+                them), when it saves at least 10% (else nothing is
+                recomputed, with a warning; with batches of no fixed size,
+                the blocks, else about sqrt(n) segments); `{"budget_mb": N}`:
+                among the plans of both kinds, the cheapest to recompute
+                whose estimated activation memory fits N MiB at the training
+                batch size (add `"batch_size": B` when batches have no fixed
+                size).
                 See `recompute_plan()`. Defaults to `None`.
             recompute_check: if True, the first training batch is run once
                 without recompute and once with each block recomputed, and a

@@ -19,6 +19,7 @@ idea:
 """
 
 from keras_gradboost.recompute.budget import Candidate
+from keras_gradboost.recompute.budget import auto_choice
 from keras_gradboost.recompute.budget import budget_choice
 from keras_gradboost.recompute.budget import candidates
 from keras_gradboost.recompute.budget import groups_of
@@ -34,6 +35,7 @@ from keras_gradboost.recompute.choice import cut_points
 from keras_gradboost.recompute.choice import match_blocks
 from keras_gradboost.recompute.choice import nested_blocks
 from keras_gradboost.recompute.choice import segment_layouts
+from keras_gradboost.recompute.choice import search_families
 from keras_gradboost.recompute.choice import segments
 from keras_gradboost.recompute.estimates import MIB
 from keras_gradboost.recompute.estimates import BlockEstimate

@@ -135,3 +135,15 @@ def budget_choice(budget_bytes, found):
     if fitting:
         return min(fitting, key=lambda c: (c.flops, c.bytes, len(c.chosen))), True
     return min(found, key=lambda c: (c.bytes, c.flops, len(c.chosen))), False
+
+
+def auto_choice(total, found, min_saving=0.1):
+    """The plan "auto" takes: the lowest estimate (then the cheapest to
+    recompute, then the fewest blocks) among the `found` candidates that
+    recompute something, when it saves at least `min_saving` of `total`;
+    else recomputing nothing (`found[0]`)."""
+    plans = [c for c in found if c.chosen]
+    best = min(plans, key=lambda c: (c.bytes, c.flops, len(c.chosen)), default=None)
+    if best is None or best.bytes > (1.0 - min_saving) * total:
+        return found[0]
+    return best

@@ -260,3 +260,31 @@ def budget_candidates(model):
     if not layers and not pieces:
         choose(model, "auto")  # raises the "nothing to recompute" error
     return layers, pieces
+
+
+def search_families(model):
+    """The kinds of plan "auto" and a budget choose among, each estimated
+    from its own trace: the nested blocks "auto" would recompute (if any),
+    and a segment between every two cut points of a functional model's
+    graph (if it has any), whose coarser segmentations the search merges.
+    A model whose nested blocks are few or small beside the flat graph
+    around them (ConvNeXt's 18 blocks sit inline between 4 nested
+    `Sequential`s) is served by the second.
+
+    Returns:
+        A list of `(layers, segments)` pairs, one of each pair empty.
+
+    Raises:
+        ValueError: there is neither.
+    """
+    families = []
+    layers = auto_layer_blocks(model)
+    if layers:
+        families.append((layers, []))
+    if hooks.is_functional(model):
+        _, cuts = cut_points(model)
+        if cuts:
+            families.append(([], segments(model, cuts=cuts)))
+    if not families:
+        choose(model, "auto")  # raises the "nothing to recompute" error
+    return families

@@ -15,6 +15,7 @@ Its lifecycle, each step one method the model calls:
 """
 
 import copy
+import dataclasses
 import warnings
 
 import keras
@@ -23,12 +24,13 @@ import tensorflow as tf
 from keras_gradboost import hooks
 from keras_gradboost.recompute import mechanism
 from keras_gradboost.recompute.check import check as check_gradients
+from keras_gradboost.recompute.budget import auto_choice
 from keras_gradboost.recompute.budget import budget_choice
 from keras_gradboost.recompute.budget import candidates
 from keras_gradboost.recompute.budget import groups_of
 from keras_gradboost.recompute.budget import merge
-from keras_gradboost.recompute.choice import budget_candidates
 from keras_gradboost.recompute.choice import choose
+from keras_gradboost.recompute.choice import search_families
 from keras_gradboost.recompute.choice import segment_layouts
 from keras_gradboost.recompute.choice import segments
 from keras_gradboost.recompute.estimates import MIB
@@ -36,6 +38,12 @@ from keras_gradboost.recompute.estimates import BlockEstimate
 from keras_gradboost.recompute.estimates import RecomputePlan
 from keras_gradboost.recompute.estimates import estimate
 from keras_gradboost.recompute.estimates import plan_bytes
+
+# "auto" recomputes only where its best plan is estimated to save at least
+# this share of the activation memory: the estimates leave out the
+# recompute's own temporaries, and a plan estimated to save a few percent
+# measured more memory than none (the keras.io text Transformer: 1.06x).
+MIN_AUTO_SAVING = 0.1
 
 
 class RecomputeSetup:
@@ -53,6 +61,7 @@ class RecomputeSetup:
     def __init__(self, model, setting):
         self.setting = setting
         self.budget = isinstance(setting, dict)
+        self.auto = setting == "auto"
         self.batch_hint = setting.get("batch_size") if self.budget else None
         self.input_spec = None  # per-example specs, seen at the first trace
         self.layers, self.segments = [], []
@@ -65,7 +74,10 @@ class RecomputeSetup:
             self.chosen = set(self.keys) - {
                 i for i, s in enumerate(self.segments) if s.last
             }
-        self.pending = self.budget
+        # A budget, and "auto", choose at the first traced batch, from the
+        # estimates at its batch size ("auto" keeps the choice above when
+        # the batches have no fixed size).
+        self.pending = self.budget or self.auto
 
     @property
     def keys(self):
@@ -94,7 +106,7 @@ class RecomputeSetup:
             fit_args: a function returning `fit`'s arguments as a dict; called
                 only then.
         """
-        if self.pending and self.batch_hint is None:
+        if self.budget and self.pending and self.batch_hint is None:
             self.batch_hint = batch_size_hint(fit_args())
 
     def prepare(self, model, x):
@@ -102,7 +114,7 @@ class RecomputeSetup:
         batch `x`: a budget's choice, or else the input specs. Call it
         outside any tape, before `forward`."""
         if self.pending:
-            self.resolve_budget(model, x)
+            self.resolve(model, x)
         elif self.input_spec is None:
             self.observe(x)
 
@@ -116,7 +128,7 @@ class RecomputeSetup:
         """
         if self.pending:
             x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
-            self.resolve_budget(model, x)
+            self.resolve(model, x)
         check_gradients(model, self, batch)
 
     def start_measuring(self):
@@ -195,8 +207,14 @@ class RecomputeSetup:
             model, lambda v, p: self.forward(model, v, probe=p), spec, self.keys
         )
 
-    def resolve_budget(self, model, x):
-        """Chooses the blocks for `{"budget_mb": N}` (at the first trace).
+    def resolve(self, model, x):
+        """Chooses the blocks of "auto" or `{"budget_mb": N}` (at the first
+        trace).
+
+        "auto" takes the plan with the lowest estimated peak among those of
+        both kinds (`search`), when it saves at least `MIN_AUTO_SAVING` of
+        the activation memory, and else recomputes nothing (with a
+        warning); a budget takes the cheapest to recompute that fits.
 
         Args:
             model: the model.
@@ -205,21 +223,42 @@ class RecomputeSetup:
         self.observe(x)
         spec = self._spec(model, self.batch_hint)
         if spec is None:
+            if self.auto:  # no fixed batch size: the compile-time choice
+                self.pending = False
+                return
             raise ValueError(
                 f"recompute={self.setting!r} needs the batch size to estimate "
                 "activation memory, and the training batches do not have a "
                 'fixed one. Add it: recompute={"budget_mb": '
                 f'{self.setting["budget_mb"]:g}, "batch_size": B}}.'
             )
-        total, sizes, cut_sets, layouts, found = self.search(model, spec)
-        best, fits = budget_choice(self.setting["budget_mb"] * MIB, found)
-        figures = layouts[best.layout][0]
-        if self.segments:
-            self.segments = segments(model, cuts=cut_sets[best.layout])
+        total, families, layouts, found = self.search(model, spec)
+        if self.auto:
+            best = auto_choice(total, found, MIN_AUTO_SAVING)
+            fits = bool(best.chosen)
+        else:
+            best, fits = budget_choice(self.setting["budget_mb"] * MIB, found)
+        family, cuts, figures, _ = layouts[best.layout]
+        layers, pieces, family_total, sizes = families[family]
+        self.layers = layers
+        self.segments = segments(model, cuts=cuts) if pieces else []
         self.chosen = set(best.chosen)
-        self.plan = self._plan((total, figures, sizes), self.batch_hint)
+        self.plan = self._plan((family_total, figures, sizes), self.batch_hint)
         self.pending = False
         if fits:
+            return
+        if self.auto:
+            plans = [c for c in found if c.chosen]
+            lowest = min(c.bytes for c in plans) if plans else total
+            warnings.warn(
+                f'recompute="auto": no plan of recompute is estimated to save '
+                f"{MIN_AUTO_SAVING:.0%} of the activation memory at batch size "
+                f"{self.batch_hint} (without recompute ~{total / MIB:.1f} MiB, "
+                f"the best plan ~{lowest / MIB:.1f} MiB): nothing is recomputed. "
+                "Lower the batch size (with accumulate_steps to keep the "
+                "effective batch) or use mixed precision to save memory.",
+                stacklevel=2,
+            )
             return
         where = (
             f"recompute={self.setting!r}: the activation memory cannot be "
@@ -245,28 +284,42 @@ class RecomputeSetup:
                 stacklevel=2,
             )
 
+    # (The name before "auto" chose at the first trace too.)
+    resolve_budget = resolve
+
     def search(self, model, spec):
-        """Takes the budget's candidate blocks, estimates them once at
-        `spec`, and lists the plans a budget chooses among (`budget`).
+        """Estimates each kind of plan "auto" and a budget choose among
+        (`choice.search_families`: the nested blocks, and the flat graph's
+        segments) once at `spec`, and lists the plans.
 
         Returns:
-            `(total, sizes, cut_sets, layouts, found)`: bytes without
-            recompute, cached tensor sizes, per layout its cut indices (None
-            for nested blocks) and `(figures, keys)`, and the `Candidate`s.
+            `(total, families, layouts, found)`: bytes without recompute;
+            per family `(layers, segments, total, sizes)`; per layout
+            `(family, cut indices or None, figures, keys)`; and the
+            `Candidate`s, whose `layout` indexes `layouts`.
         """
-        self.layers, self.segments = budget_candidates(model)
-        self.apply()
-        total, per_block, sizes = self._estimate(model, spec)
-        if self.segments:
-            all_cuts, cut_sets = segment_layouts(model)
-            layouts = []
-            for cuts in cut_sets:
-                groups = groups_of(all_cuts, cuts)
-                keys = list(range(len(groups) - 1))  # the last is never recomputed
-                layouts.append((merge(per_block, sizes, groups), keys))
-        else:
-            cut_sets, layouts = [None], [(per_block, list(self.keys))]
-        return total, sizes, cut_sets, layouts, candidates(total, layouts, sizes)
+        families, layouts, found = [], [], []
+        for layers, pieces in search_families(model):
+            self.layers, self.segments = layers, pieces
+            self.apply()
+            family_total, per_block, sizes = self._estimate(model, spec)
+            family = len(families)
+            families.append((layers, pieces, family_total, sizes))
+            mine = []
+            if pieces:
+                all_cuts, cut_sets = segment_layouts(model)
+                for cuts in cut_sets:
+                    groups = groups_of(all_cuts, cuts)
+                    keys = list(range(len(groups) - 1))  # the last is never recomputed
+                    mine.append((family, cuts, merge(per_block, sizes, groups), keys))
+            else:
+                mine.append((family, None, per_block, list(self.keys)))
+            offset = len(layouts)
+            layouts.extend(mine)
+            for c in candidates(family_total, [(f, k) for _, _, f, k in mine], sizes):
+                if c.chosen or not found:  # recomputing nothing: once
+                    found.append(dataclasses.replace(c, layout=c.layout + offset))
+        return families[0][2], families, layouts, found
 
     def _plan(self, estimated, batch_size):
         total, per_block, sizes = estimated
@@ -301,14 +354,16 @@ class RecomputeSetup:
         return plan
 
     def _report(self, model, batch_size):
-        if self.pending:  # what the budget would choose, not committed
+        if self.pending:  # what the first trace would choose, not committed
             spec = self._spec(model, batch_size)
-            if spec is None:
+            if spec is not None:
+                trial = copy.copy(self)
+                trial.batch_hint = batch_size
+                trial.resolve(model, spec)
+                return trial.plan
+            if not self.auto:
                 return RecomputePlan(setting=self.setting)
-            trial = copy.copy(self)
-            trial.batch_hint = batch_size
-            trial.resolve_budget(model, spec)
-            return trial.plan
+            # "auto" without a batch size: the blocks chosen at compile().
         if self.plan is not None and batch_size == self.plan.batch_size:
             return self.plan
         spec = self._spec(model, batch_size)

@@ -59,7 +59,7 @@ def test_budget_sweep_is_monotonic_and_never_worse_than_auto(name):
     model = build()
     model.compile(optimizer="sgd", loss="mse", recompute={"budget_mb": 1.0})
     setup = model._gradboost.recompute
-    total, _, _, _, found = setup.search(model, spec)
+    total, _, _, found = setup.search(model, spec)
     # "auto"'s plan is a candidate: merged from the fine estimate, the same
     # bytes as its own trace.
     assert auto in [c.bytes for c in found]
@@ -76,23 +76,29 @@ def test_budget_sweep_is_monotonic_and_never_worse_than_auto(name):
 
 
 def test_merged_segments_match_a_direct_estimate():
-    """Merging the every-cut segments into "auto"'s gives, block by block,
-    the figures of tracing "auto"'s segments themselves."""
+    """Merging the every-cut segments into the layout "auto" chose gives,
+    block by block, the figures of tracing those segments themselves."""
     model = flat_model()
     model.compile(optimizer="sgd", loss="mse", recompute="auto")
     direct = model.recompute_plan(batch_size=64)
     fine = recompute.RecomputeSetup(model, {"budget_mb": 1.0})
-    total, sizes, cut_sets, layouts, _ = fine.search(model, tf.TensorSpec((64, 5)))
+    total, families, layouts, _ = fine.search(model, tf.TensorSpec((64, 5)))
+    (_, _, _, sizes), = families  # no nested blocks: the segments only
     _, all_cuts = recompute.cut_points(model)
-    auto_cuts = [c for c in cut_sets if c is not None][0]  # "auto"'s first
+    names = [b.name for b in direct.blocks]
+    (chosen,) = [  # the layout "auto" chose (its segments' names)
+        i for i, (_, cuts, _, _) in enumerate(layouts)
+        if [p.name for p in recompute.segments(model, cuts=cuts)] == names
+    ][:1]
+    auto_cuts = layouts[chosen][1]
     assert len(recompute.groups_of(all_cuts, auto_cuts)) == len(direct.blocks)
-    figures = layouts[0][0]
+    figures = layouts[chosen][2]
     assert total == direct.bytes_without
     for index, block in enumerate(direct.blocks):
         assert figures[index]["cached"] == block.cached_bytes, block.name
         assert figures[index]["inputs"] == block.input_bytes, block.name
         assert figures[index]["flops"] == pytest.approx(block.recompute_flops)
-    keys = layouts[0][1]
+    keys = layouts[chosen][3]
     assert recompute.plan_bytes(total, figures, sizes, keys) == direct.bytes_with
 
 
