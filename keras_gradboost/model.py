@@ -14,6 +14,7 @@ from keras_gradboost import guard
 from keras_gradboost import hooks
 from keras_gradboost import jit_measure
 from keras_gradboost import precision as precision_lib
+from keras_gradboost import precision_measure
 from keras_gradboost import recompute as recompute_lib
 from keras_gradboost import wrappers
 from keras_gradboost.accumulate import GradientAccumulator
@@ -68,6 +69,10 @@ class _Runtime:
         self.watches = []
         self.checks_before_watch = False
         self.jit_measurement = None  # jit_measure.JitMeasurement
+        self.precision_measurement = None  # precision_measure.PrecisionMeasurement
+        # The dtype policy the layers hold now (precision="measure" switches
+        # it while it measures, then keeps the winner's).
+        self.layers_policy = plan.policy if plan else None
         # Calls of the update traced so far (a class's own train_step must
         # make one when the plan needs it).
         self.updates_traced = 0
@@ -204,7 +209,26 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 (feed int ids). See `precision.apply_policy`.
                 `"auto"` picks mixed_float16 on a GPU and, on a CPU,
                 mixed_bfloat16 when the CPU has bfloat16 instructions and XLA
-                is off, else float32.
+                is off, else float32 (a static rule: it can be wrong for a
+                given model).
+                `"measure"` times the first training calls of `fit` in
+                float32 and in the device's mixed policy (mixed_bfloat16 on a
+                CPU, mixed_float16 on a GPU), alternately, each call a real
+                step on the real batches (`precision_measure`: the first call
+                of each traces and is not timed, then
+                `precision_measure.TIMED_CALLS` timed calls of each; with
+                accumulation, a timing holds whole windows), and keeps the
+                one with the lower median, for training and for `evaluate`
+                and `predict` (see `precision_measurement`; a one-line report
+                is printed). Until then the layers hold the `"auto"` pick.
+                With a float16 candidate, `loss_scale="auto"` scales the loss
+                of both candidates (exact in float32: the scale is a power
+                of two) and keeps scaling if float32 wins. It keeps the
+                `"auto"` pick, with a warning, under `run_eagerly=True` and
+                under MultiWorkerMirroredStrategy, ParameterServerStrategy and
+                TPUStrategy (each worker would choose alone); it cannot be
+                combined with `jit_compile="measure"` (a `ValueError`). A
+                saved model measures again after loading.
                 `None` leaves the model as built. Defaults to `None`.
             loss_scale: `"auto"` (dynamic loss scaling iff some layer computes
                 in float16), `"dynamic"`, a float > 0 (a fixed scale) or `None`
@@ -245,7 +269,8 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             TypeError: if a gradboost argument or `jit_compile` has the wrong
                 type.
             ValueError: if a gradboost argument or `jit_compile` has a bad
-                value, or conflicts
+                value, `precision="measure"` comes with
+                `jit_compile="measure"`, or an argument conflicts
                 with the optimizer (its own `gradient_accumulation_steps`, or a
                 `LossScaleOptimizer` together with gradboost loss scaling or
                 accumulation) or with `auto_scale_loss=True`.
@@ -284,6 +309,13 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         if plan.jit_requested == "measure" and plan.xla_blocked:
             rt.jit_measurement = jit_measure.JitMeasurement(
                 jit_compile=False, reason=f"XLA is off: {plan.xla_blocked}"
+            )
+        if plan.precision_blocked:
+            rt.precision_measurement = precision_measure.PrecisionMeasurement(
+                policy=plan.policy,
+                mixed_policy=plan.precision_candidates[1],
+                reason=f"not measured ({plan.precision_blocked}): the static "
+                '"auto" rule\'s pick',
             )
         if plan.recompute is not None:
             plan.recompute.apply()
@@ -359,6 +391,18 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         return self._gradboost.jit_measurement
 
     @property
+    def precision_measurement(self):
+        """What `compile(precision="measure")` chose, and why.
+
+        A `precision_measure.PrecisionMeasurement` (`policy`,
+        `mixed_policy`, `float32_ms`, `mixed_ms`, `timed_calls`,
+        `calls_per_timing`, `reason`) once decided, or at `compile()` when
+        it cannot measure (`measured` is False: the static rule's pick);
+        None before, and for any other `precision`.
+        """
+        return self._gradboost.precision_measurement
+
+    @property
     def xla_blocked_reason(self):
         """Why XLA is off although `jit_compile=True` or `"measure"` asked for
         it (a layer with `supports_jit=False`, an op without an XLA kernel,
@@ -367,9 +411,10 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
 
     @property
     def dtype_policy_applied(self):
-        """The dtype policy `compile(precision=...)` set, or None."""
-        plan = self._gradboost.plan
-        return plan.policy if plan else None
+        """The dtype policy `compile(precision=...)` set on the layers, or
+        None: for `precision="measure"`, the winner once measured (before,
+        the candidate the layers hold now)."""
+        return self._gradboost.layers_policy
 
     def recompute_plan(self, batch_size=None):
         """What `compile(recompute=...)` recomputes, with memory estimates.
@@ -487,6 +532,8 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             )
         if self._measuring_jit() and (force or self.train_function is None):
             self.train_function = self._make_measuring_function()
+        elif self._measuring_precision() and (force or self.train_function is None):
+            self.train_function = self._make_precision_measuring_function()
         else:
             super().make_train_function(force=force)
         base = wrappers.base_train_function(self)
@@ -495,6 +542,9 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             # Decided by itself, or by another measuring function (a
             # NaNWatcher's guarded one): keep only the choice.
             self._keep_choice(base, base.functions[decided.jit_compile])
+        decided = rt.precision_measurement
+        if isinstance(base, precision_measure.MeasuringTrainFunction) and decided:
+            self._keep_choice(base, base.functions[decided.policy])
         checks_pending = rt.recompute_check_pending or rt.accumulate_check_pending
         if checks_pending and not self._check_wrapped():
             _, undo = wrappers.hold_batches(self, before_call=self._check)
@@ -591,6 +641,56 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             self.predict_function = None
         measuring = wrappers.base_train_function(self)
         if isinstance(measuring, jit_measure.MeasuringTrainFunction):
+            self._keep_choice(measuring, function)
+        hooks.print_msg(measurement.message())
+
+    def _measuring_precision(self):
+        rt = self._gradboost
+        return (
+            rt.config.precision == "measure"
+            and rt.precision_measurement is None
+            and not self.run_eagerly
+        )
+
+    def _make_precision_measuring_function(self):
+        """Keras' train function for each `precision="measure"` candidate
+        (traced at its first call, under the policy the measuring function
+        sets then), behind one function that runs them as
+        `precision_measure` says until it decides."""
+        rt = self._gradboost
+        functions = {}
+        for policy in rt.plan.precision_candidates:
+            super().make_train_function(force=True)
+            functions[policy] = self.train_function
+        measurer = precision_measure.Measurer(
+            rt.plan.precision_candidates,
+            calls_per_timing=precision_measure.calls_per_timing(
+                rt.config.accumulate_steps, self.steps_per_execution
+            ),
+        )
+        return precision_measure.MeasuringTrainFunction(
+            self, functions, self._set_layers_policy, self._precision_decided,
+            measurer=measurer,
+        )
+
+    def _set_layers_policy(self, policy):
+        """Sets `policy` on the layers (as `compile(precision=policy)` does),
+        unless they hold it already."""
+        rt = self._gradboost
+        if rt.layers_policy != policy:
+            rt.float32_layers = precision_lib.apply_policy(self, policy)
+            rt.layers_policy = policy
+
+    def _precision_decided(self, measurement, function):
+        rt = self._gradboost
+        rt.precision_measurement = measurement
+        self._set_layers_policy(measurement.policy)
+        # Made again, when needed, under the chosen policy (one made while
+        # measuring traced under the policy of that moment).
+        self.test_function = None
+        self.predict_function = None
+        measuring = wrappers.base_train_function(self)
+        if isinstance(measuring, precision_measure.MeasuringTrainFunction):
             self._keep_choice(measuring, function)
         hooks.print_msg(measurement.message())
 
