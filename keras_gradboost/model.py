@@ -220,7 +220,8 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 accumulation, a timing holds whole windows), and keeps the
                 one with the lower median, for training and for `evaluate`
                 and `predict` (see `precision_measurement`; a one-line report
-                is printed). Until then the layers hold the `"auto"` pick.
+                is printed). Before, the layers hold the `"auto"` pick (while
+                measuring, the candidate of the last call).
                 With a float16 candidate, `loss_scale="auto"` scales the loss
                 of both candidates (exact in float32: the scale is a power
                 of two) and keeps scaling if float32 wins. It keeps the

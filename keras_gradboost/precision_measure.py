@@ -21,6 +21,23 @@ times as many updates as the other. The mixed policy wins only with a lower
 median (a tie keeps float32). From then on only the winner runs, and the
 layers hold its policy (so `evaluate` and `predict` use it).
 
+Before the first call the layers hold the static `precision="auto"` rule's
+pick; while measuring, the policy of the last call (a validation in between
+runs in it; the test and predict functions are made again after the
+decision). The static rule stays, decided at `compile()` with a warning and
+a `PrecisionMeasurement` whose `measured` is False, under `run_eagerly=True`
+and under MultiWorkerMirroredStrategy, ParameterServerStrategy and
+TPUStrategy (each worker would time its own steps and might choose another
+policy). One process's MirroredStrategy is measured (its replicas trace
+under the same layers). `jit_compile="measure"` together with it is refused
+(`plan.check_measure_conflicts`): precision is measured under a fixed jit
+setting. The choice is not saved: a loaded model, or a BackupAndRestore
+resumed in a new process, measures again, so its first steps may take other
+policies than the uninterrupted run's (exact resumption needs a fixed
+precision). With a float16 candidate (on a GPU) `loss_scale="auto"` scales
+both candidates' loss with the one `LossScaler` they share, and keeps
+scaling if float32 wins (exact: the scale is a power of two).
+
 `Measurer` is the pure part (schedule, medians, decision) with an injectable
 clock; `MeasuringTrainFunction` adapts it to Keras' train function.
 """
