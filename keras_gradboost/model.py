@@ -70,6 +70,10 @@ class _Runtime:
         self.checks_before_watch = False
         self.jit_measurement = None  # jit_measure.JitMeasurement
         self.precision_measurement = None  # precision_measure.PrecisionMeasurement
+        # precision="measure"'s schedule and timings, shared by every
+        # measuring function of this compile (a NaNWatcher's guarded one
+        # too), saved with the weights while undecided.
+        self.precision_measurer = None  # precision_measure.Measurer
         # The dtype policy the layers hold now (precision="measure" switches
         # it while it measures, then keeps the winner's).
         self.layers_policy = plan.policy if plan else None
@@ -228,8 +232,14 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 `"auto"` pick, with a warning, under `run_eagerly=True` and
                 under MultiWorkerMirroredStrategy, ParameterServerStrategy and
                 TPUStrategy (each worker would choose alone); it cannot be
-                combined with `jit_compile="measure"` (a `ValueError`). A
-                saved model measures again after loading.
+                combined with `jit_compile="measure"` (a `ValueError`). The
+                decision is saved with the weights (`save_weights`,
+                `model.save`, `BackupAndRestore`): a model compiled with
+                `"measure"` that loads it trains on in it without measuring
+                (`precision_measurement.restored`); one saved while still
+                measuring goes on with the same schedule. Saved among other
+                candidates (another device), it is not adopted: a warning,
+                and the model measures again.
                 `None` leaves the model as built. Defaults to `None`.
             loss_scale: `"auto"` (dynamic loss scaling iff some layer computes
                 in float16), `"dynamic"`, a float > 0 (a fixed scale) or `None`
@@ -397,9 +407,10 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
 
         A `precision_measure.PrecisionMeasurement` (`policy`,
         `mixed_policy`, `float32_ms`, `mixed_ms`, `timed_calls`,
-        `calls_per_timing`, `reason`) once decided, or at `compile()` when
-        it cannot measure (`measured` is False: the static rule's pick);
-        None before, and for any other `precision`.
+        `calls_per_timing`, `reason`, `restored`) once decided, or loaded
+        with the weights (`restored` is True: the saving run's medians), or
+        at `compile()` when it cannot measure (`measured` is False: the
+        static rule's pick); None before, and for any other `precision`.
         """
         return self._gradboost.precision_measurement
 
@@ -663,16 +674,23 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         for policy in rt.plan.precision_candidates:
             super().make_train_function(force=True)
             functions[policy] = self.train_function
-        measurer = precision_measure.Measurer(
-            rt.plan.precision_candidates,
-            calls_per_timing=precision_measure.calls_per_timing(
-                rt.config.accumulate_steps, self.steps_per_execution
-            ),
-        )
         return precision_measure.MeasuringTrainFunction(
             self, functions, self._set_layers_policy, self._precision_decided,
-            measurer=measurer,
+            measurer=self._precision_measurer(),
         )
+
+    def _precision_measurer(self):
+        """The `precision_measure.Measurer` of this compile (made at the
+        first need: a measuring function, or a load of saved progress)."""
+        rt = self._gradboost
+        if rt.precision_measurer is None:
+            rt.precision_measurer = precision_measure.Measurer(
+                rt.plan.precision_candidates,
+                calls_per_timing=precision_measure.calls_per_timing(
+                    rt.config.accumulate_steps, self.steps_per_execution
+                ),
+            )
+        return rt.precision_measurer
 
     def _set_layers_policy(self, policy):
         """Sets `policy` on the layers (as `compile(precision=policy)` does),
@@ -682,7 +700,10 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             rt.float32_layers = precision_lib.apply_policy(self, policy)
             rt.layers_policy = policy
 
-    def _precision_decided(self, measurement, function):
+    def _precision_decided(self, measurement, function=None):
+        """Keeps `measurement`'s policy: on the layers, and its candidate
+        `function` (by default the measuring function's own) as the train
+        function. Also for a decision loaded with the weights."""
         rt = self._gradboost
         rt.precision_measurement = measurement
         self._set_layers_policy(measurement.policy)
@@ -692,8 +713,70 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         self.predict_function = None
         measuring = wrappers.base_train_function(self)
         if isinstance(measuring, precision_measure.MeasuringTrainFunction):
-            self._keep_choice(measuring, function)
+            self._keep_choice(measuring, function or measuring.functions[measurement.policy])
         hooks.print_msg(measurement.message())
+
+    def _precision_state(self):
+        """What the weights file keeps of `precision="measure"` (see
+        `precision_measure.saved_state`), or None."""
+        rt = self._gradboost
+        if rt.config.precision != "measure":
+            return None
+        return precision_measure.saved_state(
+            rt.plan.precision_candidates, rt.precision_measurement, rt.precision_measurer
+        )
+
+    def _restore_precision(self, record):
+        """Adopts a saved `precision="measure"` record (see
+        `precision_measure.saved_state`): a decision is kept without
+        measuring; progress is gone on from, call for call. Warns, naming
+        both, where it cannot be (other candidates or schedule, a decision
+        made since); returns what this model cannot take at all (compiled
+        with another precision), for the caller's warning."""
+        rt = self._gradboost
+        what = precision_measure.describe(record)
+        if rt.config.precision != "measure":
+            decision = record.get("decision")
+            if decision is not None and decision["policy"] == rt.plan.policy:
+                return []  # compiled with the policy it chose
+            return [f"{what} (this model is compiled with precision={rt.config.precision!r})"]
+        candidates, own = tuple(record["candidates"]), rt.plan.precision_candidates
+        if candidates != own:
+            warnings.warn(
+                f"The loaded weights hold {what} among {candidates}, but this "
+                f"model's candidates are {own} (another device): not adopted, "
+                "this model measures again. Compile with the chosen precision "
+                "to train on as saved.",
+                stacklevel=4,
+            )
+            return []
+        if "decision" in record:
+            self._precision_decided(precision_measure.restored_measurement(record["decision"]))
+            return []
+        decided = rt.precision_measurement
+        if decided is not None:
+            if decided.restored or not decided.measured:
+                kept = "the static rule's pick" if not decided.measured else "a loaded decision"
+            else:
+                kept = "its own decision"
+            warnings.warn(
+                f"The loaded weights hold {what}, but this model has "
+                f"{kept} ({decided.policy}) already and keeps it: its next "
+                "steps are not the ones the saved run would have taken (not an "
+                "exact resume). Load into a newly compiled model to go on "
+                "measuring as saved.",
+                stacklevel=4,
+            )
+            return []
+        problem = self._precision_measurer().resume(record["progress"])
+        if problem is not None:
+            warnings.warn(
+                f"The loaded weights hold {what}, but {problem}: this model "
+                "measures again from the start (its first steps are not the "
+                "ones the saved run would have taken: not an exact resume).",
+                stacklevel=4,
+            )
+        return []
 
     def _check(self, batches):
         """Runs the first-step checks before the call of `batches` (the

@@ -15,6 +15,7 @@ from keras_gradboost import GradBoostModel
 from keras_gradboost import PrecisionMeasurement
 from keras_gradboost import precision_measure
 from keras_gradboost import wrappers
+from keras_gradboost.callbacks import BackupAndRestore
 from keras_gradboost.callbacks import NaNWatcher
 from keras_gradboost.config import GradBoostConfig
 from keras_gradboost.plan import Devices
@@ -231,11 +232,11 @@ def _weights_diff(model, other):
     )
 
 
-def _measured_fit(x, y, ms, monkeypatch, callbacks=None, batch=BATCH, **compile_kwargs):
+def _measured_fit(x, y, ms, monkeypatch, callbacks=None, batch=BATCH, epochs=1, **compile_kwargs):
     model = small_model(GradBoostModel, regularize=False)
     monkeypatch.setattr(precision_measure, "perf_counter", FakeClock(model, ms))
     model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", precision="measure", **compile_kwargs)
-    model.fit(x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=callbacks)
+    model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
     return model
 
 
@@ -325,19 +326,195 @@ def test_too_few_calls_stay_undecided_and_the_next_fit_goes_on(regression_data):
     assert model.dtype_policy_applied == model.precision_measurement.policy
 
 
-def test_save_and_load_keep_measure_and_measure_again(regression_data, tmp_path):
+def test_save_and_load_keep_measure_and_its_decision(regression_data, monkeypatch, tmp_path, capsys):
     x, y = regression_data
-    model = small_model(GradBoostModel)
-    model.compile(optimizer="sgd", loss="mse", precision="measure")
-    model.fit(x, y, batch_size=BATCH, verbose=0)
+    model = _measured_fit(x, y, {F32: 9.0, BF16: 2.0}, monkeypatch)
     assert model.get_compile_config()["gradboost"]["precision"] == "measure"
     path = str(tmp_path / "m.keras")
     model.save(path)
+    capsys.readouterr()
     loaded = keras.saving.load_model(path)
     assert loaded.gradboost_config.precision == "measure"
-    assert loaded.precision_measurement is None  # measured again on this machine
+    _kept_without_measuring(loaded, model.precision_measurement, monkeypatch, capsys)
     loaded.fit(x, y, batch_size=BATCH, verbose=0)
-    assert loaded.precision_measurement.measured
+    assert loaded.precision_measurement.restored
+
+
+# --------------------------------------------- the decision in checkpoints
+
+MS = {F32: 9.0, BF16: 2.0}  # the fake clock: bfloat16 wins
+
+
+def _no_clock():
+    raise AssertionError("measured although the decision was loaded")
+
+
+def _kept_without_measuring(model, saved, monkeypatch, capsys):
+    """`model` holds the `saved` decision, restored, and will not time."""
+    monkeypatch.setattr(precision_measure, "perf_counter", _no_clock)
+    measurement = model.precision_measurement
+    assert measurement.restored and measurement.measured
+    assert (measurement.policy, measurement.float32_ms, measurement.mixed_ms, measurement.reason) == (
+        saved.policy, saved.float32_ms, saved.mixed_ms, saved.reason
+    )
+    assert model.dtype_policy_applied == saved.policy
+    assert model.get_layer("hidden").dtype_policy.name == saved.policy
+    out = capsys.readouterr().out
+    assert f'precision="measure": {saved.policy};' in out and "restored with the weights" in out
+
+
+def _fresh(**compile_kwargs):
+    model = small_model(GradBoostModel, regularize=False, seed=1)  # other weights: all loaded
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", precision="measure", **compile_kwargs)
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def test_load_weights_after_the_decision_goes_on_exactly(regression_data, monkeypatch, tmp_path, capsys):
+    """Saved after epoch 0 (decided at its 8th call), loaded into a new
+    model: epoch 1 runs in the saved choice, unmeasured, and ends with the
+    weights of a fit that never stopped (the same traced step: exactly)."""
+    x, y = regression_data
+    never = _measured_fit(x, y, MS, monkeypatch, epochs=2)
+    stopped = _measured_fit(x, y, MS, monkeypatch)
+    path = str(tmp_path / "w.weights.h5")
+    stopped.save_weights(path)
+    capsys.readouterr()
+    resumed = _fresh()
+    resumed.load_weights(path)
+    _kept_without_measuring(resumed, stopped.precision_measurement, monkeypatch, capsys)
+    resumed.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert int(resumed.optimizer.iterations) == int(never.optimizer.iterations)
+    assert _weights_diff(resumed, never) == 0.0
+    # Loaded before compile(): put back by it.
+    early = small_model(GradBoostModel, regularize=False, seed=1)
+    early.load_weights(path)
+    early.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", precision="measure")
+    _kept_without_measuring(early, stopped.precision_measurement, monkeypatch, capsys)
+
+
+class _InterruptAt(keras.callbacks.Callback):
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("interrupted")
+
+
+def _backup_run(x, y, monkeypatch, tmp_path, save_freq, stop_at, **compile_kwargs):
+    """An uninterrupted 2-epoch fit, and one interrupted at `stop_at` and
+    resumed by a new model from its BackupAndRestore backup."""
+    never = _measured_fit(x, y, MS, monkeypatch, epochs=2, **compile_kwargs)
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _measured_fit(x, y, MS, monkeypatch, epochs=2, callbacks=[
+            BackupAndRestore(backup_dir, save_freq=save_freq), _InterruptAt(*stop_at)
+        ], **compile_kwargs)
+    resumed = _fresh(**compile_kwargs)
+    return never, resumed, backup_dir
+
+
+def test_a_backup_after_the_decision_resumes_without_measuring(regression_data, monkeypatch, tmp_path, capsys):
+    # 13 batches an epoch; decided at batch 7 of epoch 0; backups every 4
+    # batches, the last at batch 2 of epoch 1 (16 batches), stopped at 6.
+    x, y = regression_data
+    never, resumed, backup_dir = _backup_run(x, y, monkeypatch, tmp_path, 4, (1, 6))
+    capsys.readouterr()
+    monkeypatch.setattr(precision_measure, "perf_counter", _no_clock)
+    resumed.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                callbacks=[BackupAndRestore(backup_dir, save_freq=4)])
+    _kept_without_measuring(resumed, never.precision_measurement, monkeypatch, capsys)
+    assert int(resumed.optimizer.iterations) == int(never.optimizer.iterations)
+    assert _weights_diff(resumed, never) == 0.0
+
+
+@pytest.mark.parametrize("accumulate_steps, save_freq, stop_at", [(1, 3, (0, 4)), (2, 5, (0, 8))])
+def test_a_backup_while_measuring_goes_on_with_the_schedule(
+    regression_data, monkeypatch, tmp_path, accumulate_steps, save_freq, stop_at
+):
+    """Saved after 3 calls (warm-ups and float32's first timing done), or,
+    accumulating 2, after 5 calls (the second unit of two calls half done:
+    mid-window): the resumed model takes the same policy at every call as
+    the uninterrupted fit, decides the same, and ends with its weights. Its
+    first call of each candidate traces, so that unit's timing is left out
+    of the median."""
+    x, y = regression_data
+    never, resumed, backup_dir = _backup_run(
+        x, y, monkeypatch, tmp_path, save_freq, stop_at, accumulate_steps=accumulate_steps
+    )
+    monkeypatch.setattr(precision_measure, "perf_counter", FakeClock(resumed, MS))
+    resumed.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                callbacks=[BackupAndRestore(backup_dir, save_freq=save_freq)])
+    measurement, expected = resumed.precision_measurement, never.precision_measurement
+    assert measurement.policy == expected.policy == BF16 and not measurement.restored
+    assert (measurement.float32_ms, measurement.mixed_ms) == pytest.approx((9.0, 2.0))
+    assert "timing(s) left out: they traced after a restore" in measurement.reason
+    measurer = resumed._gradboost.precision_measurer
+    assert sum(measurer.dropped.values()) >= 1
+    assert int(resumed.optimizer.iterations) == int(never.optimizer.iterations)
+    assert _weights_diff(resumed, never) == 0.0
+
+
+def test_progress_of_another_schedule_measures_again_and_says_so(regression_data, monkeypatch, tmp_path):
+    x, y = regression_data
+    model = small_model(GradBoostModel, regularize=False)
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", precision="measure")
+    model.fit(x[:3 * BATCH], y[:3 * BATCH], batch_size=BATCH, verbose=0)
+    path = str(tmp_path / "w.weights.h5")
+    model.save_weights(path)
+    other = _fresh(accumulate_steps=2)
+    with pytest.warns(UserWarning, match=r"measuring progress \(3 of 8 calls\).*another schedule.*\(1, 3, 1\).*\(1, 3, 2\).*"
+                                         r"measures again from the start.*not an exact resume"):
+        other.load_weights(path)
+    assert other._gradboost.precision_measurer.calls_done == 0
+
+
+def test_a_decision_among_other_candidates_is_not_adopted(regression_data, monkeypatch, tmp_path):
+    x, y = regression_data
+    path = str(tmp_path / "w.weights.h5")
+    _measured_fit(x, y, MS, monkeypatch).save_weights(path)
+    # As on a GPU: float32 against mixed_float16.
+    from keras_gradboost import precision as precision_lib
+
+    monkeypatch.setattr(precision_lib, "measure_candidates", lambda on_gpu: (F32, "mixed_float16"))
+    gpu = _fresh()
+    with pytest.warns(UserWarning) as caught:
+        gpu.load_weights(path)
+    (message,) = [str(w.message) for w in caught if "candidates" in str(w.message)]
+    assert "('float32', 'mixed_bfloat16')" in message and "('float32', 'mixed_float16')" in message
+    assert "not adopted, this model measures again" in message
+    assert gpu.precision_measurement is None
+
+
+def test_files_without_a_decision_and_models_without_measure(regression_data, monkeypatch, tmp_path):
+    x, y = regression_data
+    plain = small_model(GradBoostModel, regularize=False)
+    plain.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", precision="float32")
+    plain.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0)
+    path = str(tmp_path / "plain.weights.h5")
+    plain.save_weights(path)
+    measuring = _fresh()
+    measuring.load_weights(path)  # as before: nothing to adopt, it measures
+    assert measuring.precision_measurement is None
+    decided = str(tmp_path / "decided.weights.h5")
+    _measured_fit(x, y, MS, monkeypatch).save_weights(decided)
+    same = small_model(GradBoostModel, regularize=False)
+    same.compile(optimizer="sgd", loss="mse", precision=BF16)
+    same.optimizer.build(same.trainable_variables)
+    same.load_weights(decided)  # compiled with the policy it chose: silent
+    other = small_model(GradBoostModel, regularize=False)
+    other.compile(optimizer="sgd", loss="mse", precision="float32")
+    other.optimizer.build(other.trainable_variables)
+    with pytest.warns(UserWarning, match=r"cannot take: a precision=\"measure\" decision "
+                                         r"\(mixed_bfloat16\) \(this model is compiled with "
+                                         r"precision='float32'\)"):
+        other.load_weights(decided)
+    assert other.dtype_policy_applied == F32
 
 
 def test_mirrored_strategy_measures_and_equals_the_replay(regression_data, monkeypatch):
