@@ -8,7 +8,14 @@ runs `--steps` batches through the model's compiled train function (what
 over rounds of A's time over B's time in the same round. Only ratios measured
 side by side are printed.
 
+The precision section ends with `precision="measure"` on the MLP, the small
+`zoo.cnn` (32x32x3, batch 128) and ResNet50 (weights=None, 64x64x3 images,
+batch 32): one `fit` of the
+measured calls each, printing both medians, the choice, and what the static
+`precision="auto"` rule would have picked (`--only measure` runs just this).
+
     python benchmarks/bench_foundation.py [--steps 20] [--rounds 7] [--quick]
+        [--only overhead|accumulate|precision|measure]
 """
 
 import argparse
@@ -25,6 +32,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras  # noqa: E402
+from keras_gradboost import precision_measure  # noqa: E402
 from keras_gradboost import zoo  # noqa: E402
 
 BATCH = 256
@@ -111,7 +119,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
     parser.add_argument(
         "--only",
-        choices=["overhead", "accumulate", "precision"],
+        choices=["overhead", "accumulate", "precision", "measure"],
         help="run one section",
     )
     args = parser.parse_args(argv)
@@ -129,6 +137,8 @@ def main(argv=None):
         accumulation(steps, rounds)
     if "precision" in sections:
         precision(steps, rounds)
+    if "precision" in sections or "measure" in sections:
+        measured_precision()
 
 
 def overhead(steps, rounds):
@@ -176,6 +186,66 @@ def precision(steps, rounds):
     )
     rows.append(("precision=mixed_float16 / float32, jit=False (2 steps)", slow.ratio("f16", "float32"), None))
     table("Precision, step time relative to float32 (backs the 'auto' rule)", rows)
+
+
+
+CNN_BATCH = 32
+CNN_SHAPE = (64, 64, 3)
+
+
+def _resnet50():
+    keras.utils.set_random_seed(0)
+    from keras_gradboost import boost
+
+    return boost(keras.applications.ResNet50(weights=None, input_shape=CNN_SHAPE, classes=10))
+
+
+def _measure_once(model, data, batch):
+    """One fit of exactly the measured calls of `precision="measure"`;
+    returns the `PrecisionMeasurement` and the static rule's pick."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss="sparse_categorical_crossentropy",
+            precision="measure",
+        )
+    static = model.train_plan.policy  # what precision="auto" picks here
+    calls = 2 * (precision_measure.WARMUP_CALLS + precision_measure.TIMED_CALLS)
+    ds = tf.data.Dataset.from_tensor_slices(data).batch(batch).repeat().prefetch(2)
+    model.fit(ds, steps_per_epoch=calls, epochs=1, shuffle=False, verbose=0)
+    return model.precision_measurement, static
+
+
+def measured_precision():
+    """`precision="measure"` on the MLP and two CNNs: both medians (per train
+    call, `TIMED_CALLS` timed calls of each candidate, interleaved) and the
+    choice, beside the static "auto" rule's pick."""
+    cases = [
+        (f"MLP 784-1024-1024-10, batch {BATCH}", lambda: zoo.mlp(), zoo.classification_data(BATCH * 8), BATCH),
+        (
+            "zoo.cnn 32x32x3 (16, 32 filters), batch 128",
+            lambda: zoo.cnn(),
+            zoo.image_data(128 * 4),
+            128,
+        ),
+        (
+            f"ResNet50 {CNN_SHAPE[0]}x{CNN_SHAPE[1]}x3, batch {CNN_BATCH}",
+            _resnet50,
+            zoo.image_data(CNN_BATCH * 4, shape=CNN_SHAPE),
+            CNN_BATCH,
+        ),
+    ]
+    print('\nprecision="measure" (jit off), median ms per train call, interleaved')
+    for label, make_model, data, batch in cases:
+        m, static = _measure_once(make_model(), data, batch)
+        speed = m.float32_ms / m.mixed_ms
+        print(
+            f"  {label}: float32 {m.float32_ms:.1f} ms, {m.mixed_policy} "
+            f"{m.mixed_ms:.1f} ms ({speed:.2f}x float32's speed) -> {m.policy}; "
+            f'static "auto" rule: {static}'
+        )
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ Public API:
     AccumulationCheckError: raised by `accumulate_check=True`.
     JitMeasurement: what `compile(jit_compile="measure")` chose
         (`GradBoostModel.jit_measurement`).
+    PrecisionMeasurement: what `compile(precision="measure")` chose
+        (`GradBoostModel.precision_measurement`).
     XLAUnsupportedOpError: XLA cannot compile the training step.
     StepFacts: what the training step publishes (`GradBoostModel.step_facts`).
     TrainPlan: what `compile()` decided (`GradBoostModel.train_plan`).
@@ -48,6 +50,7 @@ from keras_gradboost.launcher import launch
 from keras_gradboost.model import GradBoostModel
 from keras_gradboost.model import boost
 from keras_gradboost.plan import TrainPlan
+from keras_gradboost.precision_measure import PrecisionMeasurement
 from keras_gradboost.recompute import Recompute
 from keras_gradboost.recompute import RecomputeCheckError
 from keras_gradboost.recompute import RecomputePlan
@@ -60,6 +63,7 @@ __all__ = [
     "GradBoostModel",
     "GradCheckResult",
     "JitMeasurement",
+    "PrecisionMeasurement",
     "Recompute",
     "RecomputeCheckError",
     "RecomputePlan",

@@ -12,7 +12,11 @@ under its own path (`_gradboost_training_state`), with:
 * the accumulation window: the gradient sums of the micro-batches added
   since the last update (for a variable with `overwrite_with_gradient`, the
   maximum of its values), their sample count, the position in the window
-  and which variables get a gradient.
+  and which variables get a gradient;
+* `precision="measure"`'s decision, or, saved before it was made, its
+  measuring progress (`precision_measure.saved_state`): a loaded model
+  compiled with `precision="measure"` trains on in the saved run's policy,
+  or goes on with its schedule, instead of measuring again.
 
 So a model saved mid-window and loaded again goes on as if it had never
 been saved. A plain Keras model loading the same file does not visit that
@@ -33,6 +37,7 @@ import numpy as np
 
 from keras_gradboost import cluster
 from keras_gradboost import hooks
+from keras_gradboost import precision_measure
 from keras_gradboost.step import local_value
 
 _SCALE = "loss_scale"
@@ -45,6 +50,7 @@ _MICRO = "window_micro_batches"
 _MASK = "window_gradient_mask"
 _SUM = "window_sum_"
 _REPLICAS = "window_replicas"
+_PRECISION = "precision_measure"  # JSON, as uint8 (precision_measure.encode_state)
 
 
 class TrainingState(hooks.leaf_saveable_class()):
@@ -64,6 +70,9 @@ class TrainingState(hooks.leaf_saveable_class()):
         model = self._model()
         for key, value in collect(model._gradboost, model.distribute_strategy).items():
             store[key] = value
+        record = model._precision_state() if model._gradboost.plan else None
+        if record is not None:
+            store[_PRECISION] = precision_measure.encode_state(record)
 
     def load_own_variables(self, store):
         state = {key: np.asarray(store[key]) for key in store.keys()}
@@ -189,6 +198,9 @@ def restore(model, state):
         ignored.extend(_restore_scale(rt.scaler, state, strategy))
     if _MICRO in state:
         ignored.extend(_restore_window(model, state, strategy))
+    if _PRECISION in state:
+        record = precision_measure.decode_state(state[_PRECISION])
+        ignored.extend(model._restore_precision(record))
     if ignored:
         warnings.warn(
             "The loaded weights hold gradboost training state this model "

@@ -51,7 +51,10 @@ the level before it), retraces (traces of the train step after the first
 batch), final loss (mean over the last quarter of the steps), setup, and
 xla: on, off, or off with what blocked it when XLA was asked for (a layer
 with supports_jit=False, an op without an XLA kernel); under
-jit_compile="measure", the measured XLA vs no-XLA medians.
+jit_compile="measure", the measured XLA vs no-XLA medians. Under
+precision="measure" (the precision_measure row) the setup shows the policy
+it chose after its measured first steps and both medians, the choice's
+first.
 
 exit status: 0 when the baseline configuration ran (other rows may show
 FAILED with their reason), 1 when the baseline failed (or, without a baseline,
@@ -335,8 +338,21 @@ def _check_data(parser, path):
 # ------------------------------------------------------------------ output
 
 
+def _policy(row):
+    """The row's policy; under precision="measure", with the measured
+    medians, the choice's first (`compare.precision_fields`)."""
+    measured = row.get("precision_measurement")
+    if not measured or measured.get("float32_ms") is None or measured.get("mixed_ms") is None:
+        return row["policy"]
+    chosen, other = measured["policy"], "float32"
+    ms = (measured["mixed_ms"], measured["float32_ms"])
+    if chosen == "float32":
+        other, ms = measured["mixed_policy"], ms[::-1]
+    return f"{chosen} (measured {ms[0]:.2f} vs {other} {ms[1]:.2f} ms)"
+
+
 def _setup(row):
-    parts = [row["policy"]]
+    parts = [_policy(row)]
     if row["accumulate_steps"] > 1:
         parts.append(f"accumulate {row['accumulate_steps']}")
     if row["kwargs"].get("recompute") is not None:
@@ -371,15 +387,15 @@ def format_table(rows):
     base = next((r for r in rows if r["config"] == "baseline" and "error" not in r), None)
     setups = ["  " + _setup(r) for r in rows if "error" not in r]
     setup_width = max([len(s) for s in setups] + [len("  setup")]) + 2
-    columns = [
-        (name, align, setup_width if name == "  setup" else width)
-        for name, align, width in COLUMNS
-    ]
+    # As wide as the longest name (precision_measure) plus a space.
+    config_width = max([len(r["config"]) + 2 for r in rows] + [COLUMNS[0][2]])
+    widths = {"  setup": setup_width, "config": config_width}
+    columns = [(name, align, widths.get(name, width)) for name, align, width in COLUMNS]
     header = "".join(f"{name:{align}{width}}" for name, align, width in columns)
     lines = [header.rstrip(), "-" * len(header.rstrip())]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['config']:<15}FAILED: {r['error']}")
+            lines.append(f"{r['config']:<{config_width}}FAILED: {r['error']}")
             continue
         if "speed_up" in r:  # median of per-round ratios (`compare.aggregate`)
             speed = "-" if r["speed_up"] is None else f"{r['speed_up']:.2f}x"

@@ -12,13 +12,13 @@ model, compiles it with the configuration's keyword arguments, trains
 What a row holds (all measured in the child):
 - `step_ms`: median wall time of one training batch (one `fit` step, one
   micro-batch under `accumulate_steps`) after `WARMUP_STEPS` warm-up
-  batches (under `jit_compile="measure"`: after the measured batches, once
-  the choice is made), timed from `on_train_batch_begin` to
+  batches (under `jit_compile="measure"` or `precision="measure"`: after
+  the measured batches, once the choice is made), timed from `on_train_batch_begin` to
   `on_train_batch_end` (Keras pulls the logs to the host there, so each step
   is synchronised).
 - `compile_s`: the first batch's time minus `step_ms`: tracing and (XLA)
-  compilation (under `jit_compile="measure"`: the first batch of each
-  variant).
+  compilation (under `jit_compile="measure"` or `precision="measure"`: the
+  warm-up batches of each variant).
 - `examples_per_s`: batch size / `step_ms`.
 - `backward_share`: after training, on one fixed batch, 1 - the median over
   interleaved pairs of (time of a compiled forward-only `tf.function`
@@ -44,6 +44,10 @@ What a row holds (all measured in the child):
   kernel); under `jit_compile="measure"` the measured medians follow
   (`"on (measured 1.20 vs 2.31 ms)"`, XLA first), and `jit_measurement`
   holds them.
+- `policy`: the dtype policy the layers hold after `fit`; under
+  `precision="measure"` the measured choice, and `precision_measurement`
+  holds both medians (the setup column shows them, the choice's first:
+  `"mixed_bfloat16 (measured 2.10 vs float32 3.05 ms)"`).
 """
 
 import json
@@ -64,6 +68,7 @@ CONFIGS = {
     "baseline": {"jit_compile": False},
     "jit_compile": {"jit_compile": True},
     "precision_auto": {"jit_compile": False, "precision": "auto"},
+    "precision_measure": {"jit_compile": False, "precision": "measure"},
     "accumulate": {"jit_compile": False, "accumulate_steps": 4},
     "recompute": {"jit_compile": False, "recompute": "auto"},
     "all_on": {
@@ -505,22 +510,46 @@ def _measures_jit(model):
     )
 
 
+def _precision_calls_per_timing(model):
+    """Train calls per timed unit of `precision="measure"` in `model`'s next
+    fit, or 0 when it will not measure."""
+    from keras_gradboost import precision_measure
+
+    config = getattr(model, "gradboost_config", None)
+    if config is None or config.precision != "measure":
+        return 0
+    if model.precision_measurement is not None or model.run_eagerly:
+        return 0
+    return precision_measure.calls_per_timing(
+        config.accumulate_steps, int(model.steps_per_execution)
+    )
+
+
 def first_trace_calls(model):
     """How many first calls trace the train step: 1, or, under
-    `jit_compile="measure"`, the warm-up calls of both variants."""
+    `jit_compile="measure"` or `precision="measure"`, the warm-up calls of
+    both variants."""
     from keras_gradboost import jit_measure
+    from keras_gradboost import precision_measure
 
-    return 2 * jit_measure.WARMUP_CALLS if _measures_jit(model) else 1
+    if _measures_jit(model):
+        return 2 * jit_measure.WARMUP_CALLS
+    unit = _precision_calls_per_timing(model)
+    if unit:
+        return 2 * precision_measure.WARMUP_CALLS * unit
+    return 1
 
 
 def measuring_calls(model):
-    """How many first calls `jit_compile="measure"` runs both variants in
-    (0 when it does not measure)."""
+    """How many first calls `jit_compile="measure"` or `precision="measure"`
+    runs both variants in (0 when it does not measure)."""
     from keras_gradboost import jit_measure
+    from keras_gradboost import precision_measure
 
-    if not _measures_jit(model):
-        return 0
-    return 2 * (jit_measure.WARMUP_CALLS + jit_measure.TIMED_CALLS)
+    if _measures_jit(model):
+        return 2 * (jit_measure.WARMUP_CALLS + jit_measure.TIMED_CALLS)
+    unit = _precision_calls_per_timing(model)
+    return 2 * (precision_measure.WARMUP_CALLS + precision_measure.TIMED_CALLS) * unit
 
 
 def timed_fit(model, data, steps, device, warm_steps=0):
@@ -630,7 +659,8 @@ def measure(spec):
         data = data.repeat()
     data = data.batch(batch_size, drop_remainder=True).repeat().prefetch(2)
     first_calls = first_trace_calls(model)
-    # Under jit_compile="measure" the steady state starts after the choice.
+    # Under jit_compile="measure" or precision="measure" the steady state
+    # starts after the choice.
     warm_steps = max(WARMUP_STEPS, measuring_calls(model))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -645,6 +675,7 @@ def measure(spec):
         notes.append(f"the training loss is not finite ({loss_now})")
     return {
         **xla_fields(model),
+        "precision_measurement": precision_fields(model),
         "model": spec["model"],
         "compiled_with": kwargs,
         "batch_size": batch_size,
@@ -689,6 +720,22 @@ def xla_fields(model):
                 f"{measurement.no_xla_ms:.2f} ms)"
             )
     return fields
+
+
+def precision_fields(model):
+    """`precision_measurement` of a row: what `precision="measure"` chose
+    (policy, both medians in ms, reason), or None."""
+    measurement = getattr(model, "precision_measurement", None)
+    if measurement is None:
+        return None
+    return {
+        "policy": measurement.policy,
+        "mixed_policy": measurement.mixed_policy,
+        "float32_ms": measurement.float32_ms,
+        "mixed_ms": measurement.mixed_ms,
+        "timed_calls": measurement.timed_calls,
+        "reason": measurement.reason,
+    }
 
 
 def child_main(argv):

@@ -3,7 +3,7 @@
 import dataclasses
 import numbers
 
-PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16", "auto")
+PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16", "auto", "measure")
 LOSS_SCALES = ("auto", "dynamic")
 _FLOAT32_MAX = 3.4028234663852886e38
 _INT64_MAX = 2**63 - 1
@@ -24,7 +24,9 @@ class GradBoostConfig:
         accumulate_steps: Number of micro-batches whose gradients make one
             optimizer update. Defaults to `1` (no accumulation).
         precision: `None` (leave the model's dtype policies as built),
-            `"float32"`, `"mixed_float16"`, `"mixed_bfloat16"` or `"auto"`.
+            `"float32"`, `"mixed_float16"`, `"mixed_bfloat16"`, `"auto"` (a
+            static rule) or `"measure"` (time the first training calls in
+            float32 and in the device's mixed policy, keep the faster).
             Defaults to `None`.
         loss_scale: `"auto"` (dynamic loss scaling when the model computes in
             float16), `"dynamic"`, a positive float (a fixed scale) or `None`

@@ -181,7 +181,7 @@ def perf_counter():
     return time.perf_counter()
 
 
-def _sync(logs):
+def sync_logs(logs):
     """Waits for the call to finish by reading one value of its logs."""
     values = tf.nest.flatten(logs)
     if values and hasattr(values[0], "numpy"):
@@ -230,7 +230,7 @@ class MeasuringTrainFunction:
         start = clock()
         try:
             logs = wrappers.run_batches(self.model, self.functions[jit], batches)
-            _sync(logs)
+            sync_logs(logs)
         except tf.errors.InvalidArgumentError as error:
             found = unsupported_op(error, self.model) if jit else None
             if found is None:

@@ -14,6 +14,7 @@ from keras_gradboost import guard
 from keras_gradboost import hooks
 from keras_gradboost import jit_measure
 from keras_gradboost import precision as precision_lib
+from keras_gradboost import precision_measure
 from keras_gradboost import recompute as recompute_lib
 from keras_gradboost import wrappers
 from keras_gradboost.accumulate import GradientAccumulator
@@ -68,6 +69,14 @@ class _Runtime:
         self.watches = []
         self.checks_before_watch = False
         self.jit_measurement = None  # jit_measure.JitMeasurement
+        self.precision_measurement = None  # precision_measure.PrecisionMeasurement
+        # precision="measure"'s schedule and timings, shared by every
+        # measuring function of this compile (a NaNWatcher's guarded one
+        # too), saved with the weights while undecided.
+        self.precision_measurer = None  # precision_measure.Measurer
+        # The dtype policy the layers hold now (precision="measure" switches
+        # it while it measures, then keeps the winner's).
+        self.layers_policy = plan.policy if plan else None
         # Calls of the update traced so far (a class's own train_step must
         # make one when the plan needs it).
         self.updates_traced = 0
@@ -204,7 +213,33 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 (feed int ids). See `precision.apply_policy`.
                 `"auto"` picks mixed_float16 on a GPU and, on a CPU,
                 mixed_bfloat16 when the CPU has bfloat16 instructions and XLA
-                is off, else float32.
+                is off, else float32 (a static rule: it can be wrong for a
+                given model).
+                `"measure"` times the first training calls of `fit` in
+                float32 and in the device's mixed policy (mixed_bfloat16 on a
+                CPU, mixed_float16 on a GPU), alternately, each call a real
+                step on the real batches (`precision_measure`: the first call
+                of each traces and is not timed, then
+                `precision_measure.TIMED_CALLS` timed calls of each; with
+                accumulation, a timing holds whole windows), and keeps the
+                one with the lower median, for training and for `evaluate`
+                and `predict` (see `precision_measurement`; a one-line report
+                is printed). Before, the layers hold the `"auto"` pick (while
+                measuring, the candidate of the last call).
+                With a float16 candidate, `loss_scale="auto"` scales the loss
+                of both candidates (exact in float32: the scale is a power
+                of two) and keeps scaling if float32 wins. It keeps the
+                `"auto"` pick, with a warning, under `run_eagerly=True` and
+                under MultiWorkerMirroredStrategy, ParameterServerStrategy and
+                TPUStrategy (each worker would choose alone); it cannot be
+                combined with `jit_compile="measure"` (a `ValueError`). The
+                decision is saved with the weights (`save_weights`,
+                `model.save`, `BackupAndRestore`): a model compiled with
+                `"measure"` that loads it trains on in it without measuring
+                (`precision_measurement.restored`); one saved while still
+                measuring goes on with the same schedule. Saved among other
+                candidates (another device), it is not adopted: a warning,
+                and the model measures again.
                 `None` leaves the model as built. Defaults to `None`.
             loss_scale: `"auto"` (dynamic loss scaling iff some layer computes
                 in float16), `"dynamic"`, a float > 0 (a fixed scale) or `None`
@@ -250,7 +285,8 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             TypeError: if a gradboost argument or `jit_compile` has the wrong
                 type.
             ValueError: if a gradboost argument or `jit_compile` has a bad
-                value, or conflicts
+                value, `precision="measure"` comes with
+                `jit_compile="measure"`, or an argument conflicts
                 with the optimizer (its own `gradient_accumulation_steps`, or a
                 `LossScaleOptimizer` together with gradboost loss scaling or
                 accumulation) or with `auto_scale_loss=True`.
@@ -289,6 +325,13 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         if plan.jit_requested == "measure" and plan.xla_blocked:
             rt.jit_measurement = jit_measure.JitMeasurement(
                 jit_compile=False, reason=f"XLA is off: {plan.xla_blocked}"
+            )
+        if plan.precision_blocked:
+            rt.precision_measurement = precision_measure.PrecisionMeasurement(
+                policy=plan.policy,
+                mixed_policy=plan.precision_candidates[1],
+                reason=f"not measured ({plan.precision_blocked}): the static "
+                '"auto" rule\'s pick',
             )
         if plan.recompute is not None:
             plan.recompute.apply()
@@ -364,6 +407,19 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         return self._gradboost.jit_measurement
 
     @property
+    def precision_measurement(self):
+        """What `compile(precision="measure")` chose, and why.
+
+        A `precision_measure.PrecisionMeasurement` (`policy`,
+        `mixed_policy`, `float32_ms`, `mixed_ms`, `timed_calls`,
+        `calls_per_timing`, `reason`, `restored`) once decided, or loaded
+        with the weights (`restored` is True: the saving run's medians), or
+        at `compile()` when it cannot measure (`measured` is False: the
+        static rule's pick); None before, and for any other `precision`.
+        """
+        return self._gradboost.precision_measurement
+
+    @property
     def xla_blocked_reason(self):
         """Why XLA is off although `jit_compile=True` or `"measure"` asked for
         it (a layer with `supports_jit=False`, an op without an XLA kernel,
@@ -372,9 +428,10 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
 
     @property
     def dtype_policy_applied(self):
-        """The dtype policy `compile(precision=...)` set, or None."""
-        plan = self._gradboost.plan
-        return plan.policy if plan else None
+        """The dtype policy `compile(precision=...)` set on the layers, or
+        None: for `precision="measure"`, the winner once measured (before,
+        the candidate the layers hold now)."""
+        return self._gradboost.layers_policy
 
     def recompute_plan(self, batch_size=None):
         """What `compile(recompute=...)` recomputes, with memory estimates.
@@ -492,6 +549,8 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             )
         if self._measuring_jit() and (force or self.train_function is None):
             self.train_function = self._make_measuring_function()
+        elif self._measuring_precision() and (force or self.train_function is None):
+            self.train_function = self._make_precision_measuring_function()
         else:
             super().make_train_function(force=force)
         base = wrappers.base_train_function(self)
@@ -500,6 +559,9 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             # Decided by itself, or by another measuring function (a
             # NaNWatcher's guarded one): keep only the choice.
             self._keep_choice(base, base.functions[decided.jit_compile])
+        decided = rt.precision_measurement
+        if isinstance(base, precision_measure.MeasuringTrainFunction) and decided:
+            self._keep_choice(base, base.functions[decided.policy])
         checks_pending = rt.recompute_check_pending or rt.accumulate_check_pending
         if checks_pending and not self._check_wrapped():
             _, undo = wrappers.hold_batches(self, before_call=self._check)
@@ -598,6 +660,128 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         if isinstance(measuring, jit_measure.MeasuringTrainFunction):
             self._keep_choice(measuring, function)
         hooks.print_msg(measurement.message())
+
+    def _measuring_precision(self):
+        rt = self._gradboost
+        return (
+            rt.config.precision == "measure"
+            and rt.precision_measurement is None
+            and not self.run_eagerly
+        )
+
+    def _make_precision_measuring_function(self):
+        """Keras' train function for each `precision="measure"` candidate
+        (traced at its first call, under the policy the measuring function
+        sets then), behind one function that runs them as
+        `precision_measure` says until it decides."""
+        rt = self._gradboost
+        functions = {}
+        for policy in rt.plan.precision_candidates:
+            super().make_train_function(force=True)
+            functions[policy] = self.train_function
+        return precision_measure.MeasuringTrainFunction(
+            self, functions, self._set_layers_policy, self._precision_decided,
+            measurer=self._precision_measurer(),
+        )
+
+    def _precision_measurer(self):
+        """The `precision_measure.Measurer` of this compile (made at the
+        first need: a measuring function, or a load of saved progress)."""
+        rt = self._gradboost
+        if rt.precision_measurer is None:
+            rt.precision_measurer = precision_measure.Measurer(
+                rt.plan.precision_candidates,
+                calls_per_timing=precision_measure.calls_per_timing(
+                    rt.config.accumulate_steps, self.steps_per_execution
+                ),
+            )
+        return rt.precision_measurer
+
+    def _set_layers_policy(self, policy):
+        """Sets `policy` on the layers (as `compile(precision=policy)` does),
+        unless they hold it already."""
+        rt = self._gradboost
+        if rt.layers_policy != policy:
+            rt.float32_layers = precision_lib.apply_policy(self, policy)
+            rt.layers_policy = policy
+
+    def _precision_decided(self, measurement, function=None):
+        """Keeps `measurement`'s policy: on the layers, and its candidate
+        `function` (by default the measuring function's own) as the train
+        function. Also for a decision loaded with the weights."""
+        rt = self._gradboost
+        rt.precision_measurement = measurement
+        self._set_layers_policy(measurement.policy)
+        # Made again, when needed, under the chosen policy (one made while
+        # measuring traced under the policy of that moment).
+        self.test_function = None
+        self.predict_function = None
+        measuring = wrappers.base_train_function(self)
+        if isinstance(measuring, precision_measure.MeasuringTrainFunction):
+            self._keep_choice(measuring, function or measuring.functions[measurement.policy])
+        hooks.print_msg(measurement.message())
+
+    def _precision_state(self):
+        """What the weights file keeps of `precision="measure"` (see
+        `precision_measure.saved_state`), or None."""
+        rt = self._gradboost
+        if rt.config.precision != "measure":
+            return None
+        return precision_measure.saved_state(
+            rt.plan.precision_candidates, rt.precision_measurement, rt.precision_measurer
+        )
+
+    def _restore_precision(self, record):
+        """Adopts a saved `precision="measure"` record (see
+        `precision_measure.saved_state`): a decision is kept without
+        measuring; progress is gone on from, call for call. Warns, naming
+        both, where it cannot be (other candidates or schedule, a decision
+        made since); returns what this model cannot take at all (compiled
+        with another precision), for the caller's warning."""
+        rt = self._gradboost
+        what = precision_measure.describe(record)
+        if rt.config.precision != "measure":
+            decision = record.get("decision")
+            if decision is not None and decision["policy"] == rt.plan.policy:
+                return []  # compiled with the policy it chose
+            return [f"{what} (this model is compiled with precision={rt.config.precision!r})"]
+        candidates, own = tuple(record["candidates"]), rt.plan.precision_candidates
+        if candidates != own:
+            warnings.warn(
+                f"The loaded weights hold {what} among {candidates}, but this "
+                f"model's candidates are {own} (another device): not adopted, "
+                "this model measures again. Compile with the chosen precision "
+                "to train on as saved.",
+                stacklevel=4,
+            )
+            return []
+        if "decision" in record:
+            self._precision_decided(precision_measure.restored_measurement(record["decision"]))
+            return []
+        decided = rt.precision_measurement
+        if decided is not None:
+            if decided.restored or not decided.measured:
+                kept = "the static rule's pick" if not decided.measured else "a loaded decision"
+            else:
+                kept = "its own decision"
+            warnings.warn(
+                f"The loaded weights hold {what}, but this model has "
+                f"{kept} ({decided.policy}) already and keeps it: its next "
+                "steps are not the ones the saved run would have taken (not an "
+                "exact resume). Load into a newly compiled model to go on "
+                "measuring as saved.",
+                stacklevel=4,
+            )
+            return []
+        problem = self._precision_measurer().resume(record["progress"])
+        if problem is not None:
+            warnings.warn(
+                f"The loaded weights hold {what}, but {problem}: this model "
+                "measures again from the start (its first steps are not the "
+                "ones the saved run would have taken: not an exact resume).",
+                stacklevel=4,
+            )
+        return []
 
     def _check(self, batches):
         """Runs the first-step checks before the call of `batches` (the

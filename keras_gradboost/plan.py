@@ -7,7 +7,9 @@ order, each decision reading only the ones before it:
 1. jit: the XLA setting Keras will run with (`"measure"` is decided later,
    by timing; a layer with `supports_jit=False` or `run_eagerly` blocks XLA);
 2. precision: the dtype policy (its `"auto"` rule depends on the device and,
-   on a CPU, on jit);
+   on a CPU, on jit; `"measure"` starts from that rule's pick and is decided
+   later, by timing, among `precision_candidates`, unless something blocks
+   measuring);
 3. loss scale: whether the model computes in float16, and so the scaling;
 4. recompute: the blocks chosen for recompute (the per-model setup);
 5. every conflict and strategy check, and the warnings to give.
@@ -63,7 +65,14 @@ class TrainPlan:
         xla_blocked: why XLA is off although `jit_requested` asked for it,
             or None.
         policy: the dtype policy `precision` sets on every layer, or None
-            to leave the model as built.
+            to leave the model as built. For `precision="measure"`, the
+            static `"auto"` rule's pick: what the layers hold until the
+            measurement decides (`GradBoostModel.dtype_policy_applied` says
+            what they hold now).
+        precision_candidates: the policies `precision="measure"` times
+            (float32 and the device's mixed policy); `()` otherwise.
+        precision_blocked: why `precision="measure"` cannot measure (and
+            keeps `policy`, the static rule's pick), or None.
         float16: whether the model will compute in float16.
         loss_scale: `(dynamic, initial_scale)` for gradboost loss scaling,
             or None (off).
@@ -81,6 +90,8 @@ class TrainPlan:
     jit_compile: bool = False
     xla_blocked: object = None
     policy: object = None
+    precision_candidates: tuple = ()
+    precision_blocked: object = None
     float16: bool = False
     loss_scale: object = None
     auto_scale_loss: bool = False
@@ -121,10 +132,24 @@ class TrainPlan:
         policy = precision_lib.resolve_precision(
             config.precision, jit, devices.on_gpu, devices.cpu_bf16
         )
+        candidates, precision_blocked = (), None
+        if config.precision == "measure":
+            check_measure_conflicts(requested)
+            candidates = precision_lib.measure_candidates(devices.on_gpu)
+            precision_blocked = precision_measure_blocker(model, kwargs)
+            if precision_blocked:
+                notes.append(
+                    f'precision="measure", but it cannot measure: '
+                    f"{precision_blocked}. The model trains in {policy}, the "
+                    'static precision="auto" rule\'s pick.'
+                )
         message = precision_lib.float16_cpu_warning(policy, jit, devices.on_gpu)
         if message:
             notes.append(message)
-        float16 = policy == "mixed_float16" or (
+        # A measured float16 candidate needs the loss scale from the start
+        # (both candidates share it: one train step, one scaler).
+        measured = candidates if not precision_blocked else ()
+        float16 = "mixed_float16" in (policy, *measured) or (
             policy is None and precision_lib.computes_in_float16(model)
         )
 
@@ -148,6 +173,8 @@ class TrainPlan:
             jit_compile=jit,
             xla_blocked=xla_blocked,
             policy=policy,
+            precision_candidates=candidates,
+            precision_blocked=precision_blocked,
             float16=float16,
             loss_scale=scale,
             auto_scale_loss=auto_scale_loss,
@@ -196,6 +223,43 @@ def _decide_jit(model, kwargs):
     else:
         jit = bool(given)
     return requested, jit, xla_blocked
+
+
+def check_measure_conflicts(jit_requested):
+    """Raises for `precision="measure"` together with
+    `jit_compile="measure"`: each would time its candidates under a setting
+    the other has not decided yet."""
+    if jit_requested == "measure":
+        raise ValueError(
+            'Conflicting arguments: jit_compile="measure" and '
+            'precision="measure". Each times its candidates with the other '
+            "setting fixed, so only one can be measured at a time. Set only "
+            'one: e.g. measure jit_compile with a fixed precision, then '
+            'compile with the jit_compile it chose (jit_measurement) and '
+            'precision="measure".'
+        )
+
+
+def precision_measure_blocker(model, kwargs):
+    """Why `precision="measure"` cannot time its candidates, or None:
+    `run_eagerly=True` (eager steps say nothing about the compiled step's
+    speed), and strategies other than one process's (MultiWorker, parameter
+    servers, TPUs: each worker would time its own steps, and might choose
+    another policy than the others)."""
+    if kwargs.get("run_eagerly"):
+        return "run_eagerly=True (eager steps say nothing about the speed of the compiled step)"
+    strategy = model.distribute_strategy
+    multi_process = (
+        tf.distribute.MultiWorkerMirroredStrategy,
+        tf.distribute.experimental.ParameterServerStrategy,
+        tf.distribute.TPUStrategy,
+    )
+    if isinstance(strategy, multi_process):
+        return (
+            f"under {strategy_name(strategy)} each worker would time its own "
+            "steps and might choose another policy than the others"
+        )
+    return None
 
 
 def strategy_jit_blockers(strategy):

@@ -8,6 +8,12 @@ times slower (TensorFlow's grappler `remapping` pass rewrites float16 MatMuls
 into a slow fused CPU kernel). So, on a CPU, "auto" picks mixed_bfloat16 when
 the CPU has native bfloat16 instructions and XLA is off, and float32 otherwise;
 it never picks mixed_float16. On a GPU it picks mixed_float16.
+
+That rule is a guess from one model: it picks mixed_bfloat16 for ResNet50 on
+the same CPU, where bfloat16 is slower than float32 (0.75x the speed).
+`precision="measure"` times both candidates (`measure_candidates`) on the
+real training steps instead (`precision_measure`); the static rule is its
+starting point, and its answer where it cannot measure.
 """
 
 import keras
@@ -49,7 +55,9 @@ def resolve_precision(precision, jit_compile, on_gpu, cpu_bf16):
     """The dtype policy name for a `precision` argument, or None to keep.
 
     Args:
-        precision: the validated `precision` compile argument.
+        precision: the validated `precision` compile argument (`"measure"`
+            resolves as `"auto"`: the policy the layers hold until measured,
+            and where it cannot measure).
         jit_compile: whether the train step is XLA-compiled.
         on_gpu: whether training runs on a GPU.
         cpu_bf16: whether the CPU has native bfloat16 instructions.
@@ -57,13 +65,20 @@ def resolve_precision(precision, jit_compile, on_gpu, cpu_bf16):
     Returns:
         A dtype policy name, or `None` to leave the model as built.
     """
-    if precision != "auto":
+    if precision not in ("auto", "measure"):
         return precision
     if on_gpu:
         return "mixed_float16"
     if cpu_bf16 and not jit_compile:
         return "mixed_bfloat16"
     return "float32"
+
+
+def measure_candidates(on_gpu):
+    """The policies `precision="measure"` times against each other: float32
+    and the device's mixed policy (mixed_float16 on a GPU, mixed_bfloat16
+    on a CPU: float16 on a CPU without XLA is hundreds of times slower)."""
+    return ("float32", "mixed_float16" if on_gpu else "mixed_bfloat16")
 
 
 def float16_cpu_warning(policy, jit_compile, on_gpu):

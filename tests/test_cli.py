@@ -524,6 +524,64 @@ def test_xla_fields_of_a_measured_model():
     )
 
 
+@pytest.mark.parametrize(
+    "chosen, expected",
+    [("mixed_bfloat16", "mixed_bfloat16 (measured 2.10 vs float32 3.05 ms)"),
+     ("float32", "float32 (measured 3.05 vs mixed_bfloat16 2.10 ms)")],
+)
+def test_the_precision_measure_row_shows_the_choice_and_both_medians(monkeypatch, capsys, chosen,
+                                                                      expected):
+    def run_one(spec):
+        row = _fake_rows(set())(spec)
+        if spec["config"] == "precision_measure":
+            row["policy"] = chosen
+            row["precision_measurement"] = {
+                "policy": chosen, "mixed_policy": "mixed_bfloat16", "float32_ms": 3.05,
+                "mixed_ms": 2.10, "timed_calls": 3, "reason": "...",
+            }
+        return row
+
+    monkeypatch.setattr(compare_lib, "run_one", run_one)
+    code, out, _, _ = _run(["compare", "--configs", "baseline,precision_measure"], capsys)
+    assert code == 0
+    assert _row_line(out, "precision_measure").endswith(f"  {expected}  off")
+    assert _row_line(out, "baseline").split()[-2:] == ["float32", "off"]
+    # The config column is as wide as the longest name: the columns align.
+    header, row = out.splitlines()[1], _row_line(out, "precision_measure")
+    assert row.index("8.00") + len("8.00") == header.index("step ms") + len("step ms")
+
+
+def test_precision_measure_steady_state_starts_after_the_measuring_calls(monkeypatch):
+    """The child's warm-up covers the measured calls; its row holds the
+    measured choice (a fake clock: bfloat16 faster)."""
+    from keras_gradboost import precision_measure
+    from keras_gradboost.model import GradBoostModel
+
+    inputs = keras.Input((5,))
+    model = GradBoostModel(inputs, keras.layers.Dense(3)(keras.layers.Dense(4)(inputs)))
+    model.compile(optimizer="sgd", loss="mse", **compare_lib.CONFIGS["precision_measure"])
+    calls = 2 * (precision_measure.WARMUP_CALLS + precision_measure.TIMED_CALLS)
+    assert compare_lib.measuring_calls(model) == calls
+    assert compare_lib.first_trace_calls(model) == 2 * precision_measure.WARMUP_CALLS
+    from keras_gradboost import wrappers
+
+    state = {"now": 0.0}
+
+    def fake():  # each call lasts 3 ms in float32, 1 ms in bfloat16
+        measuring = wrappers.base_train_function(model)
+        policy, _ = measuring.measurer.next_call()
+        state["now"] += (3.0 if policy == "float32" else 1.0) / 1000
+        return state["now"]
+
+    monkeypatch.setattr(precision_measure, "perf_counter", fake)
+    rng = np.random.default_rng(0)
+    model.fit(rng.normal(size=(80, 5)), rng.normal(size=(80, 3)), batch_size=8, verbose=0)
+    assert compare_lib.measuring_calls(model) == 0  # decided: steady from here
+    fields = compare_lib.precision_fields(model)
+    assert fields["policy"] == "mixed_bfloat16"
+    assert (fields["float32_ms"], fields["mixed_ms"]) == pytest.approx((3.0, 1.0))
+
+
 def test_a_keras_layer_error_keeps_its_informative_line():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     with pytest.raises(ValueError) as info:

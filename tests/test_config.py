@@ -47,6 +47,7 @@ def test_bad_values_name_argument_value_and_expectation(kwargs, error, fragment)
         ({"accumulate_steps": 4}, "accumulate_steps", 4),
         ({"precision": "mixed_bfloat16"}, "precision", "mixed_bfloat16"),
         ({"precision": "auto"}, "precision", "auto"),
+        ({"precision": "measure"}, "precision", "measure"),
         ({"loss_scale": 128}, "loss_scale", 128.0),
         ({"loss_scale": None}, "loss_scale", None),
         ({"loss_scale": "dynamic"}, "loss_scale", "dynamic"),

@@ -35,12 +35,16 @@ import random
 import tempfile
 import warnings
 
+from unittest import mock
+
 import numpy as np
 import pytest
 
 import keras
 from conftest import shared_mirrored_strategy
 from keras_gradboost import GradBoostModel
+from keras_gradboost import precision_measure
+from keras_gradboost import wrappers
 from keras_gradboost.callbacks import BackupAndRestore
 from keras_gradboost.callbacks import GradientAuditor
 from keras_gradboost.callbacks import NaNWatcher
@@ -58,7 +62,9 @@ SEED = 12  # of the pairwise design
 
 # Tolerance on max |w - w_ref|, relative to how far a clean run (no NaN, no
 # watcher) moves the weights: one update is several percent of that.
-RTOL = {"float32": 2e-5, "xla": 2e-4, "float16": 1e-2}
+# precision="measure" ("bfloat16"): some of the steps (all of them once it
+# keeps mixed_bfloat16) compute in bfloat16 (8 significant bits).
+RTOL = {"float32": 2e-5, "xla": 2e-4, "float16": 1e-2, "bfloat16": 1e-2}
 # Callbacks must not change training: the same cell without them, exactly
 # (the same traced step), or at float32 round-off.
 CALLBACKS_ATOL = 1e-6
@@ -193,6 +199,12 @@ class Cell:
     # batch 6 (micro-batches 4-6 pending), or with chunks of 3 after batch 5
     # (4, 5 pending).
     backup: bool = False
+    # compile(precision="measure"), with a fake clock on which
+    # mixed_bfloat16 is faster (`MeasureClock`): the first calls alternate
+    # float32 and mixed_bfloat16 (timed in whole windows), then it keeps
+    # mixed_bfloat16. With accumulate_steps=4 or steps_per_execution=3 the
+    # 16 batches end before it decides (it measures throughout).
+    measure: bool = False
 
     @property
     def name(self):
@@ -221,10 +233,14 @@ class Cell:
             parts.append(f"optacc{self.optimizer_accumulation}")
         if self.backup:
             parts.append("resumed")
+        if self.measure:
+            parts.append("pmeasure")
         return "-".join(parts)
 
     @property
     def precision(self):
+        if self.measure:
+            return "bfloat16"
         if self.scaling == "dynamic16":
             return "float16"
         return "xla" if self.jit_compile else "float32"
@@ -275,6 +291,17 @@ SPECIFIC = [
                optimizer="momentum", devices="mirrored", bad=2), backup=True),
     _cell(dict(accumulate_steps=K, watcher="skip", callbacks="all"), backup=True),
     _cell(dict(accumulate_steps=K, step="minimize", jit_compile=True), backup=True),
+    # precision="measure": a restore (momentum rolled back) in epoch 0 while
+    # it measures, decided at the epoch's end; a skip inside a window timed
+    # as one unit (accumulation: measuring throughout); chunks of 3 with
+    # a stop; resumed from a backup taken after the decision (kept, not
+    # measured again) and from one taken mid-window while measuring (goes
+    # on with the schedule).
+    _cell(dict(watcher="restore", optimizer="momentum"), measure=True),
+    _cell(dict(accumulate_steps=K, watcher="skip"), measure=True),
+    _cell(dict(steps_per_execution=3, watcher="stop"), measure=True),
+    _cell(dict(optimizer="momentum"), measure=True, backup=True),
+    _cell(dict(accumulate_steps=K, watcher="skip"), measure=True, backup=True),
 ]
 
 # Cells that must refuse, with what the message must name.
@@ -537,7 +564,26 @@ def compile_kwargs(cell):
         kwargs["loss_scale"] = 128.0
     elif cell.scaling == "dynamic16":
         kwargs.update(precision="mixed_float16", loss_scale="dynamic")
+    if cell.measure:
+        kwargs["precision"] = "measure"
     return kwargs
+
+
+class MeasureClock:
+    """`precision_measure.perf_counter` for `Cell.measure`: each tick
+    advances by the time of the call about to be timed (2 ms in
+    mixed_bfloat16, 9 ms in float32), so every call lasts that long."""
+
+    MS = {"float32": 9.0, "mixed_bfloat16": 2.0}
+
+    def __init__(self):
+        self.model, self.now = None, 0.0
+
+    def __call__(self):
+        measuring = wrappers.base_train_function(self.model)
+        policy, _ = measuring.measurer.next_call()
+        self.now += self.MS[policy] / 1000
+        return self.now
 
 
 def _plan_facts(model):
@@ -569,13 +615,21 @@ def run(cell, with_callbacks=True):
     stopped = None
     events = []
 
+    clock = MeasureClock()
+
     def make_model():
         with scope():
             model = build(cell.model, STEP_CLASSES[cell.step])
             model.compile(optimizer=make_optimizer(cell), loss="mse", **compile_kwargs(cell))
+        clock.model = model
         return model
 
-    with warnings.catch_warnings(record=True) as caught:
+    measuring = (
+        mock.patch.object(precision_measure, "perf_counter", clock)
+        if cell.measure
+        else contextlib.nullcontext()
+    )
+    with measuring, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = make_model()
         plan_before = _plan_facts(model) if cell.recompute else None
@@ -623,6 +677,7 @@ def run(cell, with_callbacks=True):
         "callbacks": callbacks,
         "plan_before": plan_before,
         "plan_after": _plan_facts(model) if cell.recompute else None,
+        "precision_measurement": model.precision_measurement,
     }
 
 
@@ -712,6 +767,8 @@ def _other_findings(cell, got, ref):
         changes = [f"{k} {before[k]} -> {after[k]}" for k in before if before[k] != after[k]]
         found.append(("plan", "recompute_plan() changed by the fit: " + "; ".join(changes)))
     found += [("other", message) for message in _callback_findings(got["callbacks"])]
+    if cell.measure:
+        found += [("other", m) for m in _measure_findings(cell, got["precision_measurement"])]
     # The documented warnings here: XLA off under MirroredStrategy over
     # logical CPUs (TensorFlow cannot run that step), and mixed_float16 on a
     # CPU without XLA.
@@ -733,6 +790,27 @@ def _other_findings(cell, got, ref):
         if w not in slow + blocked + deferred
     ]
     return found
+
+
+def _measure_findings(cell, measurement):
+    """precision="measure" decided when its schedule fits in the cell's
+    calls (16 batches; 8 units of `calls_per_timing` calls), for
+    mixed_bfloat16 (the fake clock's faster), and kept it through a
+    resume; undecided otherwise."""
+    from keras_gradboost.precision_measure import calls_per_timing
+
+    spe = cell.steps_per_execution
+    calls = EPOCHS * -(-BATCHES // spe)
+    if cell.watcher == "stop":
+        calls = -(-BATCHES // spe)  # stopped in epoch 0
+    decides = 8 * calls_per_timing(cell.accumulate_steps, spe) <= calls
+    if not decides:
+        return [] if measurement is None else [f"decided although it cannot yet: {measurement}"]
+    if measurement is None or measurement.policy != "mixed_bfloat16":
+        return [f"precision_measurement {measurement}, expected mixed_bfloat16"]
+    if cell.backup and not measurement.restored:
+        return ["the resumed fit measured again"]
+    return []
 
 
 def _callback_findings(callbacks):

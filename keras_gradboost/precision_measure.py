@@ -1,0 +1,409 @@
+"""`precision="measure"`: time the first training calls of `fit` in float32
+and in the device's mixed policy, then keep the faster.
+
+The candidates are float32 and mixed_bfloat16 on a CPU, float32 and
+mixed_float16 on a GPU (`precision.measure_candidates`). Every measured call
+is a real training call on the batches `fit` draws: nothing is run twice and
+nothing is skipped. Both candidates are train functions of the same model,
+traced with the layers set to their policy (`precision.apply_policy`, set
+before each of their calls: a layer's policy is read when a function
+traces). Variables stay float32 under the mixed policies, so both update the
+same variables, optimizer state, loss scale and accumulation window: a
+measured fit equals one whose calls take the candidates' policies in the
+measured order.
+
+The schedule is `jit_measure`'s: the first call of each candidate traces and
+is not timed; then `TIMED_CALLS` of each are timed, interleaved (float32,
+mixed, float32, ...), each synchronised with the host by reading one value
+of its logs. With `accumulate_steps > 1` a timed unit is as many calls as
+make whole accumulation windows (`calls_per_timing`), so each candidate
+times as many updates as the other. The mixed policy wins only with a lower
+median (a tie keeps float32). From then on only the winner runs, and the
+layers hold its policy (so `evaluate` and `predict` use it).
+
+Before the first call the layers hold the static `precision="auto"` rule's
+pick; while measuring, the policy of the last call (a validation in between
+runs in it; the test and predict functions are made again after the
+decision). The static rule stays, decided at `compile()` with a warning and
+a `PrecisionMeasurement` whose `measured` is False, under `run_eagerly=True`
+and under MultiWorkerMirroredStrategy, ParameterServerStrategy and
+TPUStrategy (each worker would time its own steps and might choose another
+policy). One process's MirroredStrategy is measured (its replicas trace
+under the same layers). `jit_compile="measure"` together with it is refused
+(`plan.check_measure_conflicts`): precision is measured under a fixed jit
+setting. With a float16 candidate (on a GPU) `loss_scale="auto"` scales
+both candidates' loss with the one `LossScaler` they share, and keeps
+scaling if float32 wins (exact: the scale is a power of two).
+
+The choice is saved with the weights (`saved_state`, in the model's
+training state: `keras_gradboost.checkpoint`), so a loaded model, or a
+BackupAndRestore resume, trains on in the policy the saved run chose,
+without measuring again (`PrecisionMeasurement.restored`). A file saved
+while still measuring holds the measuring progress: the schedule's
+position, the timings so far and the current unit's calls; the loaded model
+goes on with the same schedule, call for call, as the saved run would have.
+A timed call that traces in the new process (the first call of each
+candidate there) is not timed: it stays in the schedule, its timing is left
+out of the median (the reason says how many). A decision or progress saved
+among other candidates (another device: mixed_float16 on a GPU,
+mixed_bfloat16 on a CPU), or progress of another schedule
+(`calls_per_timing`: other `accumulate_steps` or `steps_per_execution`), is
+not adopted: a warning names both, and the model measures again.
+
+`Measurer` is the pure part (schedule, medians, decision) with an injectable
+clock; `MeasuringTrainFunction` adapts it to Keras' train function.
+"""
+
+import dataclasses
+import json
+import math
+import statistics
+import time
+
+from keras_gradboost import jit_measure
+from keras_gradboost import wrappers
+
+# Untimed first units of each candidate (tracing).
+WARMUP_CALLS = jit_measure.WARMUP_CALLS
+# Timed units of each candidate; the median decides.
+TIMED_CALLS = jit_measure.TIMED_CALLS
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionMeasurement:
+    """What `precision="measure"` found and chose.
+
+    Attributes:
+        policy: the choice: a dtype policy name.
+        mixed_policy: the mixed candidate timed against float32
+            (`"mixed_bfloat16"` on a CPU, `"mixed_float16"` on a GPU).
+        float32_ms: median time of a timed float32 train call, in ms (None
+            when not measured).
+        mixed_ms: median time of a timed `mixed_policy` train call, in ms
+            (None when not measured).
+        timed_calls: timed units of each candidate.
+        calls_per_timing: train calls in one timed unit (whole accumulation
+            windows); the medians are per call.
+        reason: one line saying why this choice was made.
+        restored: whether it was loaded with the weights (measured by the
+            run that saved them) rather than measured by this model.
+    """
+
+    policy: str
+    mixed_policy: str = "mixed_bfloat16"
+    float32_ms: object = None
+    mixed_ms: object = None
+    timed_calls: int = 0
+    calls_per_timing: int = 1
+    reason: str = ""
+    restored: bool = False
+
+    @property
+    def measured(self):
+        """Whether the choice comes from timing (False: the static rule)."""
+        return self.float32_ms is not None
+
+    def message(self):
+        """The one-line report printed when the choice is made."""
+        restored = " (restored with the weights, not measured again)" if self.restored else ""
+        return f'precision="measure": {self.policy}; {self.reason}{restored}.'
+
+
+def calls_per_timing(accumulate_steps, steps_per_execution):
+    """Train calls that hold whole accumulation windows: each call runs
+    `steps_per_execution` micro-batches, a window is `accumulate_steps`."""
+    cycle = math.lcm(accumulate_steps, steps_per_execution)
+    return cycle // steps_per_execution
+
+
+class Measurer:
+    """The schedule and the decision of `precision="measure"`.
+
+    Args:
+        candidates: `(float32 policy, mixed policy)`, timed in this order.
+        warmup_calls: untimed first units of each candidate. Defaults to
+            `WARMUP_CALLS`.
+        timed_calls: timed units of each candidate. Defaults to
+            `TIMED_CALLS`.
+        calls_per_timing: train calls in one unit (see
+            `calls_per_timing`). Defaults to `1`.
+
+    Raises:
+        ValueError: if a count is not an int >= 1, or `candidates` is not
+            two different policies starting with `"float32"`.
+    """
+
+    def __init__(
+        self,
+        candidates,
+        warmup_calls=WARMUP_CALLS,
+        timed_calls=TIMED_CALLS,
+        calls_per_timing=1,
+    ):
+        for name, value in (
+            ("warmup_calls", warmup_calls),
+            ("timed_calls", timed_calls),
+            ("calls_per_timing", calls_per_timing),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"Invalid value for argument `{name}`. Received: "
+                    f"{name}={value!r}. Expected an int >= 1."
+                )
+        candidates = tuple(candidates)
+        if len(candidates) != 2 or candidates[0] != "float32" or candidates[1] == "float32":
+            raise ValueError(
+                "Invalid value for argument `candidates`. Received: "
+                f"candidates={candidates!r}. Expected (\"float32\", a mixed "
+                "policy)."
+            )
+        self.candidates = candidates
+        float32, mixed = candidates
+        self.units = [(float32, False), (mixed, False)] * warmup_calls + [
+            (float32, True),
+            (mixed, True),
+        ] * timed_calls
+        self.warmup_calls = warmup_calls
+        self.timed_calls = timed_calls
+        self.calls_per_timing = calls_per_timing
+        self.times = {float32: [], mixed: []}
+        # Timed units left out: a call of theirs traced (after a resume).
+        self.dropped = {float32: 0, mixed: 0}
+        self.result = None
+        self._total = len(self.units)
+        self._calls = 0  # calls of the current unit so far
+        self._seconds = 0.0  # and their time
+        self._traced = False  # whether one of them traced
+
+    def next_call(self):
+        """`(policy, timed)` of the next call."""
+        return self.units[0]
+
+    @property
+    def calls_done(self):
+        """Train calls recorded so far."""
+        return (self._total - len(self.units)) * self.calls_per_timing + self._calls
+
+    @property
+    def calls_total(self):
+        """Train calls of the whole schedule."""
+        return self._total * self.calls_per_timing
+
+    def record(self, seconds, traced=False):
+        """Records the duration of the call `next_call()` announced;
+        `traced`: the call traced its function (its timing says nothing of
+        the step's speed: a timed unit holding it is left out)."""
+        self._calls += 1
+        self._seconds += seconds
+        self._traced = self._traced or traced
+        if self._calls < self.calls_per_timing:
+            return
+        policy, timed = self.units.pop(0)
+        if timed and self._traced:
+            self.dropped[policy] += 1
+        elif timed:
+            self.times[policy].append(self._seconds * 1000 / self._calls)
+        self._calls, self._seconds, self._traced = 0, 0.0, False
+        if not self.units:
+            self.result = self._decide()
+
+    def progress(self):
+        """The measuring progress as plain values (for a checkpoint;
+        `resume` puts it back)."""
+        return {
+            "warmup_calls": self.warmup_calls,
+            "timed_calls": self.timed_calls,
+            "calls_per_timing": self.calls_per_timing,
+            "units_done": self._total - len(self.units),
+            "calls": self._calls,
+            "seconds": self._seconds,
+            "traced": self._traced,
+            "times": {policy: list(ms) for policy, ms in self.times.items()},
+            "dropped": dict(self.dropped),
+        }
+
+    def resume(self, progress):
+        """Goes on from `progress` (from `progress()`): the schedule's
+        position, the timings and the current unit.
+
+        Returns:
+            None, or why it cannot (another schedule), with nothing changed.
+        """
+        theirs = tuple(progress[k] for k in ("warmup_calls", "timed_calls", "calls_per_timing"))
+        ours = (self.warmup_calls, self.timed_calls, self.calls_per_timing)
+        if theirs != ours:
+            return (
+                "it was saved with another schedule ((warm-up units, timed units, "
+                f"calls per timing) {theirs}; this model's {ours}: other "
+                "accumulate_steps or steps_per_execution)"
+            )
+        fresh = Measurer(self.candidates, *ours)
+        done = int(progress["units_done"])
+        self.units = fresh.units[done:]
+        self.times = {p: [float(t) for t in progress["times"][p]] for p in self.candidates}
+        self.dropped = {p: int(progress["dropped"][p]) for p in self.candidates}
+        self._calls = int(progress["calls"])
+        self._seconds = float(progress["seconds"])
+        self._traced = bool(progress["traced"])
+        self.result = None
+        return None
+
+    def _decide(self):
+        float32, mixed = self.candidates
+        left_out = ""
+        if any(self.dropped.values()):
+            counts = " and ".join(f"{n} {p}" for p, n in self.dropped.items() if n)
+            left_out = f"; {counts} timing(s) left out: they traced after a restore"
+        unit = (
+            f"; {self.calls_per_timing} calls per timing, whole accumulation windows"
+            if self.calls_per_timing > 1
+            else ""
+        )
+        missing = [p for p in self.candidates if not self.times[p]]
+        if missing:
+            plain = statistics.median(self.times[float32]) if self.times[float32] else None
+            half = statistics.median(self.times[mixed]) if self.times[mixed] else None
+            return PrecisionMeasurement(
+                policy=float32,
+                mixed_policy=mixed,
+                float32_ms=plain if plain is not None else math.nan,
+                mixed_ms=half,
+                timed_calls=self.timed_calls,
+                calls_per_timing=self.calls_per_timing,
+                reason=(
+                    f"no timing of {' and '.join(missing)} is left (every timed call "
+                    f"of it traced after a restore): float32 kept{left_out}"
+                ),
+            )
+        plain = statistics.median(self.times[float32])
+        half = statistics.median(self.times[mixed])
+        faster = half < plain
+        winner, loser = (mixed, float32) if faster else (float32, mixed)
+        return PrecisionMeasurement(
+            policy=winner,
+            mixed_policy=mixed,
+            float32_ms=plain,
+            mixed_ms=half,
+            timed_calls=self.timed_calls,
+            calls_per_timing=self.calls_per_timing,
+            reason=(
+                f"median {min(plain, half):.2f} ms per train call vs "
+                f"{max(plain, half):.2f} ms in {loser} ({self.timed_calls} "
+                f"timed calls each{unit}{left_out})"
+            ),
+        )
+
+
+def perf_counter():
+    """The clock `MeasuringTrainFunction` reads by default (looked up at each
+    call, so a test can replace it)."""
+    return time.perf_counter()
+
+
+class MeasuringTrainFunction:
+    """A train function that runs the float32 or the mixed one, call by
+    call, as a `Measurer` says, until it decides.
+
+    Args:
+        model: the compiled model.
+        functions: `{policy: train function}` for both candidates, made by
+            Keras for the same model and optimizer (traced at their first
+            call, under the layers' policy then).
+        set_policy: callable `(policy)` that sets `policy` on the model's
+            layers; called before each call of a candidate.
+        on_decided: callable `(measurement, function)` called once, with the
+            `PrecisionMeasurement` and the chosen function.
+        clock: callable returning seconds. Defaults to `None`: this
+            module's `perf_counter`.
+        measurer: the `Measurer`. Defaults to a new one over `functions`'
+            policies with the default schedule.
+    """
+
+    def __init__(self, model, functions, set_policy, on_decided, clock=None, measurer=None):
+        self.model = model
+        self.functions = functions
+        self.set_policy = set_policy
+        self.on_decided = on_decided
+        self.clock = clock
+        self.measurer = measurer or Measurer(tuple(functions))
+        self._called = set()  # the candidates called (so traced) already
+        wrappers.runs_batches(self)
+
+    @property
+    def result(self):
+        return self.measurer.result
+
+    def __call__(self, iterator):
+        batches = wrappers.draw_batches(self.model, iterator)
+        if not batches:
+            raise StopIteration
+        if self.result is not None:  # a stale reference: run the choice
+            chosen = self.functions[self.result.policy]
+            return wrappers.run_batches(self.model, chosen, batches)
+        policy, _ = self.measurer.next_call()
+        # Read when the candidate's function traces (its first call, or a
+        # retrace for a new chunk length): the layers must hold its policy.
+        self.set_policy(policy)
+        clock = self.clock or perf_counter
+        start = clock()
+        logs = wrappers.run_batches(self.model, self.functions[policy], batches)
+        jit_measure.sync_logs(logs)
+        traced = policy not in self._called
+        self._called.add(policy)
+        self.measurer.record(clock() - start, traced=traced)
+        if self.result is not None:
+            self.on_decided(self.result, self.functions[self.result.policy])
+        return logs
+
+
+# ------------------------------------------------------------ checkpoints
+
+STATE_FORMAT = 1
+
+
+def saved_state(candidates, measurement, measurer):
+    """What a checkpoint keeps of `precision="measure"`, as plain values:
+    the candidates and either the decision (when measured) or the measuring
+    progress (`Measurer.progress`); None when there is neither (not
+    started, or the static rule's pick: nothing was measured)."""
+    record = {"format": STATE_FORMAT, "candidates": list(candidates)}
+    if measurement is not None:
+        if not measurement.measured:
+            return None
+        decision = dataclasses.asdict(measurement)
+        decision.pop("restored")
+        return {**record, "decision": decision}
+    if measurer is None or measurer.calls_done == 0:
+        return None
+    return {**record, "progress": measurer.progress()}
+
+
+def encode_state(record):
+    """`record` as a uint8 array (JSON), storable in a Keras weights file."""
+    import numpy as np
+
+    return np.frombuffer(json.dumps(record).encode("utf-8"), dtype=np.uint8)
+
+
+def decode_state(array):
+    """The record `encode_state` stored."""
+    import numpy as np
+
+    return json.loads(np.asarray(array, dtype=np.uint8).tobytes().decode("utf-8"))
+
+
+def restored_measurement(decision):
+    """The `PrecisionMeasurement` of a saved decision, marked restored."""
+    return PrecisionMeasurement(**decision, restored=True)
+
+
+def describe(record):
+    """A saved record in a few words, for warnings."""
+    if "decision" in record:
+        return f'a precision="measure" decision ({record["decision"]["policy"]})'
+    progress = record["progress"]
+    calls = (
+        progress["units_done"] * progress["calls_per_timing"] + progress["calls"]
+    )
+    total = 2 * (progress["warmup_calls"] + progress["timed_calls"]) * progress["calls_per_timing"]
+    return f'precision="measure" measuring progress ({calls} of {total} calls)'
