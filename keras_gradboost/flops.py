@@ -14,7 +14,10 @@ How the count is made, and what it leaves out:
   backward of a MatMul is two MatMuls (one for the weights, one for the
   input, left out where nothing needs it, e.g. the first layer's), that of
   a Conv2D a Conv2DBackpropFilter and a Conv2DBackpropInput; recompute's
-  recomputed forward shows up as forward operations again.
+  recomputed forward shows up as forward operations again. Only the
+  operations the step's outputs and updates depend on count: a Conv2D's
+  gradient also makes the input gradient of the first layer, which nothing
+  reads and TensorFlow prunes when the function runs.
 - Each contraction is counted from its shapes: 2 x (elements of its output,
   or of the gradient flowing into a convolution's backprop) x (the size
   summed over per element: the inner dimension of a matmul, the kernel
@@ -222,7 +225,7 @@ def graph_flops(graph):
     """
     by_dtype, uncounted, library = {}, [], None
     counted = (*MATMULS, *CONVOLUTIONS, *CONVOLUTION_GRADIENTS, "Einsum")
-    for op in graph.get_operations():
+    for op in _live_operations(graph):
         if op.type in counted:
             flops = op_flops(op)
             if flops is None:
@@ -240,6 +243,29 @@ def graph_flops(graph):
             if inside:
                 uncounted.append(f"{', '.join(sorted(inside))} inside {op.type} {op.name!r}")
     return StepFlops(by_dtype=by_dtype, exact=not uncounted, uncounted=tuple(uncounted))
+
+
+def _live_operations(graph):
+    """The operations a call of the function runs: those its outputs and
+    control outputs (the stateful updates) depend on, in graph order; the
+    others are pruned when it runs (e.g. a Conv2D gradient's input gradient
+    for the first layer, which TensorFlow's gradient makes but nothing
+    reads). A plain `tf.Graph`: all its operations."""
+    operations = graph.get_operations()
+    outputs = getattr(graph, "outputs", None)
+    if outputs is None:
+        return operations
+    stack = [t.op for t in outputs if t is not None]
+    stack += list(getattr(graph, "control_outputs", ()))
+    live = set()
+    while stack:
+        op = stack.pop()
+        if op.name in live:
+            continue
+        live.add(op.name)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    return [op for op in operations if op.name in live]
 
 
 def _calls_functions(op):
