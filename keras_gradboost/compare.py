@@ -370,7 +370,14 @@ def add_throughput(rows, peaks):
         step_s = row["step_ms"] / 1000
         row["flop_per_s"] = row["step_flops"] / step_s if step_s > 0 else None
         row["peak_share"] = flops.peak_share(row["step_flops_by_dtype"], step_s, per_dtype)
+        if row["peak_share"] is not None and row["peak_share"] > 1:
+            row["notes"] = [*row.get("notes", ()), ABOVE_PEAK]
     return rows
+
+
+# A share above 1 means the peak was measured while the machine was busier
+# than during the row (other processes share the cores).
+ABOVE_PEAK = "above 100% of the measured peak: the peak was measured under more load; run again"
 
 
 # ---------------------------------------------------------------- the child

@@ -343,6 +343,17 @@ def test_flops_cells_mark_a_lower_bound_and_what_is_not_known():
         "float32", "bfloat16"
     ]
     assert compare_lib.peak_dtypes([{"config": "baseline"}]) == []
+    rows = [
+        {"config": "baseline", "step_ms": 10.0, "step_flops": 2e9, "step_flops_by_dtype": {"float32": 2e9}},
+        {"config": "accumulate", "step_ms": 2.0, "step_flops": 2e9, "step_flops_by_dtype": {"float32": 2e9}},
+        {"config": "recompute", "error": "Boom: no"},
+    ]
+    compare_lib.add_throughput(rows, {"size": 2048, "flop_per_s": {"float32": 5e11}})
+    assert rows[0]["flop_per_s"] == pytest.approx(2e11) and rows[0]["peak_share"] == pytest.approx(0.4)
+    assert "notes" not in rows[0]
+    assert rows[1]["peak_share"] == pytest.approx(2.0)
+    assert rows[1]["notes"] == [compare_lib.ABOVE_PEAK]
+    assert "flop_per_s" not in rows[2]
 
 
 def test_notes_name_their_configurations_unless_shared():
