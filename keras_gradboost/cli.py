@@ -19,6 +19,7 @@ import sys
 import zipfile
 
 from keras_gradboost import compare as compare_lib
+from keras_gradboost import flops as flops_lib
 from keras_gradboost import launcher
 
 EPILOG = """\
@@ -45,7 +46,11 @@ baseline, the exit status is 1) only when it failed in every round.
 Every row trains on the same batches (--batch-size examples per step; under
 accumulate_steps a step is one micro-batch). Columns: steady step ms (median
 after 2 warm-up steps), speed-up vs baseline, first-step compile s,
-examples/s, backward share (1 - forward-only time / train-step time, on one
+examples/s, GFLOP/step (the step's matmuls and convolutions, forward and
+backward, counted from its traced graph; ">=" when some could not be
+counted, e.g. inside a tf.cond), GFLOP/s (GFLOP/step / step time), % peak
+(of this machine's peak for the dtype the step computes in: a 2048x2048
+matmul timed once per run, shown above the table), backward share (1 - forward-only time / train-step time, on one
 batch after training), peak MiB (TensorFlow allocator peak during fit minus
 the level before it), retraces (traces of the train step after the first
 batch), final loss (mean over the last quarter of the steps), setup, and
@@ -367,6 +372,9 @@ COLUMNS = (
     ("speed-up", ">", 9),
     ("compile s", ">", 10),
     ("examples/s", ">", 11),
+    ("GFLOP/step", ">", 11),
+    ("GFLOP/s", ">", 9),
+    ("% peak", ">", 8),
     ("bwd share", ">", 10),
     ("peak MiB", ">", 9),
     ("retraces", ">", 9),
@@ -380,6 +388,34 @@ def _xla(row):
     """The row's `xla` cell: on, off, or off with the reason XLA was
     blocked (rows from before the column: from `jit_compile`)."""
     return row.get("xla") or ("on" if row["jit_compile"] else "off")
+
+
+def _flops_cells(row):
+    """The GFLOP/step, GFLOP/s and % peak cells; ">=" marks a lower bound
+    (some contraction not counted), "-" what is not known."""
+    if row.get("step_flops") is None:
+        return "-", "-", "-"
+    bound = "" if row.get("step_flops_exact", True) else ">="
+    per_s, share = row.get("flop_per_s"), row.get("peak_share")
+    return (
+        f"{bound}{row['step_flops'] / 1e9:.3g}",
+        "-" if per_s is None else f"{bound}{per_s / 1e9:.0f}",
+        "-" if share is None else f"{bound}{100 * share:.0f}%",
+    )
+
+
+def format_peaks(peaks):
+    """The header line of the measured matmul peaks, or None."""
+    if not peaks:
+        return None
+    size = peaks["size"]
+    if "error" in peaks:
+        return f"peak ({size}x{size} matmul): FAILED: {peaks['error']}"
+    figures = ", ".join(
+        f"{dtype} {'-' if v is None else f'{v / 1e9:.0f}'} GFLOP/s"
+        for dtype, v in peaks["flop_per_s"].items()
+    )
+    return f"peak ({size}x{size} matmul, fastest of {flops_lib.PEAK_REPS}): {figures}"
 
 
 def format_table(rows):
@@ -408,6 +444,7 @@ def format_table(rows):
             speed,
             f"{r['compile_s']:.2f}",
             f"{r['examples_per_s']:.0f}",
+            *_flops_cells(r),
             f"{100 * r['backward_share']:.0f}%",
             peak,
             str(r["retraces"]),
@@ -478,14 +515,24 @@ def compare(args, parser):
         "steps": args.steps,
     }
     rows, orders = compare_lib.run_rounds(spec, names, args.repeat, progress=sys.stderr)
+    peaks = compare_lib.run_peaks(rows, progress=sys.stderr)
+    compare_lib.add_throughput(rows, peaks)
     context, env = _context(args, rows)
     print(context)
+    if format_peaks(peaks):
+        print(format_peaks(peaks))
     print(format_table(rows))
     for note in format_notes(rows):
         print(note)
     if args.json is not None:
         with open(args.json, "w") as f:
-            saved = {"spec": spec, "environment": env, "repeat": args.repeat, "orders": orders}
+            saved = {
+                "spec": spec,
+                "environment": env,
+                "repeat": args.repeat,
+                "orders": orders,
+                "peaks": peaks,
+            }
             json.dump({**saved, "rows": rows}, f, indent=2)
     if args.plot is not None and any("error" not in r for r in rows):
         plot(rows, args.plot)

@@ -38,6 +38,26 @@ What a row holds (all measured in the child):
   function was made again, or traced for a new Python value.)
 - `final_loss`: the mean training loss over the last quarter of the batches
   (recovered exactly from the running means Keras logs).
+- `step_flops`: the FLOPs of one training step (one micro-batch under
+  `accumulate_steps`): its matrix multiplications and convolutions,
+  forward and backward, 2 per multiply-add, counted from the shapes of the
+  step's traced graph (`keras_gradboost.flops.step_flops`: `train_step`
+  traced once more, before XLA, so recompute's extra forward is in it and
+  the first layer's unneeded input gradient is not). By dtype in
+  `step_flops_by_dtype` (under mixed precision most are bfloat16 or
+  float16, a float32 head's are float32). Elementwise operations
+  (activations, normalisation, loss, optimizer update) are not counted:
+  about 5% more on the built-in MLP. `step_flops_exact` is False when some
+  contraction could not be counted (inside a `tf.cond`/`tf.while_loop`
+  body or a nested `tf.function`, unknown shapes, an unknown contraction
+  type; `step_flops_uncounted` names them, and a note says so): the count
+  is then a lower bound, shown as `>=`. Why not TensorFlow's graph
+  profiler, an analytic count from the layers or XLA's cost analysis: see
+  `keras_gradboost/flops.py`.
+- `flop_per_s` (set by the parent, `add_throughput`): `step_flops` /
+  `step_ms`; `peak_share`: the time those FLOPs would take at this
+  machine's peak of each dtype, over `step_ms` (for one dtype: `flop_per_s`
+  / the peak).
 - `xla`: whether the train step ran with XLA: `"on"`, `"off"`, or, when
   `jit_compile=True` or `"measure"` asked for XLA and something blocked it,
   `"off: <reason>"` (a layer with `supports_jit=False`, an op without an XLA
@@ -48,6 +68,14 @@ What a row holds (all measured in the child):
   `precision="measure"` the measured choice, and `precision_measurement`
   holds both medians (the setup column shows them, the choice's first:
   `"mixed_bfloat16 (measured 2.10 vs float32 3.05 ms)"`).
+
+The machine's peak (`run_peaks`, once per run, in a subprocess of its own
+like the rows, after them): per dtype the rows compute in (float32 always),
+a `PEAK_SIZE` x `PEAK_SIZE` matmul in a `tf.function`, warmed up, the fastest
+of a few timed calls, `2 * PEAK_SIZE**3` FLOPs each
+(`keras_gradboost.flops.measure_peak`). Nothing is cached. It is the
+throughput of a large, compute-bound matmul; a training step also moves
+memory and runs small or elementwise operations, so its share is lower.
 """
 
 import json
@@ -104,6 +132,9 @@ WARMUP_STEPS = 2
 # many, up to 4x as many while they take under ~2 s.
 SHARE_REPS = 5
 CHILD_TIMEOUT_S = 3600
+# The matmul timed for the machine's peak (see `run_peaks`).
+PEAK_SIZE = 2048
+PEAK_TIMEOUT_S = 600
 # Seed of the per-round shuffles of `run_rounds` (the same orders each run).
 ROUND_SEED = 0
 # Row fields reduced to their median over the rounds by `aggregate`.
@@ -255,6 +286,13 @@ def aggregate(rounds, names):
 
 def run_one(spec):
     """Runs one configuration in a fresh Python process; returns its row."""
+    base = {"config": spec["config"], "kwargs": spec["kwargs"]}
+    return {**base, **_run_child(spec, CHILD_TIMEOUT_S)}
+
+
+def _run_child(spec, timeout):
+    """`python -m keras_gradboost.compare SPEC`: the JSON line it printed
+    last, or `{"error": reason}`."""
     env = {
         "TF_CPP_MIN_LOG_LEVEL": "2",
         # TensorFlow keeps allocator statistics (peak_mib) on a CPU only with
@@ -263,22 +301,88 @@ def run_one(spec):
         **os.environ,
     }
     command = [sys.executable, "-m", "keras_gradboost.compare", json.dumps(spec)]
-    base = {"config": spec["config"], "kwargs": spec["kwargs"]}
     try:
         result = subprocess.run(
-            command, capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S
+            command, capture_output=True, text=True, env=env, timeout=timeout
         )
     except subprocess.TimeoutExpired:
-        return {**base, "error": f"timed out after {CHILD_TIMEOUT_S} s"}
+        return {"error": f"timed out after {timeout} s"}
     for line in reversed(result.stdout.splitlines()):
         if line.startswith("{"):
             try:
-                return {**base, **json.loads(line)}
+                return json.loads(line)
             except json.JSONDecodeError:
                 break
     lines = [l.strip() for l in result.stderr.splitlines() if l.strip()]
     reason = lines[-1] if lines else "no output"
-    return {**base, "error": f"exit code {result.returncode}: {reason}"[:200]}
+    return {"error": f"exit code {result.returncode}: {reason}"[:200]}
+
+
+def peak_dtypes(rows):
+    """The dtypes to measure the peak of: float32, and every dtype a row's
+    counted FLOPs compute in; none when no row counted FLOPs."""
+    counted = [r for r in rows if r.get("step_flops_by_dtype")]
+    if not counted:
+        return []
+    dtypes = {"float32"} | {d for r in counted for d in r["step_flops_by_dtype"]}
+    return sorted(dtypes, key=lambda d: (d != "float32", d))
+
+
+def run_peaks(rows, progress=None):
+    """Measures the matmul peak of each dtype the rows compute in, in one
+    fresh subprocess (after the rows, so it does not share their process).
+
+    Args:
+        rows: the rows (from `run_rounds`).
+        progress: optional stream for one progress line. Defaults to `None`.
+
+    Returns:
+        `{"size": PEAK_SIZE, "flop_per_s": {dtype: FLOP/s or None}}`, with
+        `"error"` instead of `"flop_per_s"` when the subprocess failed; or
+        None when no row counted FLOPs.
+    """
+    dtypes = peak_dtypes(rows)
+    if not dtypes:
+        return None
+    if progress is not None:
+        progress.write(f"peak: {PEAK_SIZE}x{PEAK_SIZE} matmul in {', '.join(dtypes)} ... ")
+        progress.flush()
+    start = time.perf_counter()
+    result = _run_child({"peak_dtypes": dtypes, "size": PEAK_SIZE}, PEAK_TIMEOUT_S)
+    peaks = {"size": PEAK_SIZE, **result}
+    if progress is not None:
+        elapsed = time.perf_counter() - start
+        if "error" in peaks:
+            progress.write(f"FAILED in {elapsed:.1f} s: {peaks['error']}\n")
+        else:
+            figures = ", ".join(
+                f"{d} {'-' if v is None else f'{v / 1e9:.0f}'}" for d, v in peaks["flop_per_s"].items()
+            )
+            progress.write(f"{figures} GFLOP/s ({elapsed:.1f} s)\n")
+        progress.flush()
+    return peaks
+
+
+def add_throughput(rows, peaks):
+    """Sets each row's `flop_per_s` and `peak_share` (None where unknown)
+    from its `step_flops`, `step_ms` and the measured peaks."""
+    from keras_gradboost import flops
+
+    per_dtype = (peaks or {}).get("flop_per_s") or {}
+    for row in rows:
+        if "error" in row or row.get("step_flops") is None:
+            continue
+        step_s = row["step_ms"] / 1000
+        row["flop_per_s"] = row["step_flops"] / step_s if step_s > 0 else None
+        row["peak_share"] = flops.peak_share(row["step_flops_by_dtype"], step_s, per_dtype)
+        if row["peak_share"] is not None and row["peak_share"] > 1:
+            row["notes"] = [*row.get("notes", ()), ABOVE_PEAK]
+    return rows
+
+
+# A share above 1 means the peak was measured while the machine was busier
+# than during the row (other processes share the cores).
+ABOVE_PEAK = "above 100% of the measured peak: the peak was measured under more load; run again"
 
 
 # ---------------------------------------------------------------- the child
@@ -669,6 +773,7 @@ def measure(spec):
         step_ms = statistics.median(times[warm:]) * 1000
         share, forward_ms, full_ms = backward_share(model, next(iter(data)), step_ms)
 
+    counted = count_step_flops(model, data, notes)
     plan = model.recompute_plan()
     loss_now = final_loss(losses)
     if not math.isfinite(loss_now):
@@ -687,6 +792,7 @@ def measure(spec):
         "forward_ms": forward_ms,
         "full_step_ms": full_ms,
         "peak_mib": None if grown is None else grown / 2**20,
+        **counted,
         "retraces": retraces,
         "final_loss": loss_now,
         "jit_compile": bool(model.jit_compile),
@@ -695,6 +801,31 @@ def measure(spec):
         "recomputed": len(plan.recomputed) if plan.setting is not None else 0,
         "notes": notes,
         "environment": environment(),
+    }
+
+
+def count_step_flops(model, data, notes):
+    """The row's `step_flops*` fields (see the module docstring): the
+    train step traced once more on the batches' specs; a note when the
+    count is a lower bound, or when it failed (then None)."""
+    from keras_gradboost import flops
+
+    try:
+        counted = flops.step_flops(model, data.element_spec)
+    except Exception as error:  # noqa: BLE001 - the row keeps its timings
+        notes.append(f"FLOPs not counted ({_one_line(error)})")
+        return {"step_flops": None, "step_flops_by_dtype": None,
+                "step_flops_exact": None, "step_flops_uncounted": []}
+    if not counted.exact:
+        shown = "; ".join(counted.uncounted[:2])
+        more = len(counted.uncounted) - 2
+        shown += f"; and {more} more" if more > 0 else ""
+        notes.append(f"FLOPs are a lower bound, not counted: {shown}")
+    return {
+        "step_flops": counted.total,
+        "step_flops_by_dtype": counted.by_dtype,
+        "step_flops_exact": counted.exact,
+        "step_flops_uncounted": list(counted.uncounted),
     }
 
 
@@ -740,6 +871,12 @@ def precision_fields(model):
 
 def child_main(argv):
     spec = json.loads(argv[0])
+    if "peak_dtypes" in spec:
+        from keras_gradboost import flops
+
+        peaks = flops.measure_peak(spec["peak_dtypes"], size=spec["size"])
+        print(json.dumps({"flop_per_s": peaks}), flush=True)
+        return 0
     try:
         row = measure(spec)
     except Exception as error:  # noqa: BLE001 - reported as the row's reason

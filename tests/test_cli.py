@@ -3,6 +3,7 @@ argument checks (which run before any TensorFlow subprocess starts)."""
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -24,7 +25,8 @@ def _row_line(out, name):
     return next(line for line in out.splitlines() if line.startswith(name + " "))
 
 
-def test_compare_end_to_end(tmp_path, capsys):
+def test_compare_end_to_end(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(compare_lib, "PEAK_SIZE", 128)  # the peak: fast, not timed
     out_json = tmp_path / "rows.json"
     code, out, err, rows = _run(
         [
@@ -35,10 +37,21 @@ def test_compare_end_to_end(tmp_path, capsys):
     )
     assert code == 0, out + err
     assert "[1/2] baseline" in err and "[2/2] all_on" in err
-    header = out.splitlines()[1]
-    for column in ("step ms", "speed-up", "compile s", "examples/s", "bwd share",
-                   "peak MiB", "retraces", "final loss", "setup", "xla"):
+    assert "peak: 128x128 matmul in float32, bfloat16 ... " in err
+    peaks_line = out.splitlines()[1]
+    assert re.fullmatch(
+        r"peak \(128x128 matmul, median of 5\): float32 \d+ GFLOP/s, bfloat16 \d+ GFLOP/s",
+        peaks_line,
+    ), peaks_line
+    header = out.splitlines()[2]
+    for column in ("step ms", "speed-up", "compile s", "examples/s", "GFLOP/step",
+                   "GFLOP/s", "% peak", "bwd share", "peak MiB", "retraces",
+                   "final loss", "setup", "xla"):
         assert column in header
+    # The MLP at batch 16: forward, and backward but for the data's gradient.
+    forward = 2 * 16 * (784 * 1024 + 1024 * 1024 + 1024 * 10)
+    step_flops = 3 * forward - 2 * 16 * 784 * 1024
+    assert f"{step_flops / 1e9:.3g}" in _row_line(out, "baseline").split()
     assert _row_line(out, "baseline").endswith("  off")
     assert "1.00x" in _row_line(out, "baseline")
     assert "accumulate 4" in _row_line(out, "all_on")
@@ -47,6 +60,9 @@ def test_compare_end_to_end(tmp_path, capsys):
     saved = json.loads(out_json.read_text())
     assert saved["environment"]["tensorflow"] and saved["environment"]["keras"]
     assert saved["spec"] == {"model": "mlp", "data": None, "batch_size": 16, "steps": 3}
+    assert saved["peaks"]["size"] == 128
+    assert set(saved["peaks"]["flop_per_s"]) == {"float32", "bfloat16"}
+    assert all(v > 0 for v in saved["peaks"]["flop_per_s"].values())
     by_name = {r["config"]: r for r in saved["rows"]}
     assert list(by_name) == ["baseline", "all_on"]
     for row in by_name.values():
@@ -58,7 +74,15 @@ def test_compare_end_to_end(tmp_path, capsys):
         assert 0.0 <= row["backward_share"] < 1.0
         assert math.isfinite(row["final_loss"])
         assert row["peak_mib"] is None or row["peak_mib"] > 0
+        assert row["step_flops"] == step_flops and row["step_flops_exact"] is True
+        assert row["flop_per_s"] == pytest.approx(step_flops / (row["step_ms"] / 1000))
+        assert row["peak_share"] > 0
     baseline, all_on = by_name["baseline"], by_name["all_on"]
+    assert baseline["step_flops_by_dtype"] == {"float32": step_flops}
+    # mixed_bfloat16 (a CPU with bfloat16 instructions) but the float32 head.
+    head = 3 * 2 * 16 * 1024 * 10
+    if all_on["policy"] == "mixed_bfloat16":
+        assert all_on["step_flops_by_dtype"] == {"bfloat16": step_flops - head, "float32": head}
     assert (baseline["jit_compile"], baseline["accumulate_steps"]) == (False, 1)
     assert (baseline["xla"], baseline["jit_measurement"]) == ("off", None)
     assert all_on["accumulate_steps"] == 4
@@ -152,7 +176,9 @@ def test_exit_status_depends_on_the_baseline(monkeypatch, capsys, configs, faile
         assert "1.25x" in _row_line(out, "jit_compile")  # 10 ms / 8 ms
 
 
-def test_compare_repeat_end_to_end(tmp_path, capsys):
+def test_compare_repeat_end_to_end(tmp_path, capsys, monkeypatch):
+    # The peak's subprocess is test_compare_end_to_end's: not again here.
+    monkeypatch.setattr(compare_lib, "run_peaks", lambda rows, progress=None: None)
     out_json = tmp_path / "rows.json"
     code, out, err, rows = _run(
         [
@@ -176,6 +202,10 @@ def test_compare_repeat_end_to_end(tmp_path, capsys):
         ratios = [figures["speed_up"] for figures in row["per_round"]]
         assert row["speed_up"] == pytest.approx(sum(ratios) / 2)
     assert saved["rows"][0]["speed_up"] == 1.0
+    assert saved["peaks"] is None
+    for row in saved["rows"]:  # the FLOPs of the first round; no peak
+        assert row["flop_per_s"] == pytest.approx(row["step_flops"] / (row["step_ms"] / 1000))
+        assert row["peak_share"] is None
     assert rows == saved["rows"]
 
 
@@ -296,6 +326,34 @@ def test_a_child_that_dies_without_a_row_fails_with_its_last_stderr_line(tmp_pat
         "kwargs": {},
         "error": "exit code 134: Fatal Python error: Aborted",
     }
+
+
+def test_flops_cells_mark_a_lower_bound_and_what_is_not_known():
+    row = {"step_flops": 2.5e9, "step_flops_exact": False, "flop_per_s": 5e11, "peak_share": 0.5}
+    assert cli._flops_cells(row) == (">=2.5", ">=500", ">=50%")
+    assert cli._flops_cells({**row, "step_flops_exact": True, "peak_share": None}) == ("2.5", "500", "-")
+    assert cli._flops_cells({"step_flops": None}) == ("-", "-", "-")
+    assert cli._flops_cells({}) == ("-", "-", "-")  # rows from before the columns
+    peaks = {"size": 2048, "flop_per_s": {"float32": 5.1e11, "bfloat16": None}}
+    assert cli.format_peaks(peaks) == (
+        "peak (2048x2048 matmul, median of 5): float32 510 GFLOP/s, bfloat16 - GFLOP/s"
+    )
+    assert cli.format_peaks(None) is None
+    assert compare_lib.peak_dtypes([{"step_flops_by_dtype": {"bfloat16": 1.0}}, {"error": "x"}]) == [
+        "float32", "bfloat16"
+    ]
+    assert compare_lib.peak_dtypes([{"config": "baseline"}]) == []
+    rows = [
+        {"config": "baseline", "step_ms": 10.0, "step_flops": 2e9, "step_flops_by_dtype": {"float32": 2e9}},
+        {"config": "accumulate", "step_ms": 2.0, "step_flops": 2e9, "step_flops_by_dtype": {"float32": 2e9}},
+        {"config": "recompute", "error": "Boom: no"},
+    ]
+    compare_lib.add_throughput(rows, {"size": 2048, "flop_per_s": {"float32": 5e11}})
+    assert rows[0]["flop_per_s"] == pytest.approx(2e11) and rows[0]["peak_share"] == pytest.approx(0.4)
+    assert "notes" not in rows[0]
+    assert rows[1]["peak_share"] == pytest.approx(2.0)
+    assert rows[1]["notes"] == [compare_lib.ABOVE_PEAK]
+    assert "flop_per_s" not in rows[2]
 
 
 def test_notes_name_their_configurations_unless_shared():
