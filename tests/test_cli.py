@@ -40,7 +40,7 @@ def test_compare_end_to_end(tmp_path, capsys, monkeypatch):
     assert "peak: 128x128 matmul in float32, bfloat16 ... " in err
     peaks_line = out.splitlines()[1]
     assert re.fullmatch(
-        r"peak \(128x128 matmul, median of 5\): float32 \d+ GFLOP/s, bfloat16 \d+ GFLOP/s",
+        r"peak \(128x128 matmul, fastest of 5\): float32 \d+ GFLOP/s, bfloat16 \d+ GFLOP/s",
         peaks_line,
     ), peaks_line
     header = out.splitlines()[2]
@@ -336,7 +336,7 @@ def test_flops_cells_mark_a_lower_bound_and_what_is_not_known():
     assert cli._flops_cells({}) == ("-", "-", "-")  # rows from before the columns
     peaks = {"size": 2048, "flop_per_s": {"float32": 5.1e11, "bfloat16": None}}
     assert cli.format_peaks(peaks) == (
-        "peak (2048x2048 matmul, median of 5): float32 510 GFLOP/s, bfloat16 - GFLOP/s"
+        "peak (2048x2048 matmul, fastest of 5): float32 510 GFLOP/s, bfloat16 - GFLOP/s"
     )
     assert cli.format_peaks(None) is None
     assert compare_lib.peak_dtypes([{"step_flops_by_dtype": {"bfloat16": 1.0}}, {"error": "x"}]) == [
