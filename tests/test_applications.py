@@ -73,10 +73,13 @@ def max_diff(a, b):
     return worst
 
 
-# The recompute comparison on three of the five (one of each kind of block:
-# bottleneck, inverted residual, LayerNorm); DenseNet121 and EfficientNetB0
-# take 1-2 minutes more of CI, and their recompute is the same mechanism.
-@pytest.mark.parametrize("name", ["ResNet50", "MobileNetV2", "ConvNeXtTiny"])
+# The recompute comparison on two of the five: an inverted-residual graph cut
+# into segments (MobileNetV2) and LayerNorm blocks inline between nested
+# Sequentials (ConvNeXtTiny, both kinds of plan estimated); ResNet50,
+# DenseNet121 and EfficientNetB0 take 1-2 minutes more of CI, and their
+# recompute is the same mechanism (ResNet50's a flat graph cut into
+# segments, as MobileNetV2's).
+@pytest.mark.parametrize("name", ["MobileNetV2", "ConvNeXtTiny"])
 def test_boosted_with_recompute_trains_like_plain_keras(name):
     """boost() with recompute="auto" against the unboosted model: the same
     weights and moving statistics after each of two steps (recompute re-runs
@@ -124,7 +127,9 @@ class PoisonAt(keras.callbacks.Callback):
             self.before = [w.copy() for w in self.model.get_weights()]
 
 
-@pytest.mark.parametrize("name", MODELS)
+# DenseNet121 left out of this one (31 s of CI; its layers are the same
+# kinds, and its graph is located through in the save/load test's calls).
+@pytest.mark.parametrize("name", [m for m in MODELS if m != "DenseNet121"])
 def test_planted_nan_is_located_at_its_step_and_layer(name):
     """A NaN planted in a middle convolution's kernel before step 1, on the
     unboosted model (NaNWatcher is a drop-in callback): stopped at step 1,
