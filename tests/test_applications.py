@@ -127,8 +127,8 @@ class PoisonAt(keras.callbacks.Callback):
             self.before = [w.copy() for w in self.model.get_weights()]
 
 
-# DenseNet121 left out of this one (31 s of CI; its layers are the same
-# kinds, and its graph is located through in the save/load test's calls).
+# DenseNet121 left out of this one (31 s of CI; its layers are of the same
+# kinds as the other four's, only joined by concatenation).
 @pytest.mark.parametrize("name", [m for m in MODELS if m != "DenseNet121"])
 def test_planted_nan_is_located_at_its_step_and_layer(name):
     """A NaN planted in a middle convolution's kernel before step 1, on the
