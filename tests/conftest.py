@@ -118,3 +118,19 @@ def kept_for_backward(model, spec):
     without, _, _ = estimate(model, lambda v, p: model(v, training=True), spec, [])
     with_rc, _, _ = estimate(model, lambda v, p: setup.forward(model, v), spec, [])
     return with_rc, without
+
+
+class InterruptAt(keras.callbacks.Callback):
+    """Raises `RuntimeError("interrupted")` at the end of batch `batch` of
+    epoch `epoch`: a fit stopped there, for the resume tests."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("interrupted")

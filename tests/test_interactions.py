@@ -41,6 +41,7 @@ import numpy as np
 import pytest
 
 import keras
+from conftest import InterruptAt
 from conftest import shared_mirrored_strategy
 from keras_gradboost import GradBoostModel
 from keras_gradboost import precision_measure
@@ -639,7 +640,7 @@ def run(cell, with_callbacks=True):
                 model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
                           callbacks=callbacks + [
                               BackupAndRestore(backup_dir, save_freq=3),
-                              _InterruptAt(1, 5 if cell.steps_per_execution == 3 else 6),
+                              InterruptAt(1, 5 if cell.steps_per_execution == 3 else 6),
                           ])
             if watcher:
                 # The events of the batches the backup holds; the resumed fit
@@ -679,19 +680,6 @@ def run(cell, with_callbacks=True):
         "plan_after": _plan_facts(model) if cell.recompute else None,
         "precision_measurement": model.precision_measurement,
     }
-
-
-class _InterruptAt(keras.callbacks.Callback):
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at = (epoch, batch)
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            raise RuntimeError("interrupted")
 
 
 def max_diff(a, b):

@@ -21,6 +21,7 @@ from keras_gradboost.config import GradBoostConfig
 from keras_gradboost.plan import Devices
 from keras_gradboost.plan import TrainPlan
 
+from conftest import InterruptAt
 from conftest import shared_mirrored_strategy
 from conftest import small_model
 
@@ -393,19 +394,6 @@ def test_load_weights_after_the_decision_goes_on_exactly(regression_data, monkey
     _kept_without_measuring(early, stopped.precision_measurement, monkeypatch, capsys)
 
 
-class _InterruptAt(keras.callbacks.Callback):
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at = (epoch, batch)
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            raise RuntimeError("interrupted")
-
-
 def _backup_run(x, y, monkeypatch, tmp_path, save_freq, stop_at, **compile_kwargs):
     """An uninterrupted 2-epoch fit, and one interrupted at `stop_at` and
     resumed by a new model from its BackupAndRestore backup."""
@@ -413,7 +401,7 @@ def _backup_run(x, y, monkeypatch, tmp_path, save_freq, stop_at, **compile_kwarg
     backup_dir = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="interrupted"):
         _measured_fit(x, y, MS, monkeypatch, epochs=2, callbacks=[
-            BackupAndRestore(backup_dir, save_freq=save_freq), _InterruptAt(*stop_at)
+            BackupAndRestore(backup_dir, save_freq=save_freq), InterruptAt(*stop_at)
         ], **compile_kwargs)
     resumed = _fresh(**compile_kwargs)
     return never, resumed, backup_dir
