@@ -284,9 +284,6 @@ class RecomputeSetup:
                 stacklevel=2,
             )
 
-    # (The name before "auto" chose at the first trace too.)
-    resolve_budget = resolve
-
     def search(self, model, spec):
         """Estimates each kind of plan "auto" and a budget choose among
         (`choice.search_families`: the nested blocks, and the flat graph's
