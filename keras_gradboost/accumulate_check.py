@@ -5,6 +5,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_gradboost import gradient_diff
 from keras_gradboost import hooks
 from keras_gradboost import wrappers
 from keras_gradboost.accumulate import loss_normaliser
@@ -91,7 +92,7 @@ def check(model, window, rtol=None):
     large = [None if g is None else gradient_array(g, np.float64) for g in large]
     if not all(np.isfinite(g).all() for g in large + accumulated if g is not None):
         return False
-    differing = _differing(variables, large, accumulated, rtol)
+    differing = gradient_diff.differing(variables, large, accumulated, rtol)
     if differing:
         causes = _causes(model)
         shown = ", ".join(f"{path!r} ({diff:.3g})" for path, diff in differing[:3])
@@ -138,25 +139,6 @@ def _concatenate(window):
             "per batch). Pad to one length for the check, or drop it."
         )
     return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *window)
-
-
-def _differing(variables, want, got, rtol):
-    """`(path, difference)` of the gradients that differ from `want` by more
-    than `rtol` of its largest magnitude (inf for a None on one side only),
-    largest first."""
-    found = []
-    for variable, a, b in zip(variables, want, got):
-        if (a is None) != (b is None):
-            found.append((variable.path, float("inf")))
-            continue
-        if a is None:
-            continue
-        difference = float(np.max(np.abs(a - b), initial=0.0))
-        if not np.isfinite(difference) or difference > rtol * float(
-            np.max(np.abs(a), initial=0.0)
-        ) + 1e-12:
-            found.append((variable.path, difference))
-    return sorted(found, key=lambda pair: -pair[1])
 
 
 def _causes(model):

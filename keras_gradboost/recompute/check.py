@@ -5,6 +5,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_gradboost import gradient_diff
 from keras_gradboost import hooks
 from keras_gradboost.guard import gradient_array
 from keras_gradboost.recompute import mechanism
@@ -66,7 +67,8 @@ def check(model, setup, batch, rtol=None):
     reference = gradients(())
     names = setup.names()
     for key in sorted(setup.chosen, key=setup.keys.index):
-        difference, path = _worst(variables, reference, gradients((key,)), rtol)
+        found = gradient_diff.differing(variables, reference, gradients((key,)), rtol)
+        path, difference = found[0] if found else (None, 0.0)
         if path is not None:
             raise RecomputeCheckError(
                 f"recompute_check: recomputing block {names[key]!r} changes "
@@ -82,20 +84,3 @@ def check(model, setup, batch, rtol=None):
                 path,
                 difference,
             )
-
-
-def _worst(variables, reference, gradients, rtol):
-    """`(largest difference, variable path)` over the gradients that differ
-    from `reference` by more than `rtol` of its largest magnitude (inf for a
-    None gradient on one side only), or `(0.0, None)`."""
-    worst = (0.0, None)
-    for variable, want, got in zip(variables, reference, gradients):
-        if (want is None) != (got is None):
-            return (float("inf"), variable.path)
-        if want is None:
-            continue
-        difference = float(np.max(np.abs(want - got), initial=0.0))
-        allowed = rtol * float(np.max(np.abs(want), initial=0.0)) + 1e-12
-        if difference > allowed and difference > worst[0]:
-            worst = (difference, variable.path)
-    return worst
