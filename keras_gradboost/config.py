@@ -32,8 +32,11 @@ class GradBoostConfig:
             float16), `"dynamic"`, a positive float (a fixed scale) or `None`
             (no loss scaling). Defaults to `"auto"`.
         recompute: `None` (off), `"auto"`, a list of layer names or glob
-            patterns, or `{"budget_mb": N}` (optionally with `"batch_size"`).
-            Lists are stored as tuples. Defaults to `None`.
+            patterns, `{"budget_mb": N}` (optionally with `"batch_size"`),
+            or `{"policy": "selective"}` (optionally with `"blocks"`:
+            `"auto"` or a list of patterns). Lists are stored as tuples;
+            `{"policy": "full", "blocks": b}` is stored as `b`. Defaults to
+            `None`.
         recompute_check: whether to compare the gradients with and without
             recompute at the first step. Defaults to `False`.
         accumulate_check: whether to compare the first accumulation window
@@ -126,14 +129,20 @@ class GradBoostConfig:
         config = dataclasses.asdict(self)
         if isinstance(self.recompute, tuple):
             config["recompute"] = list(self.recompute)
+        elif isinstance(self.recompute, dict) and isinstance(
+            self.recompute.get("blocks"), tuple
+        ):
+            config["recompute"] = {**self.recompute, "blocks": list(self.recompute["blocks"])}
         return config
 
 
 _RECOMPUTE_EXPECTED = (
     'None, "auto", a list of layer names or glob patterns (e.g. '
-    '["encoder_*", "res_block_3"]), or {"budget_mb": N} with N > 0 '
-    '(optionally with "batch_size": B)'
+    '["encoder_*", "res_block_3"]), {"budget_mb": N} with N > 0 '
+    '(optionally with "batch_size": B), or {"policy": "selective"} '
+    '(optionally with "blocks": "auto" or a list of patterns)'
 )
+RECOMPUTE_POLICIES = ("full", "selective")
 
 
 def _recompute_setting(value):
@@ -146,6 +155,8 @@ def _recompute_setting(value):
             value,
             _RECOMPUTE_EXPECTED + f"; for one layer write [{value!r}]",
         )
+    if isinstance(value, dict) and "policy" in value:
+        return _policy_setting(value)
     if isinstance(value, dict):
         unknown = set(value) - {"budget_mb", "batch_size"}
         budget = value.get("budget_mb")
@@ -171,6 +182,45 @@ def _recompute_setting(value):
             return tuple(value)
         raise _invalid("recompute", value, _RECOMPUTE_EXPECTED)
     raise _invalid("recompute", value, _RECOMPUTE_EXPECTED, TypeError)
+
+
+def _policy_setting(value):
+    """`{"policy": ..., "blocks": ...}`: "full" normalises to its blocks'
+    setting, "selective" to `{"policy": "selective", "blocks": b}` with `b`
+    "auto" or a tuple of patterns."""
+    policy = value["policy"]
+    if policy not in RECOMPUTE_POLICIES:
+        raise _invalid(
+            "recompute",
+            value,
+            'a "policy" of "full" or "selective"',
+            error=ValueError if isinstance(policy, str) else TypeError,
+        )
+    if "budget_mb" in value and policy == "selective":
+        raise ValueError(
+            f"Invalid value for argument `recompute`. Received: recompute="
+            f"{value!r}. A budget chooses among plans of full recompute; "
+            'selective recompute keeps what it needs. Set only one: {"policy": '
+            '"selective"} or {"budget_mb": N}.'
+        )
+    unknown = set(value) - {"policy", "blocks"}
+    if unknown:
+        raise _invalid(
+            "recompute",
+            value,
+            f'only the keys "policy" and "blocks" with a policy (unknown: '
+            f"{sorted(unknown)})",
+        )
+    blocks = _recompute_setting(value.get("blocks", "auto"))
+    if blocks is None or isinstance(blocks, dict):
+        raise _invalid(
+            "recompute",
+            value,
+            '"blocks" as "auto" or a list of layer names or glob patterns',
+        )
+    if policy == "full":
+        return blocks
+    return {"policy": "selective", "blocks": blocks}
 
 
 JIT_COMPILE = ("auto", True, False, "measure")

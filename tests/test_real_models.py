@@ -17,11 +17,11 @@ keras_hub = pytest.importorskip("keras_hub")
 N, T, VOCAB = 16, 12, 50
 
 
-def bert_with_head(seed=0):
+def bert_with_head(seed=0, dropout=0.0):
     keras.utils.set_random_seed(seed)
     backbone = keras_hub.models.BertBackbone(
         vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=T, dropout=0.0,
+        intermediate_dim=32, max_sequence_length=T, dropout=dropout,
     )
     tokens = keras.layers.Dense(3, name="tag_head")(backbone(backbone.input)["sequence_output"])
     return keras.Model(backbone.input, tokens)
@@ -97,12 +97,30 @@ def test_bert_accumulate_check_passes():
     assert int(model.optimizer.iterations.numpy()) == 1
 
 
-def test_gpt2_recompute_equals_no_recompute():
+def test_bert_selective_recompute_with_dropout_equals_no_recompute():
+    # Dropout in the attention scores and after each sub-layer: the replay
+    # draws the forward's masks; the kept outputs are the projections'.
+    x, y, weights = padded_batch()
+    plain = compile_model(kgb.boost(bert_with_head(dropout=0.1)))
+    plain.fit(x, y, sample_weight=weights, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    selective = compile_model(kgb.boost(bert_with_head(dropout=0.1)),
+                              recompute={"policy": "selective"}, recompute_check=True)
+    selective.fit(x, y, sample_weight=weights, batch_size=8, epochs=1, shuffle=False,
+                  verbose=0)
+    assert selective.recompute_plan().recomputed == [
+        "transformer_layer_0", "transformer_layer_1"]
+    assert max_diff(selective, plain) < 1e-6
+    # The control: with dropout the two fits differ from a fit without it.
+    assert max_diff(selective, compile_model(kgb.boost(bert_with_head()))) > 1e-3
+
+
+@pytest.mark.parametrize("setting", ["auto", {"policy": "selective"}])
+def test_gpt2_recompute_equals_no_recompute(setting):
     x, y, weights = padded_batch(segments=False)
     y = np.roll(x["token_ids"], -1, axis=1)
     plain = compile_model(kgb.boost(gpt2_with_head()))
     plain.fit(x, y, sample_weight=weights, batch_size=8, epochs=1, shuffle=False, verbose=0)
-    recomputed = compile_model(kgb.boost(gpt2_with_head()), recompute="auto",
+    recomputed = compile_model(kgb.boost(gpt2_with_head()), recompute=setting,
                                recompute_check=True)
     recomputed.fit(x, y, sample_weight=weights, batch_size=8, epochs=1, shuffle=False,
                    verbose=0)

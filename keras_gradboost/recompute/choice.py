@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 from keras_gradboost import hooks
+from keras_gradboost.recompute import selective
 
 
 @dataclasses.dataclass(eq=False)
@@ -288,3 +289,49 @@ def search_families(model):
     if not families:
         choose(model, "auto")  # raises the "nothing to recompute" error
     return families
+
+
+def selective_blocks(model, setting):
+    """The blocks of `recompute={"policy": "selective", "blocks": setting}`.
+
+    With `"auto"`: of the two kinds of plan (`search_families`: the nested
+    blocks, or the functional graph's ~sqrt(n) segments), the one whose
+    recomputed parts hold the most kernel layers: a selective plan keeps
+    their outputs and recomputes the rest, so it pays where it covers most
+    of the model (ConvNeXt's 18 blocks sit inline, outside its nested
+    `Sequential`s; a BERT's encoder layers are its nested blocks).
+
+    Args:
+        model: the model.
+        setting: `"auto"` or a tuple of names/patterns.
+
+    Returns:
+        `(layers, segments)` as in `choose`.
+
+    Raises:
+        ValueError: nothing matches, "auto" finds no block, or the blocks
+            hold no kernel layer (nothing to keep: recompute fully instead).
+    """
+    if setting != "auto":
+        layers, pieces = match_blocks(model, setting), []
+        parts = layers
+    else:
+        best = None
+        for layers, pieces in search_families(model):
+            if pieces:
+                pieces = segments(model)
+            parts = layers or [l for s in pieces if not s.last for l in s.layers]
+            covered = len(selective.kernel_layers(parts))
+            if best is None or covered > best[0]:
+                best = (covered, layers, pieces, parts)
+        _, layers, pieces, parts = best
+    if not selective.kernel_layers(parts):
+        names = [layer.name for layer in layers] or [s.name for s in pieces]
+        raise ValueError(
+            f'Invalid value for argument `recompute`: {{"policy": "selective"}} '
+            f"keeps the outputs of the kernel layers (Dense, EinsumDense, "
+            f"convolutions) in the blocks {_shorten(names)}, and they hold "
+            'none. Recompute them fully instead: recompute={"policy": "full", '
+            f'"blocks": {list(setting) if setting != "auto" else "auto"!r}}}.'
+        )
+    return layers, pieces

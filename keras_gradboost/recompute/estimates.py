@@ -23,7 +23,9 @@ class BlockEstimate:
         cached_bytes: bytes of activations produced inside the block that the
             backward pass keeps without recompute (its outputs excluded).
         input_bytes: bytes of its float inputs (kept when it is recomputed).
-        recompute_flops: estimated cost of one extra forward of the block.
+        recompute_flops: estimated cost of one extra forward of the block
+            (for a selective plan, of what it replays: the block without
+            its matmuls and convolutions by a weight).
     """
 
     name: str
@@ -78,6 +80,11 @@ class RecomputePlan:
             f"~{self.bytes_without / MIB:.1f} MiB without recompute, "
             f"~{self.bytes_with / MIB:.1f} MiB peak with this plan"
         )
+        if isinstance(self.setting, dict) and self.setting.get("policy") == "selective":
+            lines.append(
+                "  selective: the outputs of the kernel layers (Dense, EinsumDense, "
+                "convolutions) are kept; GFLOP is what the backward replays"
+            )
         if self.measured_peak_bytes is not None:
             lines.append(
                 f"  measured in the last fit: allocator peak "
@@ -115,8 +122,14 @@ def _bytes(tensor):
     return shape.num_elements() * tensor.dtype.size
 
 
+_CONTRACTIONS = (
+    "MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D", "Conv1D", "Conv3D",
+    "DepthwiseConv2dNative",
+)
+
+
 def _flops(op):
-    if op.type in ("MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D", "Conv1D", "Conv3D", "DepthwiseConv2dNative"):
+    if op.type in _CONTRACTIONS:
         out = op.outputs[0].shape
         a = op.inputs[0].shape
         if out.is_fully_defined() and a.is_fully_defined() and a.rank:
@@ -150,7 +163,7 @@ class _Probe:
         self.calls.setdefault(key, []).append((start, end, inputs, flat))
         return outputs
 
-def estimate(model, forward, input_spec, keys):
+def estimate(model, forward, input_spec, keys, selective=False):
     """Traces one training step and measures what each block keeps.
 
     Args:
@@ -159,6 +172,10 @@ def estimate(model, forward, input_spec, keys):
             calling each candidate block through `probe.run(key, fn, ...)`.
         input_spec: nested `tf.TensorSpec`s with a concrete batch size.
         keys: the candidate blocks' keys, in order.
+        selective: count as a block's recompute FLOPs only what selective
+            recompute replays: not the matmuls and convolutions by a weight
+            (the kernel layers', whose outputs it keeps). Defaults to
+            `False`.
 
     Returns:
         `(bytes_without, per_block, sizes)`: total cached bytes; per key a
@@ -172,7 +189,7 @@ def estimate(model, forward, input_spec, keys):
     cached = _cached(operations, backward_start)
     total = sum(_bytes(t) for t in cached.values())
     per_block = {
-        key: _block_figures(probe.calls.get(key, []), operations, cached)
+        key: _block_figures(probe.calls.get(key, []), operations, cached, selective)
         for key in keys
     }
     sizes = {name: _bytes(t) for name, t in cached.items()}
@@ -203,6 +220,59 @@ def _trace_step(model, forward, probe, input_spec):
     return graph, marker[0]
 
 
+def kept_bytes(model, forward, input_spec):
+    """Bytes of the forward tensors that the live part of one traced
+    training step's backward pass reads: what a plan really keeps.
+
+    Unlike `estimate`, which traces the step without recompute, this traces
+    it as `forward` runs it (a selective plan's replay included) and walks
+    back from the gradients (`live_backward`), so operations nothing needs
+    (a replay's matmul whose output only its own value would use) and the
+    forward tensors only they read are left out, as TensorFlow prunes them.
+
+    Args:
+        model: the model (its trainable variables are differentiated).
+        forward: `forward(x, probe)` runs the training forward (`probe` is
+            None).
+        input_spec: nested `tf.TensorSpec`s with a concrete batch size.
+
+    Returns:
+        An int, bytes.
+    """
+    _, kept = live_backward(model, forward, input_spec)
+    return sum(_bytes(t) for t in kept.values())
+
+
+def live_backward(model, forward, input_spec):
+    """The backward operations of one traced training step that its
+    gradients need, and the forward tensors they read.
+
+    Args:
+        model, forward, input_spec: as in `kept_bytes`.
+
+    Returns:
+        `(operations, kept)`: the live backward `tf.Operation`s, and the
+        forward tensors they read (through reshapes and identities), by name.
+    """
+    graph, backward_start = _trace_step(model, forward, None, input_spec)
+    index = {op.name: i for i, op in enumerate(graph.get_operations())}
+    kept, live = {}, {}
+    pending = [t.op for t in graph.outputs]
+    while pending:
+        op = pending.pop()
+        if op.name in live or index.get(op.name, 0) < backward_start:
+            continue
+        live[op.name] = op
+        pending.extend(op.control_inputs)
+        for t in op.inputs:
+            root = _root(t)
+            if index.get(root.op.name, backward_start) >= backward_start:
+                pending.append(t.op)
+            elif root.op.type not in ("ReadVariableOp", "Const"):
+                kept[root.name] = root
+    return list(live.values()), kept
+
+
 def _cached(operations, backward_start):
     """The forward tensors the backward reads, by name: what the forward
     keeps for it (weights and constants aside)."""
@@ -216,7 +286,23 @@ def _cached(operations, backward_start):
     return cached
 
 
-def _block_figures(calls, operations, cached):
+_WEIGHT_PATH = _ALIASES | {"Cast"}
+
+
+def _by_weight(op):
+    """Whether a matmul or convolution multiplies by a weight (a variable's
+    value, through casts and reshapes): a kernel layer's."""
+    if op.type not in _CONTRACTIONS:
+        return False
+    for t in op.inputs:
+        while t.op.type in _WEIGHT_PATH and t.op.inputs:
+            t = t.op.inputs[0]
+        if t.op.type == "ReadVariableOp":
+            return True
+    return False
+
+
+def _block_figures(calls, operations, cached, selective=False):
     """One block's figures (see `estimate`) from its `_Probe` calls."""
     inside, outputs, input_roots, flops = set(), set(), {}, 0.0
     for start, end, inputs, outs in calls:
@@ -225,7 +311,8 @@ def _block_figures(calls, operations, cached):
             if t.dtype.is_floating:
                 input_roots[_root(t).name] = _bytes(t)
         for op in operations[start:end]:
-            flops += _flops(op)
+            if not (selective and _by_weight(op)):
+                flops += _flops(op)
             for t in op.outputs:
                 if t.name in cached and t.name not in outputs:
                     inside.add(t.name)

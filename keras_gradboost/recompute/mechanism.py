@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from keras_gradboost import hooks
 from keras_gradboost import wrappers
+from keras_gradboost.recompute import selective as selective_lib
 
 _LOCAL = threading.local()  # per thread: MirroredStrategy traces replicas in threads
 
@@ -36,14 +37,21 @@ def _handling(handler):
         _LOCAL.handler = previous
 
 
-def active(layer_ids):
-    """Marked layers whose id is in `layer_ids` recompute inside this context."""
+def active(layer_ids, selective=False):
+    """Marked layers whose id is in `layer_ids` recompute inside this context
+    (selectively: see `recomputed`)."""
     layer_ids = frozenset(layer_ids)
 
     def handle(layer, call, args, kwargs):
         if id(layer) not in layer_ids:
             return call(*args, **kwargs)
-        fn = recomputed(call, state_variables(layer), layer.name, layer.trainable_variables)
+        fn = recomputed(
+            call,
+            state_variables(layer),
+            layer.name,
+            layer.trainable_variables,
+            selective=selective,
+        )
         return fn(*args, **kwargs)
 
     return _handling(handle)
@@ -82,7 +90,7 @@ def snapshot(variables):
         return [(v, tf.identity(v.value)) for v in variables]
 
 
-def recomputed(fn, state, name="block", weights=()):
+def recomputed(fn, state, name="block", weights=(), selective=False):
     """`fn` with the same forward, whose backward recomputes `fn`'s forward.
 
     Args:
@@ -98,6 +106,9 @@ def recomputed(fn, state, name="block", weights=()):
             lose it to grappler's dependency optimizer, and then, under
             load, the update can run first and the gradient flowing to
             earlier layers is computed with the new weights.
+        selective: keep the outputs of the kernel layers `fn` calls (marked
+            ones, see `selective`) and recompute only the rest. Defaults to
+            `False` (everything is recomputed).
 
     Returns:
         A function with `fn`'s signature.
@@ -119,25 +130,32 @@ def recomputed(fn, state, name="block", weights=()):
             by_variable = {id(v.value): t for v, t in held}
         dtype = hooks.current_autocast()
         structure = []
+        kept = selective_lib.Kept(name) if selective else None
 
         @tf.custom_gradient
         def forward(*tensors):
             a, k = rebuild(tensors)
-            with hooks.stop_recording(), _plain():
+            inside = _handling(kept.capture()) if kept else _plain()
+            with hooks.stop_recording(), inside:
                 outputs = fn(*a, **k)
             structure.append(outputs)
 
             def grad(*upstream, variables=None):
                 variables = list(variables or ())
                 inputs = _after(upstream, tensors)
+                replay = kept.replay(_after(upstream, kept.tensors)) if kept else None
                 with tf.GradientTape() as tape:
                     tape.watch([t for t in inputs if t.dtype.is_floating])
                     tape.watch([t for _, t in held])
                     a, k = rebuild(inputs)
                     with hooks.update_recording_scope(
                         saved + held
-                    ) as scope, hooks.autocast(dtype), _plain():
+                    ) as scope, hooks.autocast(dtype), (
+                        _handling(replay) if kept else _plain()
+                    ):
                         again = fn(*a, **k)
+                if kept:
+                    kept.check_replayed(replay)
                 _refuse_unsaved_updates(scope.updated, saved, name)
                 # A weight's gradient is its held value's; a variable read
                 # outside `weights` is differentiated as it is.
@@ -250,6 +268,8 @@ class _Dispatch:
         handler = getattr(_LOCAL, "handler", None)
         if handler is None:
             return original(*args, **kwargs)
+        if getattr(handler, "reaches_nested", False):  # selective's own
+            return handler(self.layer, original, args, kwargs)
         with _plain():  # nested marked blocks run as they are
             return handler(self.layer, original, args, kwargs)
 

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from keras_gradboost import hooks
 from keras_gradboost.recompute import mechanism
+from keras_gradboost.recompute import selective as selective_lib
 from keras_gradboost.recompute.check import check as check_gradients
 from keras_gradboost.recompute.budget import auto_choice
 from keras_gradboost.recompute.budget import budget_choice
@@ -33,10 +34,12 @@ from keras_gradboost.recompute.choice import choose
 from keras_gradboost.recompute.choice import search_families
 from keras_gradboost.recompute.choice import segment_layouts
 from keras_gradboost.recompute.choice import segments
+from keras_gradboost.recompute.choice import selective_blocks
 from keras_gradboost.recompute.estimates import MIB
 from keras_gradboost.recompute.estimates import BlockEstimate
 from keras_gradboost.recompute.estimates import RecomputePlan
 from keras_gradboost.recompute.estimates import estimate
+from keras_gradboost.recompute.estimates import kept_bytes
 from keras_gradboost.recompute.estimates import plan_bytes
 
 # "auto" recomputes only where its best plan is estimated to save at least
@@ -60,7 +63,8 @@ class RecomputeSetup:
 
     def __init__(self, model, setting):
         self.setting = setting
-        self.budget = isinstance(setting, dict)
+        self.selective = isinstance(setting, dict) and setting.get("policy") == "selective"
+        self.budget = isinstance(setting, dict) and "budget_mb" in setting
         self.auto = setting == "auto"
         self.batch_hint = setting.get("batch_size") if self.budget else None
         self.input_spec = None  # per-example specs, seen at the first trace
@@ -69,8 +73,11 @@ class RecomputeSetup:
         self.plan = None  # the RecomputePlan made for a budget
         self.measured = None  # (peak bytes, batch size) of the last fit
         self._level = None
-        if not self.budget:
+        if self.selective:
+            self.layers, self.segments = selective_blocks(model, setting["blocks"])
+        elif not self.budget:
             self.layers, self.segments = choose(model, setting)
+        if not self.budget:
             self.chosen = set(self.keys) - {
                 i for i, s in enumerate(self.segments) if s.last
             }
@@ -93,9 +100,15 @@ class RecomputeSetup:
     # -------------------------------------------------------------- lifecycle
 
     def apply(self):
-        """Marks the candidate layers, so a plan can recompute them."""
+        """Marks the candidate layers, so a plan can recompute them (and,
+        for a selective plan, the kernel layers inside them, whose outputs
+        it keeps)."""
         for layer in self.layers:
             mechanism.mark(layer)
+        if self.selective:
+            parts = self.layers or [l for s in self.segments for l in s.layers]
+            for layer in selective_lib.kernel_layers(parts):
+                mechanism.mark(layer)
 
     def before_fit(self, fit_args):
         """Takes a budget's batch size from `fit`'s arguments, when neither
@@ -165,7 +178,11 @@ class RecomputeSetup:
                 elif i in chosen and not segment.last:
                     state = mechanism.state_variables(segment.model)
                     h = mechanism.recomputed(
-                        segment, state, segment.name, segment.model.trainable_variables
+                        segment,
+                        state,
+                        segment.name,
+                        segment.model.trainable_variables,
+                        selective=self.selective,
                     )(h)
                 else:
                     h = segment(h)
@@ -173,7 +190,7 @@ class RecomputeSetup:
         if probe is not None:
             context = mechanism.probing(probe, self.keys)
         else:
-            context = mechanism.active(chosen)
+            context = mechanism.active(chosen, selective=self.selective)
         with context:
             if hooks.call_has_training_arg(model):
                 return model(x, training=True)
@@ -204,7 +221,11 @@ class RecomputeSetup:
 
     def _estimate(self, model, spec):
         return estimate(
-            model, lambda v, p: self.forward(model, v, probe=p), spec, self.keys
+            model,
+            lambda v, p: self.forward(model, v, probe=p),
+            spec,
+            self.keys,
+            selective=self.selective,
         )
 
     def resolve(self, model, x):
@@ -373,7 +394,17 @@ class RecomputeSetup:
                     for k in self.keys
                 ],
             )
-        return self._plan(self._estimate(model, spec), batch_size)
+        plan = self._plan(self._estimate(model, spec), batch_size)
+        if self.selective:
+            # What the selective step keeps, from its own trace, plus the
+            # largest block's activations, rebuilt during its replay (an upper
+            # bound: the replay rebuilds only what is not kept).
+            kept = kept_bytes(model, lambda v, _: self.forward(model, v), spec)
+            rebuilt = max(
+                [b.cached_bytes for b in plan.blocks if b.recomputed], default=0
+            )
+            plan.bytes_with = kept + rebuilt
+        return plan
 
 
 def _memory_level():

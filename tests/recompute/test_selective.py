@@ -1,0 +1,198 @@
+"""Selective recompute (`recompute={"policy": "selective"}`): the kernel
+layers' outputs are kept, the rest replays; weights, Dropout masks and
+BatchNormalization statistics equal no recompute; the replay runs no matmul
+of the forward; a block whose replay takes another path is refused."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+from keras_gradboost import GradBoostModel
+from keras_gradboost.recompute import estimates
+from recompute.models import WIDTH
+from recompute.models import ResBlock
+from recompute.models import assert_same_state
+from recompute.models import residual_model
+from recompute.models import train
+
+SELECTIVE = {"policy": "selective"}
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize(
+    "setting", [SELECTIVE, {"policy": "selective", "blocks": ["res_1"]}]
+)
+def test_weights_and_statistics_equal_no_recompute(data, jit_compile, setting):
+    x, y = data
+    plain, selective = residual_model(), residual_model()
+    h_plain = train(plain, x, y, jit_compile=jit_compile).history
+    h_sel = train(selective, x, y, jit_compile=jit_compile, recompute=setting).history
+    assert selective.recompute_plan().recomputed  # something was recomputed
+    # Every variable: weights, BN moving statistics, Dropout seed states.
+    assert_same_state(plain, selective)
+    np.testing.assert_allclose(h_plain["loss"], h_sel["loss"], rtol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:accumulate_steps=3. the BatchNormalization")
+def test_with_accumulation_mixed_precision_and_a_shared_block(data):
+    x, y = data
+    plain, selective = residual_model(), residual_model()
+    train(plain, x, y, epochs=2, accumulate_steps=3, precision="mixed_bfloat16")
+    train(selective, x, y, epochs=2, accumulate_steps=3, precision="mixed_bfloat16",
+          recompute=SELECTIVE)
+    assert selective.get_layer("res_0").up.compute_dtype == "bfloat16"
+    assert_same_state(plain, selective)
+
+    plain, selective = residual_model(shared=True), residual_model(shared=True)
+    train(plain, x, y)
+    train(selective, x, y, recompute={"policy": "selective", "blocks": ["res_shared"]})
+    assert_same_state(plain, selective)
+
+
+def _step_graph(model, x):
+    """The live backward operations of one traced training step as the
+    model's plan runs it, and the forward tensors they keep."""
+    model._prepare_forward(tf.constant(x))
+    setup = model._gradboost.recompute
+    spec = tf.TensorSpec((16,) + x.shape[1:], tf.float32)
+    if setup is None:
+        return estimates.live_backward(model, lambda v, _: model(v, training=True), spec)
+    return estimates.live_backward(model, lambda v, _: setup.forward(model, v), spec)
+
+
+def _matmuls(operations):
+    return sum(op.type in ("MatMul", "_FusedMatMul") for op in operations)
+
+
+def test_the_replay_runs_no_matmul_and_keeps_less_than_no_recompute(data):
+    # The independent reference is the step without recompute: its backward
+    # runs two matmuls per Dense (the gradients of input and kernel). Full
+    # recompute adds the forward matmul of each block's `up` (whose output
+    # gelu's gradient and `down`'s need; `down`'s own output feeds only the
+    # residual add, so its replay is dead code even there); selective
+    # recompute must add none, and keep more than full recompute (the kept
+    # outputs) but less than none.
+    x, y = data
+    models = {}
+    for name, setting in [("none", None), ("full", "auto"), ("selective", SELECTIVE)]:
+        model = residual_model(rate=0.0)
+        model.compile(optimizer="sgd", loss="mse", recompute=setting)
+        models[name] = _step_graph(model, x)
+    matmuls = {name: _matmuls(ops) for name, (ops, _) in models.items()}
+    kept = {
+        name: sum(estimates._bytes(t) for t in tensors.values())
+        for name, (_, tensors) in models.items()
+    }
+    assert matmuls["selective"] == matmuls["none"], matmuls
+    assert matmuls["full"] == matmuls["none"] + 3, matmuls  # 3 blocks' `up`
+    assert kept["full"] < kept["selective"] < kept["none"], kept
+
+
+def test_the_activation_is_split_off_and_put_back(data):
+    # The kept output of `up` (gelu) is the one before its activation, which
+    # the replay applies again; the layer keeps its activation and config.
+    x, y = data
+    model = residual_model()
+    config = model.get_layer("res_0").up.get_config()
+    train(model, x, y, recompute=SELECTIVE)
+    up = model.get_layer("res_0").up
+    assert up.activation is keras.activations.gelu
+    assert up.get_config() == config
+
+
+class TwiceDense(keras.layers.Dense):
+    """A Dense subclass with a `call` of its own: kept whole (its output
+    after its activation), still exact."""
+
+    def call(self, inputs, training=None):
+        return 2.0 * super().call(inputs)
+
+
+class SubclassBlock(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = TwiceDense(2 * WIDTH, activation="gelu")
+        self.down = keras.layers.Dense(WIDTH)
+
+    def build(self, input_shape):
+        self.up.build(input_shape)
+        self.down.build(tuple(input_shape[:-1]) + (2 * WIDTH,))
+
+    def call(self, x):
+        return x + self.down(keras.ops.tanh(self.up(x)))
+
+
+def _model_with(block_factory):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    h = keras.layers.Dense(WIDTH, name="stem")(inputs)
+    h = block_factory()(h)
+    return GradBoostModel(inputs, keras.layers.Dense(3, name="head")(h))
+
+
+def test_a_kernel_layer_subclass_with_its_own_call_stays_exact(data):
+    x, y = data
+    plain = _model_with(lambda: SubclassBlock(name="blk"))
+    selective = _model_with(lambda: SubclassBlock(name="blk"))
+    train(plain, x, y)
+    train(selective, x, y, recompute=SELECTIVE)
+    assert_same_state(plain, selective)
+
+
+class Wandering(keras.layers.Layer):
+    """Calls its two Dense layers in turn, call by call: a Python state that
+    changes between the forward and the replay."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.a, self.b = keras.layers.Dense(WIDTH), keras.layers.Dense(WIDTH)
+        self.calls = 0
+
+    def build(self, input_shape):
+        self.a.build(input_shape)
+        self.b.build(input_shape)
+
+    def call(self, x):
+        self.calls += 1
+        return (self.a if self.calls % 2 else self.b)(x)
+
+
+def test_a_block_whose_replay_takes_another_path_is_refused(data):
+    x, y = data
+    model = _model_with(lambda: Wandering(name="wander"))
+    with pytest.raises(RuntimeError, match=r"block 'wander'.*recompute it fully"):
+        train(model, x, y, recompute={"policy": "selective", "blocks": ["wander"]})
+
+
+class NormBlock(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = keras.layers.LayerNormalization()
+
+    def build(self, input_shape):
+        self.norm.build(input_shape)
+
+    def call(self, x):
+        return x + self.norm(x)
+
+
+def test_blocks_without_kernel_layers_are_refused():
+    model = _model_with(lambda: NormBlock(name="norm_block"))
+    with pytest.raises(ValueError, match=r"\['norm_block'\].*hold none.*\"full\""):
+        model.compile(
+            optimizer="sgd", loss="mse",
+            recompute={"policy": "selective", "blocks": ["norm_block"]},
+        )
+
+
+def test_plan_reports_the_selective_estimate(data):
+    x, y = data
+    model = residual_model(rate=0.0)
+    train(model, x, y, recompute=SELECTIVE)
+    plan = model.recompute_plan(batch_size=16)
+    assert "selective" in str(plan)
+    full = residual_model(rate=0.0)
+    train(full, x, y, recompute="auto")
+    full_plan = full.recompute_plan(batch_size=16)
+    assert full_plan.bytes_with < plan.bytes_with < plan.bytes_without
