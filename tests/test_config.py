@@ -78,3 +78,38 @@ def test_to_dict_round_trips():
     budget = GradBoostConfig(recompute={"budget_mb": 100, "batch_size": 8})
     assert budget.recompute == {"budget_mb": 100.0, "batch_size": 8}
     assert GradBoostConfig(**budget.to_dict()) == budget
+
+
+@pytest.mark.parametrize(
+    "value, stored",
+    [
+        ({"policy": "selective"}, {"policy": "selective", "blocks": "auto"}),
+        ({"policy": "selective", "blocks": ["enc_*"]},
+         {"policy": "selective", "blocks": ("enc_*",)}),
+        ({"policy": "full"}, "auto"),
+        ({"policy": "full", "blocks": ["enc_*"]}, ("enc_*",)),
+    ],
+)
+def test_recompute_policies_are_normalised_and_round_trip(value, stored):
+    config = GradBoostConfig(recompute=value)
+    assert config.recompute == stored
+    assert GradBoostConfig(**config.to_dict()) == config
+
+
+@pytest.mark.parametrize(
+    "value, error, fragment",
+    [
+        ({"policy": "partial"}, ValueError, 'a "policy" of "full" or "selective"'),
+        ({"policy": 2}, TypeError, 'a "policy" of "full" or "selective"'),
+        ({"policy": "selective", "budget_mb": 64}, ValueError, "Set only one"),
+        ({"policy": "selective", "layers": ["a"]}, ValueError, "(unknown: ['layers'])"),
+        ({"policy": "selective", "blocks": None}, ValueError, '"blocks" as "auto"'),
+        ({"policy": "selective", "blocks": "enc"}, ValueError, "write ['enc']"),
+    ],
+)
+def test_bad_recompute_policies_name_the_value(value, error, fragment):
+    with pytest.raises(error) as info:
+        GradBoostConfig(recompute=value)
+    message = str(info.value)
+    assert f"Invalid value for argument `recompute`. Received: recompute=" in message
+    assert fragment in message

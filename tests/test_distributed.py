@@ -159,7 +159,8 @@ def test_multi_worker_mirrored_strategy_is_accepted_and_named_publicly():
 
 def test_mirrored_recompute_equals_no_recompute():
     """Each replica's thread recomputes its own blocks, with its own Dropout
-    masks and BatchNormalization statistics restored."""
+    masks and BatchNormalization statistics restored; selectively too (the
+    replicas' threads split the kernel layers' activations off in turn)."""
     from recompute.models import residual_model
 
     rng = np.random.default_rng(2)
@@ -167,7 +168,8 @@ def test_mirrored_recompute_equals_no_recompute():
     y = rng.normal(size=(64, 3)).astype("float32")
     devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
     models = {}
-    for setting in (None, "auto"):
+    selective = {"policy": "selective"}
+    for setting in (None, "auto", selective):
         # ReductionToOneDevice: collective all-reduces of a second strategy in
         # one process can collide with an earlier one's instance keys.
         strategy = tf.distribute.MirroredStrategy(
@@ -177,10 +179,13 @@ def test_mirrored_recompute_equals_no_recompute():
             model = residual_model()
             model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", recompute=setting)
         model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
-        models[setting] = model
-    assert models["auto"].recompute_plan().recomputed == ["res_0", "res_1", "res_2"]
-    for a, b in zip(models[None].variables, models["auto"].variables):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, err_msg=a.path)
+        models[str(setting)] = model
+    for setting in ("auto", str(selective)):
+        assert models[setting].recompute_plan().recomputed == ["res_0", "res_1", "res_2"]
+        for a, b in zip(models["None"].variables, models[setting].variables):
+            np.testing.assert_allclose(
+                np.asarray(a), np.asarray(b), atol=1e-6, err_msg=f"{setting}: {a.path}"
+            )
 
 
 @pytest.mark.parametrize("samples, uneven", [(18, False), (19, True)])

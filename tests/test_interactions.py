@@ -216,7 +216,7 @@ class Cell:
             f"spe{self.steps_per_execution}",
             "xla" if self.jit_compile else "noxla",
             {"none": "f32", "fixed": "f32fixed", "dynamic16": "f16dyn"}[self.scaling],
-            "rc-" + ("auto" if self.recompute == "auto" else "list")
+            "rc-" + {"auto": "auto", "selective": "sel"}.get(self.recompute, "list")
             if self.recompute
             else "rc-off",
             "cb-" + self.callbacks,
@@ -262,6 +262,16 @@ SPECIFIC = [
     # marks in place (plan unchanged), and training equal the reference.
     # (The pairwise cells meet it under every other factor's values too.)
     _cell(dict(model="residual", recompute=("block_*",), watcher="skip")),
+    # The same with selective recompute ("selective": {"policy":
+    # "selective"}), whose replay keeps the kernel layers' outputs: under a
+    # float16 dynamic loss scale, accumulation and XLA with a restore, and
+    # on MirroredStrategy with chunks of 3 resumed from a mid-window backup.
+    _cell(dict(model="residual", recompute="selective", watcher="skip")),
+    _cell(dict(model="residual", recompute="selective", scaling="dynamic16",
+               accumulate_steps=K, jit_compile=True, watcher="restore")),
+    _cell(dict(model="residual", recompute="selective", accumulate_steps=K,
+               steps_per_execution=3, optimizer="momentum", devices="mirrored",
+               watcher="skip", bad=2), backup=True),
     # Accumulate x restore, plain SGD (no optimizer slots): micro-batch 4 is
     # accumulated, 5 is bad, 6 runs halted, the restore follows; the
     # window's stale micro-batch 4 must not reach the next update.
@@ -557,7 +567,8 @@ def compile_kwargs(cell):
         "accumulate_steps": cell.accumulate_steps,
         "steps_per_execution": cell.steps_per_execution,
         "jit_compile": cell.jit_compile,
-        "recompute": list(cell.recompute) if isinstance(cell.recompute, tuple) else cell.recompute,
+        "recompute": list(cell.recompute) if isinstance(cell.recompute, tuple) else (
+            {"policy": "selective"} if cell.recompute == "selective" else cell.recompute),
         "loss_scale": None,
         "accumulate_check": cell.accumulate_check,
     }
