@@ -73,10 +73,12 @@ def worker(args):
     config = args.worker
     size = dict(blocks=args.blocks, width=args.width)
     kwargs = {}
-    if args.app:
-        model = application(args)
+    if args.app or args.hub:
+        model = application(args) if args.app else hub_model(args)
         if config == "auto":
             kwargs["recompute"] = "auto"
+        elif config == "selective":
+            kwargs["recompute"] = {"policy": "selective"}
         elif config.startswith("budget_"):
             kwargs["recompute"] = {"budget_mb": float(config.split("_")[1])}
     elif config.startswith("rematscope_"):
@@ -86,18 +88,22 @@ def worker(args):
         model = zoo.residual_mlp(**size)
         if config == "auto":
             kwargs["recompute"] = "auto"
+        elif config == "selective":
+            kwargs["recompute"] = {"policy": "selective"}
         elif config.startswith("budget_"):
             kwargs["recompute"] = {"budget_mb": float(config.split("_")[1])}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.compile(
             optimizer="adam",
-            loss="sparse_categorical_crossentropy",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=bool(args.hub)),
             jit_compile=False,
             **kwargs,
         )
     if args.app:
         x, y = zoo.image_data(args.batch * 2, shape=(args.pixels, args.pixels, 3))
+    elif args.hub:
+        x, y = hub_data(args)
     else:
         x, y = zoo.classification_data(args.batch * 2)
     data = (
@@ -154,16 +160,58 @@ def application(args):
     return kgb.boost(built)
 
 
+# keras-hub backbones built from constructor arguments (no weights), with a
+# per-token head: (backbone class, layers). Width 256, 4 heads, feed-forward
+# 1024, vocabulary 1000, sequences of HUB_LENGTH.
+HUB = {"bert": ("BertBackbone", 4), "gpt2": ("GPT2Backbone", 2)}
+HUB_LENGTH, HUB_VOCAB = 128, 1000
+
+
+def hub_model(args):
+    """`keras_hub.models.<backbone>` (dropout 0.1) with a 3-class per-token
+    head, boosted."""
+    import keras
+    import keras_hub
+
+    import keras_gradboost as kgb
+
+    keras.utils.set_random_seed(0)
+    name, layers = HUB[args.hub]
+    backbone = getattr(keras_hub.models, name)(
+        vocabulary_size=HUB_VOCAB, num_layers=layers, num_heads=4, hidden_dim=256,
+        intermediate_dim=1024, max_sequence_length=HUB_LENGTH, dropout=0.1,
+    )
+    out = backbone(backbone.input)
+    sequence = out["sequence_output"] if isinstance(out, dict) else out
+    head = keras.layers.Dense(3, name="tag_head")(sequence)
+    return kgb.boost(keras.Model(backbone.input, head))
+
+
+def hub_data(args):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    n = args.batch * 2
+    x = {
+        "token_ids": rng.integers(1, HUB_VOCAB, size=(n, HUB_LENGTH)).astype("int32"),
+        "padding_mask": np.ones((n, HUB_LENGTH), "int32"),
+    }
+    if args.hub == "bert":
+        x["segment_ids"] = np.zeros((n, HUB_LENGTH), "int32")
+    return x, rng.integers(0, 3, size=(n, HUB_LENGTH))
+
+
 def estimates(args):
     """The baseline's estimated activation bytes, and recompute="auto"'s."""
     import keras  # noqa: F401
     from keras_gradboost import zoo
 
-    if args.app:
-        model = application(args)
+    if args.app or args.hub:
+        model = application(args) if args.app else hub_model(args)
     else:
         model = zoo.residual_mlp(blocks=args.blocks, width=args.width)
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", recompute="auto")
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(),
+                  recompute="auto")
     plan = model.recompute_plan(batch_size=args.batch)
     return plan.bytes_without, plan.bytes_with
 
@@ -180,7 +228,7 @@ def run(config, args):
         "--steps", str(args.steps),
         "--reps", str(args.reps),
         "--pixels", str(args.pixels),
-    ] + (["--app", args.app] if args.app else [])
+    ] + (["--app", args.app] if args.app else []) + (["--hub", args.hub] if args.hub else [])
     out = subprocess.run(command, capture_output=True, text=True, timeout=1200)
     for line in reversed(out.stdout.splitlines()):
         if line.startswith("{"):
@@ -200,13 +248,21 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="budget sweep on --apps")
     parser.add_argument("--apps", default="MobileNetV2,ResNet50")
     parser.add_argument("--pixels", type=int, default=64)
+    parser.add_argument("--models", help="per-model table: residual_mlp, bert, gpt2, "
+                        "keras.applications names (comma-separated)")
+    parser.add_argument("--configs", default="baseline,auto,selective",
+                        help="with --models: configurations; budget_F is a budget at "
+                        "F times no recompute's estimate")
     parser.add_argument("--app", help=argparse.SUPPRESS)
+    parser.add_argument("--hub", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
     if args.sweep:
         return sweep(args)
+    if args.models:
+        return per_model(args)
     if args.quick:
         args.rounds, args.blocks, args.batch = 1, 4, 512
 
@@ -263,6 +319,78 @@ def main():
     print(
         "\nTargets: recompute=\"auto\" train memory <= 0.5x baseline, step time "
         "<= 1.4x; budget rows: measured train memory tracks the budget (MiB in the name)."
+    )
+
+
+def per_model(args):
+    """Per model (`--models`), each configuration (`--configs`) in its own
+    process per round, the rounds in alternating order: train memory and
+    step time against no recompute's, and the plan's estimate."""
+    mib = 2**20
+    configs = args.configs.split(",")
+    table = []
+    for name in args.models.split(","):
+        args.app = args.hub = None
+        if name in HUB:
+            args.hub, args.batch = name, 16
+        elif name != "residual_mlp":
+            args.app, args.batch = name, 16
+        else:
+            args.batch = 2048
+        run_configs = []
+        without = None
+        for config in configs:
+            if config.startswith("budget_"):
+                if without is None:
+                    without, _ = estimates(args)
+                config = f"budget_{without * float(config.split('_')[1]) / mib:.1f}"
+            run_configs.append(config)
+        results = {c: [] for c in run_configs}
+        for r in range(args.rounds):
+            order = run_configs if r % 2 == 0 else run_configs[::-1]
+            for config in order:
+                results[config].append(run(config, args))
+                print(f"{name} round {r + 1}/{args.rounds}: {config} done",
+                      file=sys.stderr, flush=True)
+        table.append((name, args.batch, results))
+    print(
+        f"\nRecompute per model: each configuration in its own process, "
+        f"{args.rounds} round(s) in alternating order; float32, Adam, no XLA; "
+        f"keras.applications at {args.pixels}x{args.pixels}, batch 16; keras-hub "
+        f"(width 256, 4 heads, sequences of {HUB_LENGTH}, dropout 0.1), batch 16; "
+        "residual MLP batch 2048."
+    )
+    header = (
+        f"{'model':<14} {'configuration':<16} {'blocks':>6} {'estimate':>9} "
+        f"{'train MiB':>10} {'x base':>7} {'step s':>7} {'x base':>7} {'(min-max)':>13}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, batch, results in table:
+        base = results[next(iter(results))]
+        for config, runs in results.items():
+            errors = [r["error"] for r in runs if "error" in r]
+            if errors or any("error" in b for b in base):
+                print(f"{name:<14} {config:<16} fails: {(errors or ['(baseline)'])[0]}")
+                continue
+            train = statistics.median(r["train_bytes"] for r in runs)
+            base_train = statistics.median(r["train_bytes"] for r in base)
+            ratios = [r["step_s"] / b["step_s"] for r, b in zip(runs, base)]
+            estimate = runs[0].get("estimate_bytes")
+            print(
+                f"{name:<14} {config:<16} {runs[0].get('recomputed', '-')!s:>6} "
+                f"{(f'{estimate / mib:.1f}' if estimate else '-'):>9} "
+                f"{train / mib:>10.1f} {train / base_train:>6.2f}x "
+                f"{statistics.median(r['step_s'] for r in runs):>7.3f} "
+                f"{statistics.median(ratios):>6.2f}x "
+                f"{f'({min(ratios):.2f}-{max(ratios):.2f})':>13}"
+            )
+    print(
+        "\ntrain MiB: allocator peak of the timed steps above the level before "
+        "them (activations, gradients, temporaries); x base: against the first "
+        "configuration (no recompute); step x base: median over rounds of the "
+        "ratio within each round. estimate: recompute_plan().bytes_with at the "
+        "batch size (activations kept for backward)."
     )
 
 

@@ -123,10 +123,14 @@ class Kept:
         handle.reaches_nested = True
         return handle
 
-    def replay(self, tensors):
+    def replay(self, tensors, after):
         """A handler for the block's replay: the i-th kernel layer call gets
         `tensors[i]` (the recorded output, made to wait for the backward) as
-        its value, and its own gradient.
+        its value, and its own gradient. Its activation runs again in its own
+        backward (`after(upstream, tensors)` orders that recompute after the
+        upstream gradient), so the activation's intermediates (gelu's tanh
+        form makes five tensors of the layer's width) are not held through
+        the block's backward.
 
         Raises:
             RuntimeError: the replay calls the kernel layers in another order
@@ -155,7 +159,9 @@ class Kept:
                 )
             value = _substituted(layer, call, tensors[i], args, kwargs)
             activation = self.activations[i]
-            return value if activation is None else activation(value)
+            if activation is None:
+                return value
+            return _recomputed_activation(activation, value, after)
 
         handle.reaches_nested = True
         handle.calls = calls
@@ -172,6 +178,27 @@ class Kept:
                 'same path both times; recompute it fully instead ({"policy": '
                 '"full"}).'
             )
+
+
+def _recomputed_activation(activation, value, after):
+    """`activation(value)`, keeping only `value` for its backward, which
+    computes the activation again."""
+
+    @tf.custom_gradient
+    def apply(z):
+        with hooks.stop_recording():
+            y = activation(z)
+
+        def grad(upstream):
+            (again,) = after([upstream], [z])
+            with tf.GradientTape() as tape:
+                tape.watch(again)
+                y = activation(again)
+            return tape.gradient(y, again, output_gradients=upstream)
+
+        return y, grad
+
+    return apply(value)
 
 
 def _substituted(layer, call, kept, args, kwargs):
