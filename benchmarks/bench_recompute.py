@@ -97,7 +97,7 @@ def worker(args):
         model.compile(
             optimizer="adam",
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=bool(args.hub)),
-            jit_compile=False,
+            jit_compile=args.jit,
             **kwargs,
         )
     if args.app:
@@ -228,7 +228,7 @@ def run(config, args):
         "--steps", str(args.steps),
         "--reps", str(args.reps),
         "--pixels", str(args.pixels),
-    ] + (["--app", args.app] if args.app else []) + (["--hub", args.hub] if args.hub else [])
+    ] + (["--jit"] if args.jit else []) + (["--app", args.app] if args.app else []) + (["--hub", args.hub] if args.hub else [])
     out = subprocess.run(command, capture_output=True, text=True, timeout=1200)
     for line in reversed(out.stdout.splitlines()):
         if line.startswith("{"):
@@ -253,6 +253,7 @@ def main():
     parser.add_argument("--configs", default="baseline,auto,selective",
                         help="with --models: configurations; budget_F is a budget at "
                         "F times no recompute's estimate")
+    parser.add_argument("--jit", action="store_true", help="jit_compile=True (XLA)")
     parser.add_argument("--app", help=argparse.SUPPRESS)
     parser.add_argument("--hub", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -355,7 +356,8 @@ def per_model(args):
         table.append((name, args.batch, results))
     print(
         f"\nRecompute per model: each configuration in its own process, "
-        f"{args.rounds} round(s) in alternating order; float32, Adam, no XLA; "
+        f"{args.rounds} round(s) in alternating order; float32, Adam, "
+        f"{'XLA' if args.jit else 'no XLA'}; "
         f"keras.applications at {args.pixels}x{args.pixels}, batch 16; keras-hub "
         f"(width 256, 4 heads, sequences of {HUB_LENGTH}, dropout 0.1), batch 16; "
         "residual MLP batch 2048."

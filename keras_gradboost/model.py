@@ -266,7 +266,13 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 among the plans of both kinds, the cheapest to recompute
                 whose estimated activation memory fits N MiB at the training
                 batch size (add `"batch_size": B` when batches have no fixed
-                size).
+                size); `{"policy": "selective"}` (with `"blocks"`: `"auto"`
+                or a list of patterns; "auto" takes the kind of plan whose
+                blocks hold the most kernel layers): inside the blocks the
+                outputs of the kernel layers (Dense, EinsumDense,
+                convolutions; before their activation) are kept and only
+                the rest is recomputed, so the backward runs no matmul
+                again (`{"policy": "full", "blocks": b}` is `b`).
                 See `recompute_plan()`. Defaults to `None`.
             recompute_check: if True, the first training batch is run once
                 without recompute and once with each block recomputed, and a
