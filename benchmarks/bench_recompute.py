@@ -145,6 +145,7 @@ def worker(args):
         plan = model.recompute_plan()
         result["recomputed"] = len(plan.recomputed)
         result["estimate_bytes"] = plan.bytes_with
+        result["peak_estimate_bytes"] = plan.peak_bytes
     print(json.dumps(result))
 
 
@@ -364,7 +365,8 @@ def per_model(args):
     )
     header = (
         f"{'model':<14} {'configuration':<16} {'blocks':>6} {'estimate':>9} "
-        f"{'train MiB':>10} {'x base':>7} {'step s':>7} {'x base':>7} {'(min-max)':>13}"
+        f"{'peak est':>9} {'train MiB':>10} {'/ est':>6} {'x base':>7} {'step s':>7} "
+        f"{'x base':>7} {'(min-max)':>13}"
     )
     print(header)
     print("-" * len(header))
@@ -379,10 +381,13 @@ def per_model(args):
             base_train = statistics.median(r["train_bytes"] for r in base)
             ratios = [r["step_s"] / b["step_s"] for r, b in zip(runs, base)]
             estimate = runs[0].get("estimate_bytes")
+            peak = runs[0].get("peak_estimate_bytes")
             print(
                 f"{name:<14} {config:<16} {runs[0].get('recomputed', '-')!s:>6} "
                 f"{(f'{estimate / mib:.1f}' if estimate else '-'):>9} "
-                f"{train / mib:>10.1f} {train / base_train:>6.2f}x "
+                f"{(f'{peak / mib:.1f}' if peak else '-'):>9} "
+                f"{train / mib:>10.1f} {(f'{train / peak:.2f}' if peak else '-'):>6} "
+                f"{train / base_train:>6.2f}x "
                 f"{statistics.median(r['step_s'] for r in runs):>7.3f} "
                 f"{statistics.median(ratios):>6.2f}x "
                 f"{f'({min(ratios):.2f}-{max(ratios):.2f})':>13}"
@@ -392,7 +397,8 @@ def per_model(args):
         "them (activations, gradients, temporaries); x base: against the first "
         "configuration (no recompute); step x base: median over rounds of the "
         "ratio within each round. estimate: recompute_plan().bytes_with at the "
-        "batch size (activations kept for backward)."
+        "batch size (activations kept for backward); peak est: with the "
+        "gradients (recompute_plan().peak_bytes); / est: train MiB over it."
     )
 
 

@@ -10,7 +10,9 @@ segment are merged from the fine ones, so one traced estimate serves every
 layout. For nested blocks there is one layout, the blocks themselves.
 
 Per layout the candidates are: nothing recomputed, each prefix of the
-blocks ranked by saving per recompute cost, and every block ("auto"'s plan).
+blocks ranked by saving per recompute cost, every block ("auto"'s plan),
+and every block but the one the backward meets first (whose rebuild would
+come while everything else is still kept: the same peak, less recompute).
 The candidates do not depend on the budget, and the choice is the cheapest
 in recompute cost among those that fit (else the lowest estimate), so a
 smaller budget never gets a larger estimate, a budget at or below "auto"'s
@@ -108,6 +110,11 @@ def candidates(total, layouts, sizes):
             chosen.append(key)
             prefixes.append(tuple(chosen))
         prefixes.append(tuple(keys))  # every block: "auto"'s plan
+        # Every block but the one the backward meets first: its rebuild
+        # would come while everything else is still kept, so the same peak
+        # for less recompute.
+        last = max(keys, key=list(figures).index, default=None)
+        prefixes.append(tuple(k for k in keys if k != last))
         for prefix in dict.fromkeys(prefixes):
             if not prefix:
                 continue

@@ -50,6 +50,9 @@ class RecomputePlan:
         bytes_without: estimated activation bytes without recompute.
         bytes_with: estimated peak activation bytes with this plan (what is
             kept plus the largest recomputed block, rebuilt during backward).
+        gradient_bytes: bytes of the trainable variables' gradients, held
+            at the end of the backward beside what is left of the
+            activations.
         measured_peak_bytes: after a `fit` at `batch_size`, the device
             allocator's peak during it above the level before it (activations,
             plus gradients, optimizer slots it created and temporaries), read
@@ -63,7 +66,16 @@ class RecomputePlan:
     blocks: list = dataclasses.field(default_factory=list)
     bytes_without: object = None
     bytes_with: object = None
+    gradient_bytes: object = None
     measured_peak_bytes: object = None
+
+    @property
+    def peak_bytes(self):
+        """The estimate a measured training peak compares with: `bytes_with`
+        plus `gradient_bytes` (None when not estimated)."""
+        if self.bytes_with is None:
+            return None
+        return self.bytes_with + (self.gradient_bytes or 0)
 
     @property
     def recomputed(self):
@@ -85,11 +97,21 @@ class RecomputePlan:
                 "  selective: the outputs of the kernel layers (Dense, EinsumDense, "
                 "convolutions) are kept; GFLOP is what the backward replays"
             )
+        if self.gradient_bytes is not None:
+            lines.append(
+                f"  with the gradients ({self.gradient_bytes / MIB:.1f} MiB): "
+                f"~{self.peak_bytes / MIB:.1f} MiB training peak estimated"
+            )
         if self.measured_peak_bytes is not None:
             lines.append(
                 f"  measured in the last fit: allocator peak "
                 f"{self.measured_peak_bytes / MIB:.1f} MiB above the level before "
                 "it (activations, gradients, optimizer slots and temporaries)"
+                + (
+                    f", {self.measured_peak_bytes / self.peak_bytes:.2f}x the estimate"
+                    if self.peak_bytes
+                    else ""
+                )
             )
         width = max([len(b.name) for b in self.blocks] + [5])
         lines.append(
@@ -188,9 +210,12 @@ def estimate(model, forward, input_spec, keys, selective=False):
     operations = graph.get_operations()
     cached = _cached(operations, backward_start)
     total = sum(_bytes(t) for t in cached.values())
+    # In the order the forward first calls them (`plan_bytes` needs it).
+    first_call = {key: probe.calls[key][0][0] for key in keys if probe.calls.get(key)}
+    ordered = sorted(keys, key=lambda k: first_call.get(k, len(operations)))
     per_block = {
         key: _block_figures(probe.calls.get(key, []), operations, cached, selective)
-        for key in keys
+        for key in ordered
     }
     sizes = {name: _bytes(t) for name, t in cached.items()}
     return total, per_block, sizes
@@ -327,9 +352,18 @@ def _block_figures(calls, operations, cached, selective=False):
 
 
 def plan_bytes(total, per_block, sizes, chosen):
-    """Estimated peak activation bytes when the `chosen` keys are recomputed:
-    what stays cached, plus the recomputed blocks' inputs, plus the largest
-    recomputed block, rebuilt during the backward pass."""
+    """Estimated peak activation bytes when the `chosen` keys are recomputed.
+
+    The backward pass runs the blocks from the last (`per_block`'s order is
+    the forward's) to the first: when it reaches a block, the blocks after
+    it have freed what they kept, and this block's activations are all
+    alive (kept, or rebuilt when it is recomputed). The peak is the largest
+    of those moments and the end of the forward, on top of what no block
+    holds (kept throughout) and the recomputed blocks' inputs. So
+    recomputing the last block saves nothing: its rebuild comes first,
+    while everything else is still kept.
+    """
+    chosen = set(chosen)
     dropped = set()
     for key in chosen:
         dropped |= per_block[key]["inside"]
@@ -339,5 +373,11 @@ def plan_bytes(total, per_block, sizes, chosen):
         for name, size in per_block[key]["input_roots"].items():
             if name not in sizes or name in dropped:
                 extra[name] = size
-    transient = max([per_block[key]["cached"] for key in chosen], default=0)
-    return kept + sum(extra.values()) + transient
+    inside = {key: per_block[key]["cached"] for key in per_block}
+    kept_inside = {key: 0 if key in chosen else inside[key] for key in per_block}
+    outside = max(0, kept - sum(kept_inside.values()))
+    worst, before = sum(kept_inside.values()), 0
+    for key in per_block:
+        worst = max(worst, before + inside[key])
+        before += kept_inside[key]
+    return outside + sum(extra.values()) + worst

@@ -264,7 +264,7 @@ class RecomputeSetup:
         self.layers = layers
         self.segments = segments(model, cuts=cuts) if pieces else []
         self.chosen = set(best.chosen)
-        self.plan = self._plan((family_total, figures, sizes), self.batch_hint)
+        self.plan = self._plan((family_total, figures, sizes), self.batch_hint, model)
         self.pending = False
         if fits:
             return
@@ -339,7 +339,7 @@ class RecomputeSetup:
                     found.append(dataclasses.replace(c, layout=c.layout + offset))
         return families[0][2], families, layouts, found
 
-    def _plan(self, estimated, batch_size):
+    def _plan(self, estimated, batch_size, model):
         total, per_block, sizes = estimated
         names = self.names()
         rows = [
@@ -358,6 +358,7 @@ class RecomputeSetup:
             blocks=rows,
             bytes_without=total,
             bytes_with=plan_bytes(total, per_block, sizes, sorted(self.chosen)),
+            gradient_bytes=_gradient_bytes(model),
         )
 
     def report(self, model, batch_size=None):
@@ -394,7 +395,7 @@ class RecomputeSetup:
                     for k in self.keys
                 ],
             )
-        plan = self._plan(self._estimate(model, spec), batch_size)
+        plan = self._plan(self._estimate(model, spec), batch_size, model)
         if self.selective:
             # What the selective step keeps, from its own trace, plus the
             # largest block's activations, rebuilt during its replay (an upper
@@ -405,6 +406,19 @@ class RecomputeSetup:
             )
             plan.bytes_with = kept + rebuilt
         return plan
+
+
+def _gradient_bytes(model):
+    """Bytes of the trainable variables' gradients (one per variable, in its
+    dtype), which the backward holds at its end beside what is left of the
+    activations."""
+    total = 0
+    for v in model.trainable_variables:
+        count = 1
+        for d in v.shape:
+            count *= int(d)
+        total += count * tf.as_dtype(v.dtype).size
+    return total
 
 
 def _memory_level():

@@ -116,14 +116,14 @@ def test_budget_at_autos_estimate_is_no_worse_through_compile():
 
 
 def _nothing_saves():
-    """Dense layers joined by Rescaling: every cut tensor is cached anyway
-    (the next Dense's input) or not needed (a Rescaling's input), and no
-    segment holds more than what recomputing it keeps."""
+    """A Dense, four Rescalings and a head: the backward keeps only the
+    Dense's and the head's inputs, which no segment holds inside (a
+    Rescaling's gradient needs no value), so recomputing any segment only
+    adds its input to what is kept."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))
-    h = inputs
+    h = keras.layers.Dense(8, name="dense_0")(inputs)
     for i in range(4):
-        h = keras.layers.Dense(8, name=f"dense_{i}")(h)
         h = keras.layers.Rescaling(2.0, name=f"scale_{i}")(h)
     return kgb.GradBoostModel(inputs, keras.layers.Dense(3, name="head")(h))
 
@@ -151,10 +151,37 @@ def test_candidates_recompute_nothing_when_no_block_saves():
     sizes = {f"t{k}": 10 for k in range(3)}
     found = recompute.candidates(30, [(figures, [0, 1, 2])], sizes)
     assert found[0] == recompute.Candidate(0, (), 30, 0.0)
-    assert [c.chosen for c in found[1:]] == [(0, 1, 2)]  # "auto"'s plan only
+    # "auto"'s plan, and the same without the block the backward meets first
+    assert [c.chosen for c in found[1:]] == [(0, 1, 2), (0, 1)]
     assert found[1].bytes > 30
     assert recompute.budget_choice(1, found) == (found[0], False)
     assert recompute.budget_choice(30, found) == (found[0], True)
+
+
+@pytest.mark.parametrize(
+    "chosen, peak",
+    [
+        ((), 35),  # everything kept
+        ((0, 1, 2), 15),  # what no block holds, and one block rebuilt
+        ((0, 1), 15),  # the last block kept: the same peak
+        ((2,), 35),  # only the last: its rebuild comes first, nothing saved
+        ((1, 2), 25),  # block 0 kept while block 1 is rebuilt
+        ((0,), 25),  # blocks 1 and 2 kept at the end of the forward
+    ],
+)
+def test_the_peak_follows_the_backward_from_the_last_block(chosen, peak):
+    # Three blocks of 10 bytes each (in forward order), 5 bytes held by no
+    # block, inputs kept anyway. By hand: at the end of the forward every
+    # kept block is alive; the backward reaches block 2, then 1, then 0, and
+    # at block i the blocks before it keep what they keep while block i's
+    # 10 bytes are all alive (kept or rebuilt).
+    figures = {
+        k: {"cached": 10, "inputs": 1, "flops": 1.0, "inside": {f"t{k}"},
+            "input_roots": {f"out{k - 1}": 1}}
+        for k in range(3)
+    }
+    sizes = {**{f"t{k}": 10 for k in range(3)}, "out-1": 1, "out0": 1, "out1": 1, "rest": 2}
+    assert recompute.plan_bytes(35, figures, sizes, chosen) == peak
 
 
 def test_groups_of_cover_every_fine_segment_once():

@@ -128,7 +128,8 @@ def test_subclassed_and_boosted_models(data):
     rc = boost(Net())
     train(plain, x, y)
     train(rc, x, y, recompute="auto")
-    assert rc.recompute_plan().recomputed == ["blk_0", "blk_1"]
+    # "auto" leaves out the block the backward meets first (the same peak).
+    assert rc.recompute_plan().recomputed == ["blk_0"]
     assert_same_state(plain, rc)
 
 
