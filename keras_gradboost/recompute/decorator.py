@@ -13,6 +13,26 @@ forward saw it.
 import keras
 
 from keras_gradboost.recompute import mechanism
+from keras_gradboost.recompute import selective
+
+POLICIES = ("full", "selective")
+
+
+def _policy_arg(policy):
+    if policy not in POLICIES:
+        raise ValueError(
+            f"Invalid value for argument `policy`. Received: policy={policy!r}. "
+            'Expected "full" (everything recomputed) or "selective" (the '
+            "kernel layers' outputs kept, the rest recomputed)."
+        )
+    return policy
+
+
+def _mark_kernel_layers(layers):
+    """Lets a selective recompute keep the outputs of the kernel layers in
+    and below `layers`."""
+    for layer in selective.kernel_layers(layers):
+        mechanism.mark(layer)
 
 
 @keras.saving.register_keras_serializable(package="keras_gradboost")
@@ -29,6 +49,11 @@ class Recompute(keras.layers.Wrapper):
 
     Args:
         layer: the Keras layer (a block: a layer, `Sequential` or model).
+        policy: `"full"` (the whole block runs again) or `"selective"` (the
+            outputs of its kernel layers, `Dense`, `EinsumDense` and the
+            convolutions, are kept and only the rest runs again, as
+            `compile(recompute={"policy": "selective"})`). Defaults to
+            `"full"`.
         **kwargs: `keras.layers.Layer` arguments (`name`, ...).
 
     Example:
@@ -49,27 +74,33 @@ class Recompute(keras.layers.Wrapper):
     ```
     """
 
-    def __init__(self, layer, **kwargs):
+    def __init__(self, layer, policy="full", **kwargs):
         if not isinstance(layer, keras.layers.Layer):
             raise TypeError(
                 f"Invalid type for argument `layer`. Received: layer={layer!r} "
                 f"of type {type(layer).__name__}. Expected a keras.layers.Layer "
                 "(for a function, use kgb.recompute_function(fn))."
             )
+        self.policy = _policy_arg(policy)
         super().__init__(layer, **kwargs)
         mechanism.mark(layer)
+        if self.policy == "selective":
+            _mark_kernel_layers([layer])
 
     def call(self, *args, training=None, **kwargs):
         if training is not None:
             kwargs["training"] = training
-        with mechanism.active([id(self.layer)]):
+        with mechanism.active([id(self.layer)], selective=self.policy == "selective"):
             return self.layer(*args, **kwargs)
+
+    def get_config(self):
+        return {**super().get_config(), "policy": self.policy}
 
     def compute_output_spec(self, *args, training=None, **kwargs):
         return self.layer.compute_output_spec(*args, **kwargs)
 
 
-def recompute_function(fn=None, *, layers=(), name=None):
+def recompute_function(fn=None, *, layers=(), name=None, policy="full"):
     """`fn` with the same forward, whose backward recomputes `fn`'s forward
     instead of keeping its activations (a decorator).
 
@@ -90,6 +121,9 @@ def recompute_function(fn=None, *, layers=(), name=None):
         layers: the Keras layers `fn` calls. Defaults to `()`.
         name: used in error messages. Defaults to `None` (the function's
             name).
+        policy: `"full"` or `"selective"` (the outputs of the kernel
+            layers among `layers` are kept, the rest recomputed; see
+            `Recompute`). Defaults to `"full"`.
 
     Returns:
         A function with `fn`'s signature (or a `Recompute` layer).
@@ -119,6 +153,7 @@ def recompute_function(fn=None, *, layers=(), name=None):
     grads = tape.gradient(loss, dense.trainable_variables)
     ```
     """
+    _policy_arg(policy)
     layers = list(layers)
     for layer in layers:
         if not isinstance(layer, keras.layers.Layer):
@@ -128,9 +163,9 @@ def recompute_function(fn=None, *, layers=(), name=None):
                 "layers (the layers `fn` calls)."
             )
     if fn is None:
-        return lambda f: recompute_function(f, layers=layers, name=name)
+        return lambda f: recompute_function(f, layers=layers, name=name, policy=policy)
     if isinstance(fn, keras.layers.Layer):
-        return Recompute(fn)
+        return Recompute(fn, policy=policy)
     if not callable(fn):
         raise TypeError(
             f"Invalid type for argument `fn`. Received: fn={fn!r} of type "
@@ -143,4 +178,6 @@ def recompute_function(fn=None, *, layers=(), name=None):
                 seen.add(id(v))
                 (weights if v.trainable else state).append(v)
     label = name or getattr(fn, "__name__", "block")
-    return mechanism.recomputed(fn, state, label, weights)
+    if policy == "selective":
+        _mark_kernel_layers(layers)
+    return mechanism.recomputed(fn, state, label, weights, selective=policy == "selective")

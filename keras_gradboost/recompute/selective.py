@@ -63,6 +63,8 @@ def kernel_layers(layers):
     """The kernel layers among `layers` and every layer below them."""
     found = {}
     for layer in layers:
+        if not isinstance(layer, keras.layers.Layer):
+            continue  # a functional graph's operation (keras.ops.add): no layers
         for inner in hooks.flatten_layers(layer):
             if is_kernel_layer(inner):
                 found[id(inner)] = inner

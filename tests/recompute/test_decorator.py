@@ -44,14 +44,15 @@ def _step(call, variables, x):
 X = tf.constant(np.random.default_rng(0).normal(size=(5, 6)), tf.float32)
 
 
+@pytest.mark.parametrize("policy", ["full", "selective"])
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
-def test_recompute_layer_gradients_equal_the_plain_blocks(traced):
+def test_recompute_layer_gradients_equal_the_plain_blocks(traced, policy):
     block = _block()
     before = _state(block)  # seeds and moving statistics
     plain = _step(lambda x: block(x, training=True), block.trainable_variables, X)
     after_plain = _state(block)
     _restore(block, before)
-    wrapped = kgb.Recompute(block)
+    wrapped = kgb.Recompute(block, policy=policy)
 
     def step(x):  # the variables are captured, not tf.function arguments
         return _step(lambda x: wrapped(x, training=True), block.trainable_variables, x)
@@ -63,6 +64,8 @@ def test_recompute_layer_gradients_equal_the_plain_blocks(traced):
     for a, b in zip(after_plain, _state(block)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     assert mechanism.is_marked(block)
+    # Selective: the kernel layers are marked, so their outputs can be kept.
+    assert mechanism.is_marked(block.layers[0]) == (policy == "selective")
 
 
 def test_the_backward_pass_runs_the_block_again():
@@ -79,7 +82,8 @@ def test_the_backward_pass_runs_the_block_again():
     assert len(calls) == 2  # forward, and the recompute in the backward
 
 
-def test_recompute_decorator_on_a_function_equals_the_undecorated_function():
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_recompute_decorator_on_a_function_equals_the_undecorated_function(policy):
     keras.utils.set_random_seed(0)
     dense, drop = keras.layers.Dense(8, activation="tanh"), keras.layers.Dropout(0.5, seed=1)
     dense.build((None, 6))
@@ -90,7 +94,7 @@ def test_recompute_decorator_on_a_function_equals_the_undecorated_function():
     seeds = _state(drop)
     plain = _step(block, dense.trainable_variables, X)
     _restore(drop, seeds)
-    decorated_block = kgb.recompute_function(block, layers=[dense, drop])
+    decorated_block = kgb.recompute_function(block, layers=[dense, drop], policy=policy)
     decorated = tf.function(lambda x: _step(decorated_block, dense.trainable_variables, x))(X)
     for a, b in zip(plain, decorated):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -103,7 +107,7 @@ def test_recompute_in_a_functional_model_trains_like_the_plain_one():
     def build(wrap):
         block = _block(seed=1)
         inputs = keras.Input((6,))
-        hidden = (kgb.Recompute(block) if wrap else block)(inputs)
+        hidden = (kgb.Recompute(block, policy="selective") if wrap else block)(inputs)
         model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
         model.compile(optimizer="sgd", loss="mse")
         return model
@@ -118,6 +122,7 @@ def test_recompute_in_a_functional_model_trains_like_the_plain_one():
     config = keras.saving.serialize_keras_object(wrapped.layers[1])
     restored = keras.saving.deserialize_keras_object(config)
     assert isinstance(restored, kgb.Recompute) and restored.layer.name == "block"
+    assert restored.policy == "selective"
 
 
 def test_wrong_arguments_are_refused_naming_them():
@@ -127,6 +132,10 @@ def test_wrong_arguments_are_refused_naming_them():
         kgb.recompute_function("block")
     with pytest.raises(TypeError, match="argument `layers`"):
         kgb.recompute_function(lambda x: x, layers=["dense"])
+    with pytest.raises(ValueError, match="argument `policy`. Received: policy='some'"):
+        kgb.Recompute(keras.layers.Dense(2), policy="some")
+    with pytest.raises(ValueError, match="argument `policy`"):
+        kgb.recompute_function(lambda x: x, policy=None)
 
 
 def test_the_decorator_does_not_shadow_the_recompute_package():

@@ -22,7 +22,16 @@ from recompute.models import train
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
-@pytest.mark.parametrize("setting", ["auto", ["res_*"], ["res_1"]])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "auto",
+        ["res_*"],
+        ["res_1"],
+        {"policy": "selective"},  # kernel layers' outputs kept, the rest replayed
+        {"policy": "selective", "blocks": ["res_1"]},
+    ],
+)
 def test_weights_and_statistics_equal_no_recompute(data, jit_compile, setting):
     x, y = data
     plain, recomputed = residual_model(), residual_model()
