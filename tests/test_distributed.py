@@ -181,7 +181,8 @@ def test_mirrored_recompute_equals_no_recompute():
         model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
         models[str(setting)] = model
     assert models["auto"].recompute_plan().recomputed  # something was recomputed
-    assert models[str(selective)].recompute_plan().recomputed == ["res_0", "res_1", "res_2"]
+    # Every block but the last, whose replay would come first (no saving).
+    assert models[str(selective)].recompute_plan().recomputed == ["res_0", "res_1"]
     for setting in ("auto", str(selective)):
         for a, b in zip(models["None"].variables, models[setting].variables):
             np.testing.assert_allclose(

@@ -107,8 +107,8 @@ def test_bert_selective_recompute_with_dropout_equals_no_recompute():
                               recompute={"policy": "selective"}, recompute_check=True)
     selective.fit(x, y, sample_weight=weights, batch_size=8, epochs=1, shuffle=False,
                   verbose=0)
-    assert selective.recompute_plan().recomputed == [
-        "transformer_layer_0", "transformer_layer_1"]
+    # The first layer (the last one's replay would come first: no saving).
+    assert selective.recompute_plan().recomputed == ["transformer_layer_0"]
     assert max_diff(selective, plain) < 1e-6
     # The control: with dropout the two fits differ from a fit without it.
     assert max_diff(selective, compile_model(kgb.boost(bert_with_head()))) > 1e-3

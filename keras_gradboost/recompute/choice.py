@@ -299,7 +299,9 @@ def selective_blocks(model, setting):
     recomputed parts hold the most kernel layers: a selective plan keeps
     their outputs and recomputes the rest, so it pays where it covers most
     of the model (ConvNeXt's 18 blocks sit inline, outside its nested
-    `Sequential`s; a BERT's encoder layers are its nested blocks).
+    `Sequential`s; a BERT's encoder layers are its nested blocks). The
+    setup then leaves out the last nested block (as the last segment), whose
+    replay would come first in the backward and save nothing.
 
     Args:
         model: the model.

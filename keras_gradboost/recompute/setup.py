@@ -81,6 +81,10 @@ class RecomputeSetup:
             self.chosen = set(self.keys) - {
                 i for i, s in enumerate(self.segments) if s.last
             }
+        if self.selective and setting["blocks"] == "auto" and len(self.layers) > 1:
+            # The last block's replay would come first in the backward, while
+            # everything else is kept: the same peak without it.
+            self.chosen.discard(id(self.layers[-1]))
         # A budget, and "auto", choose at the first traced batch, from the
         # estimates at its batch size ("auto" keeps the choice above when
         # the batches have no fixed size).
