@@ -25,6 +25,15 @@ Measured, per configuration:
 
     python benchmarks/bench_recompute.py [--rounds 3] [--quick]
 
+`--models ... --time` instead times, in one process per model, no
+recompute against itself (A/A), "auto" and selective recompute: pairs of
+back-to-back `fit`s in alternating order (`fit_rounds.paired`, tf.data
+autotuning off), the median ratio over `--rounds` rounds with a bootstrap
+95% CI. Step time only: the memory figures need a process per
+configuration.
+
+    python benchmarks/bench_recompute.py --models bert,gpt2 --time --rounds 12
+
 `--sweep` instead runs a budget sweep on keras.applications models
 (`--apps`, weights=None, `--pixels` square inputs, `--batch`, default 16):
 per model no recompute, "auto" and four budgets between "auto"'s estimate
@@ -255,12 +264,19 @@ def main():
                         help="with --models: configurations; budget_F is a budget at "
                         "F times no recompute's estimate")
     parser.add_argument("--jit", action="store_true", help="jit_compile=True (XLA)")
+    parser.add_argument("--time", action="store_true",
+                        help="with --models: step time only, paired in one process")
+    parser.add_argument("--time-worker", help=argparse.SUPPRESS)
     parser.add_argument("--app", help=argparse.SUPPRESS)
     parser.add_argument("--hub", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    if args.time_worker:
+        return time_worker(args)
+    if args.models and args.time:
+        return time_model(args)
     if args.sweep:
         return sweep(args)
     if args.models:
@@ -322,6 +338,84 @@ def main():
         "\nTargets: recompute=\"auto\" train memory <= 0.5x baseline, step time "
         "<= 1.4x; budget rows: measured train memory tracks the budget (MiB in the name)."
     )
+
+
+def time_model(args):
+    """`--time`: one process per model (`--models`), paired in-process."""
+    print(
+        "Recompute step time, one process per model, pairs of back-to-back fits "
+        f"of {args.steps} steps in alternating order, {args.rounds} rounds; float32, "
+        f"Adam, {'XLA' if args.jit else 'no XLA'}. ratio: median of "
+        "configuration / no recompute, [bootstrap 95% CI]."
+    )
+    for name in args.models.split(","):
+        command = [sys.executable, __file__, "--time-worker", name, "--rounds",
+                   str(args.rounds), "--steps", str(args.steps),
+                   "--pixels", str(args.pixels)] + (["--jit"] if args.jit else [])
+        out = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("  ")]
+        print(f"{name}:")
+        print("\n".join(lines) or f"  fails: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+
+
+def time_worker(args):
+    import warnings as _warnings
+
+    import tensorflow as tf
+
+    import keras
+    from fit_rounds import paired
+    from fit_rounds import ratio
+    from keras_gradboost import zoo
+
+    name = args.time_worker
+    args.app = args.hub = None
+    if name in HUB:
+        args.hub, args.batch = name, 16
+    elif name != "residual_mlp":
+        args.app, args.batch = name, 16
+    else:
+        args.batch = 2048
+
+    def build(recompute):
+        model = (
+            hub_model(args) if args.hub else application(args) if args.app
+            else zoo.residual_mlp(blocks=args.blocks, width=args.width)
+        )
+        with _warnings.catch_warnings():
+            _warnings.simplefilter("ignore")
+            model.compile(
+                optimizer="adam",
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=bool(args.hub)),
+                jit_compile=args.jit,
+                recompute=recompute,
+            )
+        return model
+
+    if args.app:
+        x, y = zoo.image_data(args.batch * 2, shape=(args.pixels, args.pixels, 3))
+    elif args.hub:
+        x, y = hub_data(args)
+    else:
+        x, y = zoo.classification_data(args.batch * 2)
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    ds = (tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch, drop_remainder=True)
+          .repeat().with_options(options))
+    base = build(None)
+    pairs = {
+        "A/A: no recompute / itself": [((base, []), (build(None), []))],
+        'recompute="auto"': [((base, []), (build("auto"), []))],
+        'recompute={"policy": "selective"}': [((base, []), (build({"policy": "selective"}), []))],
+    }
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("ignore")
+        times = paired(pairs, ds, args.steps, args.rounds)
+    for label, pair_times in times.items():
+        value, (low, high) = ratio(pair_times)
+        model = pairs[label][0][1][0]
+        blocks = len(model.recompute_plan().recomputed) if model.gradboost_config.recompute else "-"
+        print(f"  {label:<36} {value:6.3f}x [95% CI {low:.3f}-{high:.3f}]  blocks {blocks}")
 
 
 def per_model(args):
