@@ -223,7 +223,7 @@ def estimates(args):
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(),
                   recompute="auto")
     plan = model.recompute_plan(batch_size=args.batch)
-    return plan.bytes_without, plan.bytes_with
+    return plan.bytes_without, plan.bytes_with, plan.gradient_bytes or 0
 
 
 def run(config, args):
@@ -284,7 +284,7 @@ def main():
     if args.quick:
         args.rounds, args.blocks, args.batch = 1, 4, 512
 
-    without, with_auto = estimates(args)
+    without, with_auto, _ = estimates(args)
     mib = 2**20
     budgets = [f"budget_{without * f / mib:.0f}" for f in BUDGET_FRACTIONS]
     configs = ["baseline", "auto", "rematscope_activations", "rematscope_full"] + budgets
@@ -438,7 +438,7 @@ def per_model(args):
         for config in configs:
             if config.startswith("budget_"):
                 if without is None:
-                    without, _ = estimates(args)
+                    without, _, _ = estimates(args)
                 config = f"budget_{without * float(config.split('_')[1]) / mib:.1f}"
             run_configs.append(config)
         results = {c: [] for c in run_configs}
@@ -504,36 +504,46 @@ def sweep(args):
     rows = []
     for app in args.apps.split(","):
         args.app = app
-        without, with_auto = estimates(args)
+        without, _, gradients = estimates(args)
         budgets = [f"budget_{without * f / mib:.1f}" for f in SWEEP_FRACTIONS]
         for config in ["baseline", "auto"] + budgets:
             result = run(config, args)
             print(f"{app}: {config} done", file=sys.stderr, flush=True)
-            rows.append((app, without, result))
+            rows.append((app, without + gradients, result))
     print(
         f"\nBudget sweep: keras.applications, weights=None, {args.pixels}x"
         f"{args.pixels} inputs, batch {args.batch}, Adam, float32, no XLA; "
         "one process per row."
     )
     header = (
-        f"{'model':<14} {'configuration':<16} {'blocks':>6} {'estimate':>9} "
-        f"{'train MiB':>10}"
+        f"{'model':<14} {'configuration':<16} {'blocks':>6} {'peak est':>9} "
+        f"{'train MiB':>10} {'/ est':>6}  smaller budget, larger peak?"
     )
     print(header)
     print("-" * len(header))
+    previous = {}  # model: the last budget row's measured bytes
     for app, without, result in rows:
         if "error" in result:
             print(f"{app:<14} {result['config']:<16} fails: {result['error']}")
             continue
-        estimate = result.get("estimate_bytes", without)
+        estimate = result.get("peak_estimate_bytes", without)
+        train = result["train_bytes"]
+        flag = ""
+        if result["config"].startswith("budget_"):
+            # 2% of slack: the allocator's peak moves that much run to run.
+            if app in previous and train > previous[app] * 1.02:
+                flag = f"  YES (+{(train / previous[app] - 1) * 100:.0f}%)"
+            previous[app] = train
         print(
             f"{app:<14} {result['config']:<16} {result.get('recomputed', 0):>6} "
-            f"{estimate / mib:>9.1f} {result['train_bytes'] / mib:>10.1f}"
+            f"{estimate / mib:>9.1f} {train / mib:>10.1f} {train / estimate:>6.2f}{flag}"
         )
     print(
-        "\nestimate: activations kept for backward (no recompute's for the "
-        "baseline); train MiB: allocator peak of the timed steps above the level "
-        "before them (activations plus gradients and temporaries)."
+        "\npeak est: activations kept for backward plus the gradients "
+        "(recompute_plan().peak_bytes; no recompute's for the baseline); train "
+        "MiB: allocator peak of the timed steps above the level before them; "
+        "budgets in decreasing order, each flagged if its measured peak is "
+        "larger than the previous (larger) budget's."
     )
 
 

@@ -143,7 +143,7 @@ def recomputed(fn, state, name="block", weights=(), selective=False):
             def grad(*upstream, variables=None):
                 variables = list(variables or ())
                 inputs = _after(upstream, tensors)
-                replay = kept.replay(_after(upstream, kept.tensors), _after) if kept else None
+                replay = kept.replay(_after(upstream, kept.tensors)) if kept else None
                 with tf.GradientTape() as tape:
                     tape.watch([t for t in inputs if t.dtype.is_floating])
                     tape.watch([t for _, t in held])

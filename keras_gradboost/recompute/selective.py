@@ -125,14 +125,15 @@ class Kept:
         handle.reaches_nested = True
         return handle
 
-    def replay(self, tensors, after):
+    def replay(self, tensors):
         """A handler for the block's replay: the i-th kernel layer call gets
         `tensors[i]` (the recorded output, made to wait for the backward) as
-        its value, and its own gradient. Its activation runs again in its own
-        backward (`after(upstream, tensors)` orders that recompute after the
-        upstream gradient), so the activation's intermediates (gelu's tanh
-        form makes five tensors of the layer's width) are not held through
-        the block's backward.
+        its value, and its own gradient; its split-off activation replays
+        like the rest of the block. (Running the activation once more in its
+        own backward, to free its intermediates sooner, measured the same
+        memory, within 2%, for 4% more step time on the BERT and the residual
+        MLP: their activation's backward comes right after the next kernel
+        layer's.)
 
         Raises:
             RuntimeError: the replay calls the kernel layers in another order
@@ -161,9 +162,7 @@ class Kept:
                 )
             value = _substituted(layer, call, tensors[i], args, kwargs)
             activation = self.activations[i]
-            if activation is None:
-                return value
-            return _recomputed_activation(activation, value, after)
+            return value if activation is None else activation(value)
 
         handle.reaches_nested = True
         handle.calls = calls
@@ -180,27 +179,6 @@ class Kept:
                 'same path both times; recompute it fully instead ({"policy": '
                 '"full"}).'
             )
-
-
-def _recomputed_activation(activation, value, after):
-    """`activation(value)`, keeping only `value` for its backward, which
-    computes the activation again."""
-
-    @tf.custom_gradient
-    def apply(z):
-        with hooks.stop_recording():
-            y = activation(z)
-
-        def grad(upstream):
-            (again,) = after([upstream], [z])
-            with tf.GradientTape() as tape:
-                tape.watch(again)
-                y = activation(again)
-            return tape.gradient(y, again, output_gradients=upstream)
-
-        return y, grad
-
-    return apply(value)
 
 
 def _substituted(layer, call, kept, args, kwargs):
