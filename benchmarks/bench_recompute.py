@@ -82,25 +82,17 @@ def worker(args):
     config = args.worker
     size = dict(blocks=args.blocks, width=args.width)
     kwargs = {}
-    if args.app or args.hub:
-        model = application(args) if args.app else hub_model(args)
-        if config == "auto":
-            kwargs["recompute"] = "auto"
-        elif config == "selective":
-            kwargs["recompute"] = {"policy": "selective"}
-        elif config.startswith("budget_"):
-            kwargs["recompute"] = {"budget_mb": float(config.split("_")[1])}
-    elif config.startswith("rematscope_"):
+    if config.startswith("rematscope_") and not (args.app or args.hub):
         with keras.RematScope(mode=config.split("_", 1)[1]):
             model = zoo.residual_mlp(cls=keras.Model, **size)
     else:
-        model = zoo.residual_mlp(**size)
-        if config == "auto":
-            kwargs["recompute"] = "auto"
-        elif config == "selective":
-            kwargs["recompute"] = {"policy": "selective"}
-        elif config.startswith("budget_"):
-            kwargs["recompute"] = {"budget_mb": float(config.split("_")[1])}
+        model = (
+            application(args) if args.app else hub_model(args) if args.hub
+            else zoo.residual_mlp(**size)
+        )
+        recompute = _recompute_setting(config)
+        if recompute is not None:
+            kwargs["recompute"] = recompute
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.compile(
@@ -109,12 +101,7 @@ def worker(args):
             jit_compile=args.jit,
             **kwargs,
         )
-    if args.app:
-        x, y = zoo.image_data(args.batch * 2, shape=(args.pixels, args.pixels, 3))
-    elif args.hub:
-        x, y = hub_data(args)
-    else:
-        x, y = zoo.classification_data(args.batch * 2)
+    x, y = training_data(args)
     data = (
         tf.data.Dataset.from_tensor_slices((x, y))
         .batch(args.batch, drop_remainder=True)
@@ -156,6 +143,40 @@ def worker(args):
         result["estimate_bytes"] = plan.bytes_with
         result["peak_estimate_bytes"] = plan.peak_bytes
     print(json.dumps(result))
+
+
+def _recompute_setting(config):
+    """The `recompute` argument of a configuration name (None: none)."""
+    if config == "auto":
+        return "auto"
+    if config == "selective":
+        return {"policy": "selective"}
+    if config.startswith("budget_"):
+        return {"budget_mb": float(config.split("_")[1])}
+    return None
+
+
+def select_model(args, name):
+    """Points `args` at model `name` (residual_mlp, a keras-hub backbone in
+    HUB or a keras.applications model) with its batch size."""
+    args.app = args.hub = None
+    if name in HUB:
+        args.hub, args.batch = name, 16
+    elif name != "residual_mlp":
+        args.app, args.batch = name, 16
+    else:
+        args.batch = 2048
+
+
+def training_data(args):
+    """`(x, y)`: two batches of the model's synthetic training data."""
+    from keras_gradboost import zoo
+
+    if args.app:
+        return zoo.image_data(args.batch * 2, shape=(args.pixels, args.pixels, 3))
+    if args.hub:
+        return hub_data(args)
+    return zoo.classification_data(args.batch * 2)
 
 
 def application(args):
@@ -368,14 +389,7 @@ def time_worker(args):
     from fit_rounds import ratio
     from keras_gradboost import zoo
 
-    name = args.time_worker
-    args.app = args.hub = None
-    if name in HUB:
-        args.hub, args.batch = name, 16
-    elif name != "residual_mlp":
-        args.app, args.batch = name, 16
-    else:
-        args.batch = 2048
+    select_model(args, args.time_worker)
 
     def build(recompute):
         model = (
@@ -392,12 +406,7 @@ def time_worker(args):
             )
         return model
 
-    if args.app:
-        x, y = zoo.image_data(args.batch * 2, shape=(args.pixels, args.pixels, 3))
-    elif args.hub:
-        x, y = hub_data(args)
-    else:
-        x, y = zoo.classification_data(args.batch * 2)
+    x, y = training_data(args)
     options = tf.data.Options()
     options.autotune.enabled = False
     ds = (tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch, drop_remainder=True)
@@ -426,13 +435,7 @@ def per_model(args):
     configs = args.configs.split(",")
     table = []
     for name in args.models.split(","):
-        args.app = args.hub = None
-        if name in HUB:
-            args.hub, args.batch = name, 16
-        elif name != "residual_mlp":
-            args.app, args.batch = name, 16
-        else:
-            args.batch = 2048
+        select_model(args, name)
         run_configs = []
         without = None
         for config in configs:
