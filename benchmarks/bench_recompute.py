@@ -244,6 +244,10 @@ def estimates(args):
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(),
                   recompute="auto")
     plan = model.recompute_plan(batch_size=args.batch)
+    if plan.bytes_without is None:  # inputs of unknown length: estimated at fit
+        x, y = training_data(args)
+        model.fit(x, y, batch_size=args.batch, epochs=1, steps_per_epoch=1, verbose=0)
+        plan = model.recompute_plan()
     return plan.bytes_without, plan.bytes_with, plan.gradient_bytes or 0
 
 

@@ -217,7 +217,9 @@ class RecomputeSetup:
             spec = tf.nest.map_structure(
                 lambda t: tf.TensorSpec(t.shape[1:], t.dtype), model.input
             )
-        if spec is None or batch_size is None:
+        if spec is None or batch_size is None or _unknown_dims(spec):
+            # A tensor of unknown shape would count as 0 bytes: no estimate
+            # rather than a wrong one.
             return None
         return tf.nest.map_structure(
             lambda s: tf.TensorSpec([batch_size] + list(s.shape), s.dtype), spec
@@ -248,9 +250,19 @@ class RecomputeSetup:
         self.observe(x)
         spec = self._spec(model, self.batch_hint)
         if spec is None:
-            if self.auto:  # no fixed batch size: the compile-time choice
+            if self.auto:  # no fixed shapes: the compile-time choice
                 self.pending = False
                 return
+            unknown = _unknown_dims(self.input_spec)
+            if unknown:
+                raise ValueError(
+                    f"recompute={self.setting!r} needs the input shapes to "
+                    "estimate activation memory, and the training batches have "
+                    f"dimensions of unknown size ({', '.join(unknown)}). Give "
+                    "them a fixed size (pad the sequences to one length, e.g. "
+                    "`Dataset.padded_batch(..., padded_shapes=...)`), or name "
+                    'the blocks instead: recompute=["name", ...].'
+                )
             raise ValueError(
                 f"recompute={self.setting!r} needs the batch size to estimate "
                 "activation memory, and the training batches do not have a "
@@ -410,6 +422,29 @@ class RecomputeSetup:
             )
             plan.bytes_with = kept + rebuilt
         return plan
+
+
+def _unknown_dims(spec):
+    """`"<input> axis <i>"` for each per-example dimension of unknown size
+    in the input specs `spec` (without their batch axis)."""
+    found = []
+    for path, s in _flatten_with_paths(spec):
+        if s.shape.rank is None:
+            found.append(f"{path or 'input'} (unknown rank)")
+            continue
+        for axis, size in enumerate(s.shape):
+            if size is None:
+                found.append(f"{path or 'input'} axis {axis + 1}")
+    return found
+
+
+def _flatten_with_paths(spec):
+    if isinstance(spec, dict):
+        return [(repr(k), v) for k, v in spec.items()]
+    flat = tf.nest.flatten(spec)
+    if len(flat) == 1:
+        return [("", flat[0])]
+    return [(f"input {i}", v) for i, v in enumerate(flat)]
 
 
 def _gradient_bytes(model):

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import keras
 from conftest import max_weight_diff
+from keras_gradboost import GradBoostModel
 from keras_gradboost import recompute
 from recompute.models import flat_model
 from recompute.models import residual_model
@@ -129,6 +130,39 @@ def test_prepare_without_a_batch_size_says_to_add_one():
     with pytest.raises(ValueError, match=r'needs the batch size.*"batch_size": B'):
         setup.prepare(model, tf.TensorSpec((None, 5)))
     assert setup.pending
+
+
+def _sequence_model(length):
+    """Dense layers over (length, 8) sequences: cut points between them."""
+    inputs = keras.Input((length, 8))
+    x = inputs
+    for i in range(4):
+        x = keras.layers.Dense(16, activation="relu", name=f"seq_{i}")(x)
+    return GradBoostModel(inputs, keras.layers.Dense(1, name="seq_out")(x))
+
+
+def test_budget_with_sequences_of_unknown_length_says_to_fix_it():
+    # Tensors of unknown size would count 0 bytes: the budget would be met
+    # by any plan. It refuses instead, naming the dimension.
+    model = _sequence_model(None)
+    setup = recompute.RecomputeSetup(model, {"budget_mb": 1.0})
+    with pytest.raises(ValueError, match=r"unknown size \(input axis 1\).*padded_batch"):
+        setup.prepare(model, tf.TensorSpec((16, None, 8)))
+    assert setup.pending
+
+
+def test_plan_of_sequences_of_unknown_length_has_no_estimate():
+    fixed = _sequence_model(32)
+    fixed.compile(optimizer="sgd", loss="mse", recompute="auto")
+    assert fixed.recompute_plan(batch_size=16).bytes_without > 16 * 32 * 16 * 4
+    model = _sequence_model(None)
+    model.compile(optimizer="sgd", loss="mse", recompute="auto")
+    plan = model.recompute_plan(batch_size=16)
+    assert plan.bytes_without is None and plan.batch_size is None
+    model.fit(np.zeros((32, 12, 8), "float32"), np.zeros((32, 12, 1), "float32"),
+              batch_size=16, epochs=1, verbose=0)
+    # At fit the traced batches have a length: estimated from them.
+    assert model.recompute_plan().bytes_without > 16 * 12 * 16 * 4
 
 
 def test_check_settles_the_budget_first(data):
