@@ -147,6 +147,8 @@ def main(argv=None):
             "  ok" if value <= 1.0 else "  OVER TARGET (<= 1.00)")
         print(f"  {label:<30} {value:6.3f}x [95% CI {low:.3f}-{high:.3f}; "
               f"{a_ms:.2f} vs {b_ms:.2f} ms]{verdict}")
+    if args.gradcheck_rounds < 1:
+        return
     times = gradcheck_ratio(args.gradcheck_rounds)
     value, (low, high) = ratio(times)
     fast = 1000 * sorted(t[0] for t in times)[len(times) // 2]

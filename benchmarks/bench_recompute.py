@@ -93,6 +93,8 @@ def worker(args):
         recompute = _recompute_setting(config)
         if recompute is not None:
             kwargs["recompute"] = recompute
+        if args.depthwise:
+            kwargs["depthwise"] = args.depthwise
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.compile(
@@ -153,6 +155,8 @@ def _recompute_setting(config):
         return {"policy": "selective"}
     if config.startswith("budget_"):
         return {"budget_mb": float(config.split("_")[1])}
+    if config.startswith("blocks_"):  # blocks_<glob>[+<glob>...]: named blocks
+        return tuple(config.split("_", 1)[1].split("+"))
     return None
 
 
@@ -242,7 +246,7 @@ def estimates(args):
     else:
         model = zoo.residual_mlp(blocks=args.blocks, width=args.width)
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(),
-                  recompute="auto")
+                  recompute="auto", depthwise=args.depthwise)
     plan = model.recompute_plan(batch_size=args.batch)
     if plan.bytes_without is None:  # inputs of unknown length: estimated at fit
         x, y = training_data(args)
@@ -263,7 +267,9 @@ def run(config, args):
         "--steps", str(args.steps),
         "--reps", str(args.reps),
         "--pixels", str(args.pixels),
-    ] + (["--jit"] if args.jit else []) + (["--app", args.app] if args.app else []) + (["--hub", args.hub] if args.hub else [])
+    ] + (["--jit"] if args.jit else []) + (["--app", args.app] if args.app else []) + (
+        ["--hub", args.hub] if args.hub else []) + (
+        ["--depthwise", args.depthwise] if args.depthwise else [])
     out = subprocess.run(command, capture_output=True, text=True, timeout=1200)
     for line in reversed(out.stdout.splitlines()):
         if line.startswith("{"):
@@ -287,8 +293,11 @@ def main():
                         "keras.applications names (comma-separated)")
     parser.add_argument("--configs", default="baseline,auto,selective",
                         help="with --models: configurations; budget_F is a budget at "
-                        "F times no recompute's estimate")
+                        "F times no recompute's estimate; blocks_GLOB[+GLOB] recomputes "
+                        "the layers named")
     parser.add_argument("--jit", action="store_true", help="jit_compile=True (XLA)")
+    parser.add_argument("--depthwise", choices=["native"],
+                        help='compile(depthwise="native") in every configuration')
     parser.add_argument("--time", action="store_true",
                         help="with --models: step time only, paired in one process")
     parser.add_argument("--time-worker", help=argparse.SUPPRESS)
@@ -376,7 +385,8 @@ def time_model(args):
     for name in args.models.split(","):
         command = [sys.executable, __file__, "--time-worker", name, "--rounds",
                    str(args.rounds), "--steps", str(args.steps),
-                   "--pixels", str(args.pixels)] + (["--jit"] if args.jit else [])
+                   "--pixels", str(args.pixels)] + (["--jit"] if args.jit else []) + (
+                   ["--depthwise", args.depthwise] if args.depthwise else [])
         out = subprocess.run(command, capture_output=True, text=True, timeout=3600)
         lines = [line for line in out.stdout.splitlines() if line.startswith("  ")]
         print(f"{name}:")
@@ -407,6 +417,7 @@ def time_worker(args):
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=bool(args.hub)),
                 jit_compile=args.jit,
                 recompute=recompute,
+                depthwise=args.depthwise,
             )
         return model
 

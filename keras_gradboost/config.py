@@ -3,6 +3,8 @@
 import dataclasses
 import numbers
 
+from keras_gradboost import depthwise
+
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16", "auto", "measure")
 LOSS_SCALES = ("auto", "dynamic")
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -42,6 +44,10 @@ class GradBoostConfig:
         accumulate_check: whether to compare the first accumulation window
             with one step on its concatenated micro-batches, before its
             update. Needs `accumulate_steps > 1`. Defaults to `False`.
+        depthwise: `None` (grouped convolutions run as Keras runs them) or
+            `"native"` (a `Conv2D` whose groups equal its input channels
+            runs TensorFlow's depthwise kernel; see `depthwise`). Defaults
+            to `None`.
 
     Raises:
         TypeError: if an argument has the wrong type.
@@ -54,9 +60,11 @@ class GradBoostConfig:
     recompute: object = None
     recompute_check: bool = False
     accumulate_check: bool = False
+    depthwise: object = None
 
     def __post_init__(self):
         object.__setattr__(self, "recompute", _recompute_setting(self.recompute))
+        depthwise.check_setting(self.depthwise)
         if not isinstance(self.recompute_check, bool):
             raise _invalid(
                 "recompute_check", self.recompute_check, "True or False", TypeError

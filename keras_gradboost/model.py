@@ -15,6 +15,7 @@ from keras_gradboost import hooks
 from keras_gradboost import jit_measure
 from keras_gradboost import precision as precision_lib
 from keras_gradboost import precision_measure
+from keras_gradboost import depthwise as depthwise_lib
 from keras_gradboost import recompute as recompute_lib
 from keras_gradboost import wrappers
 from keras_gradboost.accumulate import GradientAccumulator
@@ -102,6 +103,8 @@ class _Runtime:
         # Why XLA is off although jit_compile=True or "measure" asked for
         # it: the plan's reason, or one found while training.
         self.xla_blocked = plan.xla_blocked if plan else None
+        # Ids of the layers `compile(depthwise="native")` runs natively.
+        self.depthwise_ids = frozenset()
 
     @property
     def config(self):
@@ -164,6 +167,17 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         super().__init__(*args, **kwargs)
         self._gradboost = _Runtime()
 
+    def __call__(self, *args, **kwargs):
+        with self._native_depthwise():
+            return super().__call__(*args, **kwargs)
+
+    def _native_depthwise(self):
+        """The context in which the layers `compile(depthwise="native")`
+        chose run TensorFlow's depthwise kernel: every call of the model,
+        and the recompute's own forwards (segments, estimates, checks)."""
+        runtime = getattr(self, "_gradboost", None)  # None while Keras builds it
+        return depthwise_lib.running(runtime.depthwise_ids if runtime else frozenset())
+
     # ------------------------------------------------------------------ compile
 
     def compile(
@@ -175,6 +189,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         recompute=None,
         recompute_check=False,
         accumulate_check=False,
+        depthwise=None,
         **kwargs,
     ):
         """Configures the model for training, with the gradboost options.
@@ -286,6 +301,20 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 that normalises per batch, a layer with state) and the
                 variables that differ most. Needs `accumulate_steps > 1`.
                 Defaults to `False`.
+            depthwise: `None` or `"native"`. Keras runs a grouped `Conv2D`
+                as an XLA-compiled function; where its groups equal its input
+                channels (ConvNeXt's depthwise convolutions), `"native"` runs
+                TensorFlow's depthwise kernel instead, in every forward of
+                this model (training, `predict`, `evaluate`; the model given
+                to `boost()` keeps Keras' way). On a CPU, XLA's filter
+                gradient goes through a dense `(kh, kw, C, C)` filter: on
+                ConvNeXtTiny the native kernel measured a 4.7x faster step
+                and a 0.57x training peak. Values equal Keras' to float
+                rounding (another summation order), not bit for bit. Layers
+                it cannot serve (channels_first, unequal strides, a stride
+                with a dilation) run as Keras runs them; with none to serve,
+                a warning. See `train_plan.depthwise_layers`. Defaults to
+                `None`.
 
         Raises:
             TypeError: if a gradboost argument or `jit_compile` has the wrong
@@ -304,6 +333,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             recompute=recompute,
             recompute_check=recompute_check,
             accumulate_check=accumulate_check,
+            depthwise=depthwise,
         )
         plan = TrainPlan.build(config, self, _bind_compile_args(args, kwargs))
         self._apply_plan(plan)
@@ -341,6 +371,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             )
         if plan.recompute is not None:
             plan.recompute.apply()
+        rt.depthwise_ids = depthwise_lib.apply(plan.depthwise_layers)
         with self.distribute_strategy.scope():
             rt.facts = StepFacts()
             if plan.loss_scale is not None:
@@ -462,7 +493,8 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         setup = self._gradboost.recompute
         if setup is None:
             return recompute_lib.RecomputePlan(setting=None)
-        return setup.report(self, batch_size)
+        with self._native_depthwise():
+            return setup.report(self, batch_size)
 
     @property
     def float32_layers(self):
@@ -807,7 +839,8 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         local = [as_local_batch(b, self.distribute_strategy) for b in batches]
         if rt.recompute_check_pending:
             rt.recompute_check_pending = False
-            rt.recompute.check(self, local[0])
+            with self._native_depthwise():
+                rt.recompute.check(self, local[0])
         if rt.accumulate_check_pending:
             self._accumulate_check(local)
         if not (rt.recompute_check_pending or rt.accumulate_check_pending):
@@ -1217,14 +1250,16 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         (the budget's choice, the input spec); outside any tape."""
         setup = self._gradboost.recompute
         if setup is not None:
-            setup.prepare(self, x)
+            with self._native_depthwise():
+                setup.prepare(self, x)
 
     def _training_forward(self, x):
         """The forward pass of the training step (through the recompute
         blocks, if any). Call `_prepare_forward(x)` first."""
         setup = self._gradboost.recompute
         if setup is not None:
-            return setup.forward(self, x)
+            with self._native_depthwise():
+                return setup.forward(self, x)
         if hooks.call_has_training_arg(self):
             return self(x, training=True)
         return self(x)

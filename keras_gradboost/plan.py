@@ -25,6 +25,7 @@ import types
 import keras
 import tensorflow as tf
 
+from keras_gradboost import depthwise
 from keras_gradboost import hooks
 from keras_gradboost import precision as precision_lib
 from keras_gradboost.accumulate import EXACT_REDUCTIONS
@@ -79,6 +80,9 @@ class TrainPlan:
         auto_scale_loss: `compile(auto_scale_loss=...)` as given.
         recompute: the per-model recompute setup (blocks chosen, not yet
             applied), or None.
+        depthwise_layers: the grouped `Conv2D` layers that
+            `depthwise="native"` runs on TensorFlow's depthwise kernel
+            (`depthwise.candidates`); `()` otherwise.
         warnings: the messages `compile()` gives once the plan is applied
             (soft problems: XLA blocked, float16 on a CPU, accumulation that
             cannot equal the large batch).
@@ -96,6 +100,7 @@ class TrainPlan:
     loss_scale: object = None
     auto_scale_loss: bool = False
     recompute: object = None
+    depthwise_layers: tuple = ()
     warnings: tuple = ()
 
     @classmethod
@@ -166,6 +171,17 @@ class TrainPlan:
             recompute = RecomputeSetup(model, config.recompute)
         if config.accumulate_steps > 1:
             notes.extend(inexact_accumulation_warnings(model, config, kwargs.get("loss")))
+        depthwise_layers = ()
+        if config.depthwise == "native":
+            depthwise_layers = tuple(depthwise.candidates(model))
+            if not depthwise_layers:
+                notes.append(
+                    'depthwise="native" changes nothing: model '
+                    f"{model.name!r} has no Conv2D whose groups equal its input "
+                    "channels (channels_last, equal strides, no stride with a "
+                    "dilation). DepthwiseConv2D layers already run TensorFlow's "
+                    "depthwise kernel."
+                )
         return cls(
             config=config,
             keras_kwargs=types.MappingProxyType(kwargs),
@@ -179,6 +195,7 @@ class TrainPlan:
             loss_scale=scale,
             auto_scale_loss=auto_scale_loss,
             recompute=recompute,
+            depthwise_layers=depthwise_layers,
             warnings=tuple(notes),
         )
 

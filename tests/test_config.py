@@ -69,8 +69,11 @@ def test_to_dict_round_trips():
         "recompute": None,
         "recompute_check": False,
         "accumulate_check": False,
+        "depthwise": None,
     }
     assert GradBoostConfig(**config.to_dict()) == config
+    native = GradBoostConfig(depthwise="native")
+    assert GradBoostConfig(**native.to_dict()) == native
     config = GradBoostConfig(recompute=["a", "b*"], recompute_check=True)
     assert config.recompute == ("a", "b*")
     assert config.to_dict()["recompute"] == ["a", "b*"]  # JSON-friendly

@@ -18,6 +18,7 @@ import threading
 
 import tensorflow as tf
 
+from keras_gradboost import depthwise
 from keras_gradboost import hooks
 from keras_gradboost import wrappers
 from keras_gradboost.recompute import selective as selective_lib
@@ -131,6 +132,7 @@ def recomputed(fn, state, name="block", weights=(), selective=False):
         dtype = hooks.current_autocast()
         structure = []
         kept = selective_lib.Kept(name) if selective else None
+        native = depthwise.current()  # the replay runs the kernels the forward ran
 
         @tf.custom_gradient
         def forward(*tensors):
@@ -150,7 +152,7 @@ def recomputed(fn, state, name="block", weights=(), selective=False):
                     a, k = rebuild(inputs)
                     with hooks.update_recording_scope(
                         saved + held
-                    ) as scope, hooks.autocast(dtype), (
+                    ) as scope, hooks.autocast(dtype), depthwise.running(native), (
                         _handling(replay) if kept else _plain()
                     ):
                         again = fn(*a, **k)

@@ -1,0 +1,132 @@
+"""Depthwise convolutions written as grouped `Conv2D`s, run on TensorFlow's
+native depthwise kernel (`compile(depthwise="native")`).
+
+A `keras.layers.Conv2D` with `groups` equal to its input channels (ConvNeXt's
+7x7 convolutions) is a depthwise convolution. On the TensorFlow backend,
+Keras runs every grouped convolution as an XLA-compiled function (the CPU
+`Conv2D` kernel has no groups), and XLA on a CPU computes its filter
+gradient through a dense `(kh, kw, C, C)` filter: on ConvNeXtTiny (64x64
+inputs, batch 16, this project's 2-core CPU) a 220 MiB temporary in each
+stage-3 block's backward, which sets the training peak, and a 4.7x slower
+step than `tf.nn.depthwise_conv2d` computing the same convolution.
+
+The native kernel sums in another order: values equal Keras' to float
+rounding, not bit for bit, so it is opt-in. Layers it cannot serve
+(channels_first, unequal strides, a stride with a dilation) run as Keras
+runs them; `eligible` says why.
+"""
+
+import contextlib
+import threading
+
+import keras
+import tensorflow as tf
+
+from keras_gradboost import hooks
+from keras_gradboost import wrappers
+
+SETTINGS = (None, "native")
+_LOCAL = threading.local()  # per thread: MirroredStrategy traces replicas in threads
+
+
+def check_setting(value):
+    """Raises if `value` is not an accepted `depthwise` compile argument."""
+    if value is None or (isinstance(value, str) and value in SETTINGS):
+        return value
+    raise ValueError(
+        f"Invalid value for argument `depthwise`. Received: depthwise={value!r}. "
+        'Expected None (grouped convolutions run as Keras runs them) or "native" '
+        "(a Conv2D whose groups equal its input channels runs TensorFlow's "
+        "depthwise kernel)."
+    )
+
+
+def eligible(layer):
+    """Whether `layer` is a depthwise convolution written as a grouped
+    `Conv2D` that the native kernel computes (for an unbuilt layer, whether
+    its groups equal its input channels is checked at each call).
+
+    Returns:
+        `(True, None)`, or `(False, reason)`.
+    """
+    if not isinstance(layer, keras.layers.Conv2D) or layer.groups == 1:
+        return False, "not a grouped Conv2D"
+    if layer.built and layer.kernel.shape[-2] != 1:
+        return False, "its groups are not its input channels"
+    if layer.data_format != "channels_last":
+        return False, "channels_first"
+    strides, dilation = tuple(layer.strides), tuple(layer.dilation_rate)
+    if strides[0] != strides[1]:
+        return False, f"unequal strides {strides}"
+    if max(strides) > 1 and max(dilation) > 1:
+        return False, f"strides {strides} with dilation {dilation}"
+    return True, None
+
+
+def candidates(model):
+    """The layers of `model` that `depthwise="native"` runs natively."""
+    return [
+        layer
+        for layer in hooks.flatten_layers(model, include_self=False)
+        if eligible(layer)[0]
+    ]
+
+
+class _Native:
+    """A `convolution_op` wrapper: the native depthwise kernel inside
+    `running(...)` for this layer, Keras' own convolution elsewhere (the
+    layer may also belong to the un-boosted model)."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self, original, inputs, kernel):
+        layer = self.layer
+        channels = inputs.shape[-1]
+        if (
+            id(layer) not in getattr(_LOCAL, "layer_ids", ())
+            or inputs.shape.rank != 4
+            or channels != layer.groups  # an unbuilt layer's groups < channels
+        ):
+            return original(inputs, kernel)
+        multiplier = kernel.shape[-1] // channels
+        # Keras' grouped kernel (kh, kw, 1, C * m), output c * m + j from
+        # input c, is the depthwise kernel (kh, kw, C, m).
+        depthwise_kernel = tf.reshape(kernel, tuple(kernel.shape[:2]) + (channels, multiplier))
+        return tf.nn.depthwise_conv2d(
+            inputs,
+            depthwise_kernel,
+            strides=(1,) + tuple(layer.strides) + (1,),
+            padding=layer.padding.upper(),
+            dilations=tuple(layer.dilation_rate),
+        )
+
+
+def apply(layers):
+    """Marks `layers` (from `candidates`) to run natively inside `running`
+    (idempotent; the marks do nothing outside it).
+
+    Returns:
+        A frozenset of their ids, for `running`.
+    """
+    for layer in layers:
+        if not any(isinstance(p.around, _Native) for p in wrappers.patches(layer, "convolution_op")):
+            wrappers.patch(layer, "convolution_op", _Native(layer))
+    return frozenset(id(layer) for layer in layers)
+
+
+def current():
+    """The ids `running` has made native here (a recompute's backward
+    replays its block with them, as its forward ran)."""
+    return getattr(_LOCAL, "layer_ids", frozenset())
+
+
+@contextlib.contextmanager
+def running(layer_ids):
+    """Inside, the marked layers whose ids are in `layer_ids` run natively."""
+    previous = getattr(_LOCAL, "layer_ids", frozenset())
+    _LOCAL.layer_ids = previous | layer_ids
+    try:
+        yield
+    finally:
+        _LOCAL.layer_ids = previous

@@ -1,0 +1,198 @@
+"""compile(depthwise="native"): grouped Conv2Ds whose groups equal their input
+channels run TensorFlow's depthwise kernel, with Keras' own results (the
+un-boosted model, which keeps Keras' XLA-compiled grouped convolution) as the
+reference, alone and with recompute, accumulation, bfloat16 and saving."""
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+import keras_gradboost as kgb
+from keras_gradboost import depthwise
+
+
+def depthwise_net(seed=0, eligible_only=False):
+    """Grouped Conv2Ds of every kind `eligible` sorts: depthwise (multiplier
+    1 and 2, a stride, a dilation), grouped by 2 (not depthwise) and unequal
+    strides (left out with `eligible_only`), between residual blocks
+    `recompute` can cut."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((12, 12, 8))
+    x = keras.layers.Conv2D(8, 7, padding="same", groups=8, name="dw_7x7")(inputs)
+    x = keras.layers.LayerNormalization(name="norm")(x)
+    h = keras.layers.Dense(16, activation="gelu", name="expand")(x)
+    h = keras.layers.Dense(8, name="project")(h)
+    x = keras.layers.Add(name="residual")([x, h])
+    x = keras.layers.Conv2D(16, 3, strides=2, padding="same", groups=8, name="dw_x2_stride")(x)
+    x = keras.layers.Conv2D(16, 3, padding="same", dilation_rate=2, groups=16, name="dw_dilated")(x)
+    if not eligible_only:
+        x = keras.layers.Conv2D(16, 3, padding="same", groups=2, name="grouped_by_2")(x)
+        x = keras.layers.Conv2D(16, 3, strides=(2, 1), padding="same", groups=16,
+                                name="dw_unequal")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    outputs = keras.layers.Dense(3, name="head")(x)
+    return keras.Model(inputs, outputs)
+
+
+NATIVE = {"dw_7x7", "dw_x2_stride", "dw_dilated"}
+
+
+def data(n=8):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 12, 12, 8)).astype("float32"), rng.integers(0, 3, size=(n,))
+
+
+def depthwise_ops(fn, spec):
+    graph = tf.function(fn).get_concrete_function(spec).graph
+    return sum(op.type == "DepthwiseConv2dNative" for op in graph.get_operations())
+
+
+def xla_convolutions(model, x):
+    """How many XLA-compiled convolutions (Keras' grouped-convolution
+    path) one training step's forward and backward trace, recompute
+    replays included."""
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(tf.zeros([x.shape[0]], "int32"), model.training_forward(x))
+        return tape.gradient(loss, model.trainable_variables)
+
+    graph = step.get_concrete_function(tf.TensorSpec(x.shape, tf.float32)).graph
+    return sum("conv_xla" in f.signature.name for f in graph.as_graph_def().library.function)
+
+
+def gradients(model, x, y):
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    return [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+
+
+def test_eligible_sorts_grouped_convolutions():
+    model = depthwise_net()
+    reasons = {
+        layer.name: depthwise.eligible(layer)
+        for layer in model.layers
+        if isinstance(layer, keras.layers.Conv2D)
+    }
+    assert {name for name, (ok, _) in reasons.items() if ok} == NATIVE
+    assert reasons["grouped_by_2"] == (False, "its groups are not its input channels")
+    assert reasons["dw_unequal"] == (False, "unequal strides (2, 1)")
+    assert not depthwise.eligible(keras.layers.DepthwiseConv2D(3))[0]  # native already
+
+
+def test_native_equals_keras_values_and_gradients():
+    plain = depthwise_net()
+    boosted = kgb.boost(plain)
+    boosted.compile(optimizer="sgd", loss="mse", depthwise="native")
+    assert {layer.name for layer in boosted.train_plan.depthwise_layers} == NATIVE
+    x, y = data()
+    spec = tf.TensorSpec(x.shape, tf.float32)
+    # The native kernel runs in the boosted model only: the model given to
+    # boost() shares the layers and keeps Keras' grouped convolution. (If
+    # Keras stops calling `Conv2D.convolution_op`, the first count is 0.)
+    assert depthwise_ops(lambda t: boosted(t, training=False), spec) == len(NATIVE)
+    assert depthwise_ops(lambda t: plain(t, training=False), spec) == 0
+    np.testing.assert_allclose(boosted.predict(x, verbose=0), plain.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-5)
+    for got, want in zip(gradients(boosted, x, y), gradients(plain, x, y)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _fit_weights(depthwise_setting, seed=0, **compile_kwargs):
+    model = kgb.boost(depthwise_net(seed, eligible_only=True))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        depthwise=depthwise_setting,
+        **compile_kwargs,
+    )
+    x, y = data(16)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    return model, [w.numpy() for w in model.trainable_weights]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"recompute": "auto", "recompute_check": True},
+        {"recompute": {"policy": "selective"}, "recompute_check": True},
+        {"accumulate_steps": 2, "accumulate_check": True},
+        {"precision": "mixed_bfloat16"},
+    ],
+    ids=["recompute", "selective", "accumulate", "bfloat16"],
+)
+def test_native_with_other_features_trains_like_keras(extra):
+    """Each feature with native depthwise against the same feature with
+    Keras' grouped convolution: the same weights after 4 steps. The
+    recompute checks (gradients with and without each block recomputed) and
+    the accumulation check (against one large-batch step) run inside."""
+    _, want = _fit_weights(None, **extra)
+    model, got = _fit_weights("native", **extra)
+    tolerance = 2e-2 if "precision" in extra else 1e-4
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=tolerance, atol=tolerance)
+    if "recompute" in extra:
+        assert model.recompute_plan().recomputed
+    # No forward, replay or gradient of a depthwise layer went through
+    # Keras' XLA-compiled grouped convolution.
+    assert xla_convolutions(model, data()[0]) == 0
+    assert xla_convolutions(_fit_weights(None, **extra)[0], data()[0]) > 0
+
+
+def test_native_survives_save_and_load(tmp_path):
+    model, _ = _fit_weights("native")
+    path = os.fspath(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.gradboost_config.depthwise == "native"
+    assert {layer.name for layer in loaded.train_plan.depthwise_layers} == NATIVE
+    x, _ = data()
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("value", ["xla", True, "Native"])
+def test_bad_value_names_the_argument(value):
+    model = kgb.boost(depthwise_net())
+    with pytest.raises(ValueError, match=r"argument `depthwise`.*Received: depthwise="):
+        model.compile(optimizer="sgd", loss="mse", depthwise=value)
+
+
+def test_native_without_candidates_warns():
+    inputs = keras.Input((4,))
+    model = kgb.GradBoostModel(inputs, keras.layers.Dense(2)(inputs))
+    with pytest.warns(UserWarning, match='depthwise="native" changes nothing'):
+        model.compile(optimizer="sgd", loss="mse", depthwise="native")
+    assert model.train_plan.depthwise_layers == ()
+
+
+def test_convnext_trains_like_keras():
+    """keras.applications.ConvNeXtTiny (18 depthwise Conv2Ds): one SGD step
+    with the native kernel gives Keras' weights."""
+
+    def step(setting):
+        keras.utils.set_random_seed(1)
+        built = keras.applications.ConvNeXtTiny(input_shape=(32, 32, 3), weights=None, classes=4)
+        model = kgb.boost(built)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.compile(optimizer=keras.optimizers.SGD(0.1),
+                          loss="sparse_categorical_crossentropy", depthwise=setting)
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(4, 32, 32, 3)).astype("float32")
+        model.fit(x, np.arange(4) % 4, batch_size=4, verbose=0)
+        return model, [w.numpy() for w in model.trainable_weights]
+
+    model, got = step("native")
+    assert len(model.train_plan.depthwise_layers) == 18
+    _, want = step(None)
+    moved = max(float(np.max(np.abs(a))) for a in want)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * moved)
