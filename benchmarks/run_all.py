@@ -54,6 +54,11 @@ ENTRIES = {
         ["benchmarks/bench_recompute.py"],
         ["--quick"],
     ),
+    "depthwise": (
+        'depthwise="native" vs Keras\' grouped convolution (ConvNeXtTiny)',
+        ["benchmarks/bench_depthwise.py"],
+        ["--rounds", "2", "--memory-rounds", "1", "--pixels", "32", "--batch", "4"],
+    ),
     "ops": (
         "kgb.ops vs naive composites; gradcheck fast vs full",
         ["benchmarks/bench_ops.py"],

@@ -179,6 +179,19 @@ def test_recompute_blocks_are_chosen_not_applied():
         _plan(model, recompute=["nothing_*"])
 
 
+def test_depthwise_layers_are_chosen_not_applied():
+    from keras_gradboost import wrappers
+
+    inputs = keras.Input((6, 6, 4))
+    depthwise = keras.layers.Conv2D(4, 3, groups=4, name="dw")
+    grouped = keras.layers.Conv2D(4, 3, groups=2, name="grouped")
+    model = GradBoostModel(inputs, grouped(depthwise(inputs)))
+    plan = _plan(model, depthwise="native")
+    assert plan.depthwise_layers == (depthwise,)
+    assert not wrappers.patches(depthwise, "convolution_op")
+    assert _plan(model).depthwise_layers == ()
+
+
 def test_with_jit_replans_the_precision_rule():
     plan = _plan(keras_kwargs={"jit_compile": True}, precision="auto")
     assert plan.policy == "float32"
