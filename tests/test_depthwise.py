@@ -196,3 +196,14 @@ def test_convnext_trains_like_keras():
     moved = max(float(np.max(np.abs(a))) for a in want)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * moved)
+
+
+def test_recompute_on_a_cpu_names_depthwise_native():
+    """The XLA grouped convolution's temporaries are beyond recompute's
+    reach: compile says so, and says what removes them."""
+    model = kgb.boost(depthwise_net(eligible_only=True))
+    with pytest.warns(UserWarning, match=r'3 depthwise Conv2D.*depthwise="native"'):
+        model.compile(optimizer="sgd", loss="mse", recompute="auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.compile(optimizer="sgd", loss="mse", recompute="auto", depthwise="native")
