@@ -85,7 +85,7 @@ class _Native:
         channels = inputs.shape[-1]
         if (
             id(layer) not in getattr(_LOCAL, "layer_ids", ())
-            or inputs.shape.rank != 4
+            or len(inputs.shape) != 4
             or channels != layer.groups  # an unbuilt layer's groups < channels
         ):
             return original(inputs, kernel)

@@ -151,7 +151,7 @@ def recomputed(fn, state, name="block", weights=(), selective=False):
                     tape.watch([t for _, t in held])
                     a, k = rebuild(inputs)
                     with hooks.update_recording_scope(
-                        saved + held
+                        _after_state(upstream, saved) + held
                     ) as scope, hooks.autocast(dtype), depthwise.running(native), (
                         _handling(replay) if kept else _plain()
                     ):
@@ -244,6 +244,25 @@ def _after(upstream, tensors):
         t + tf.cast(zero, t.dtype) if t.dtype.is_floating else tf.identity(t)
         for t in tensors
     ]
+
+
+def _after_state(upstream, saved):
+    """The saved state (`snapshot`), made to depend on the upstream
+    gradient's arrival like the inputs (`_after`), integers too: under XLA
+    a replay's Dropout seed read as the forward's own gives random numbers
+    XLA's common-subexpression pass merges with the forward's, and the
+    replay's masks (and what they gate) are then kept from the forward."""
+    values = [t for _, t in saved]
+    if not values:
+        return []
+    zero = _after(upstream, [tf.zeros([], tf.float32)])[0]
+    moved = []
+    for t in values:
+        if t.dtype.is_floating or t.dtype.is_integer:
+            moved.append(t + tf.cast(zero, t.dtype))
+        else:
+            moved.append(tf.identity(t))
+    return [(v, t) for (v, _), t in zip(saved, moved)]
 
 
 def _tied(gradient, value):

@@ -204,3 +204,51 @@ def test_the_backward_reads_no_weight_of_a_recomputed_block(data):
         assert reads and all(order[op] < order[loss.op] for op in reads), variable.path
         checked += 1
     assert checked == 18  # 3 blocks x (2 Dense kernels and biases, BN gamma and beta)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_the_replay_draws_its_dropout_masks_after_the_upstream_gradient(policy):
+    """Under XLA a replay's random numbers drawn from the seed the forward
+    read are merged with the forward's (common subexpressions), and the
+    masks and what they gate were then kept from the forward: with dropout
+    0.1, full recompute kept 1.9x and selective 2.0x the memory they keep
+    without dropout (a 6-block MLP, batch 2048, measured). The saved seed
+    goes through the same dependency on the upstream gradient as the
+    block's inputs, so the replay's draw cannot run with (or as) the
+    forward's: of each Dropout's two draws in the traced step, exactly one
+    depends on the backward."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    block = keras.Sequential(
+        [keras.layers.Dense(16, activation="gelu"), keras.layers.Dropout(0.5), keras.layers.Dense(8)],
+        name="block",
+    )
+    h = keras.layers.Add()([inputs, block(inputs)])
+    model = boost(keras.Model(inputs, keras.layers.Dense(2)(h)))
+    model.compile(optimizer="sgd", loss="mse", recompute={"policy": policy, "blocks": ["block"]})
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model.training_forward(x))
+        return tape.gradient(loss, model.trainable_variables)
+
+    graph = step.get_concrete_function(tf.TensorSpec((4, 8), tf.float32)).graph
+    draws = [op for op in graph.get_operations() if op.type.startswith("StatelessRandom")
+             and op.outputs and op.outputs[0].shape.rank == 2]
+
+    def after_backward(op):
+        seen, pending = set(), [op]
+        while pending:
+            node = pending.pop()
+            if node.name in seen:
+                continue
+            seen.add(node.name)
+            if node.name.startswith("gradient_tape/"):
+                return True
+            pending.extend(t.op for t in node.inputs)
+            pending.extend(node.control_inputs)
+        return False
+
+    assert len(draws) == 2, [op.type for op in draws]
+    assert sorted(after_backward(op) for op in draws) == [False, True]
