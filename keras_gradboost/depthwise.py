@@ -7,8 +7,9 @@ Keras runs every grouped convolution as an XLA-compiled function (the CPU
 `Conv2D` kernel has no groups), and XLA on a CPU computes its filter
 gradient through a dense `(kh, kw, C, C)` filter: on ConvNeXtTiny (64x64
 inputs, batch 16, this project's 2-core CPU) a 220 MiB temporary in each
-stage-3 block's backward, which sets the training peak, and a 4.7x slower
-step than `tf.nn.depthwise_conv2d` computing the same convolution.
+stage-3 block's backward, which sets the training peak, and a step 4.5x
+as long as with `tf.nn.depthwise_conv2d` computing the same convolution
+(`benchmarks/bench_depthwise.py`).
 
 The native kernel sums in another order: values equal Keras' to float
 rounding, not bit for bit, so it is opt-in. Layers it cannot serve
