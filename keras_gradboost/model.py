@@ -309,12 +309,12 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 to `boost()` keeps Keras' way). On a CPU, XLA's filter
                 gradient goes through a dense `(kh, kw, C, C)` filter: on
                 ConvNeXtTiny (64x64, batch 16) the native kernel measured
-                0.22x the step time and 0.56x the training peak. Values equal Keras' to float
-                rounding (another summation order), not bit for bit. Layers
-                it cannot serve (channels_first, unequal strides, a stride
-                with a dilation) run as Keras runs them; with none to serve,
-                a warning. See `train_plan.depthwise_layers`. Defaults to
-                `None`.
+                0.22x the step time and 0.56x the training peak. Values
+                equal Keras' to float rounding (another summation order),
+                not bit for bit. Layers it cannot serve (channels_first,
+                unequal strides, a stride with a dilation) run as Keras runs
+                them; with none to serve, a warning. See
+                `train_plan.depthwise_layers`. Defaults to `None`.
 
         Raises:
             TypeError: if a gradboost argument or `jit_compile` has the wrong
