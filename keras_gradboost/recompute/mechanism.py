@@ -235,34 +235,26 @@ def _after(upstream, tensors):
     Without the dependency, graph optimisers (and XLA, which ignores control
     dependencies) may run the recompute early or merge it with the forward,
     which keeps the activations alive. The same trick as `tf.recompute_grad`:
-    a zero that XLA cannot prove is zero.
+    a zero that XLA cannot prove is zero. Integers too: a replay's Dropout
+    seed read as the forward's own gives random numbers XLA's
+    common-subexpression pass merges with the forward's, and the masks (and
+    what they gate) are then kept from the forward.
     """
     first = tf.reshape(upstream[0], [-1])[:1]
     flag = tf.cast(tf.reduce_max(first), tf.bool)
     zero = tf.where(tf.equal(flag, flag), 0.0, float("nan"))
     return [
-        t + tf.cast(zero, t.dtype) if t.dtype.is_floating else tf.identity(t)
+        t + tf.cast(zero, t.dtype)
+        if t.dtype.is_floating or t.dtype.is_integer
+        else tf.identity(t)
         for t in tensors
     ]
 
 
 def _after_state(upstream, saved):
-    """The saved state (`snapshot`), made to depend on the upstream
-    gradient's arrival like the inputs (`_after`), integers too: under XLA
-    a replay's Dropout seed read as the forward's own gives random numbers
-    XLA's common-subexpression pass merges with the forward's, and the
-    replay's masks (and what they gate) are then kept from the forward."""
-    values = [t for _, t in saved]
-    if not values:
-        return []
-    zero = _after(upstream, [tf.zeros([], tf.float32)])[0]
-    moved = []
-    for t in values:
-        if t.dtype.is_floating or t.dtype.is_integer:
-            moved.append(t + tf.cast(zero, t.dtype))
-        else:
-            moved.append(tf.identity(t))
-    return [(v, t) for (v, _), t in zip(saved, moved)]
+    """The saved state (`snapshot`), its values made to depend on the
+    upstream gradient's arrival (`_after`)."""
+    return list(zip([v for v, _ in saved], _after(upstream, [t for _, t in saved])))
 
 
 def _tied(gradient, value):
