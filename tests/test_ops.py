@@ -95,6 +95,11 @@ FAILURES = {
         ops.logsumexp, lambda x: tf.math.log(tf.reduce_sum(tf.exp(x), -1)),
         ([[1000.0, 1000.0], [-INF, -INF]],), [1000.0 + np.log(2.0), -INF], [[[0.5, 0.5], [0.0, 0.0]]],
     ),
+    "logsumexp, sums that underflow": (
+        ops.logsumexp, lambda x: tf.math.log(tf.reduce_sum(tf.exp(x), -1)),
+        ([[-120.0, -120.0], [1.0, 1.0]],), [-120.0 + np.log(2.0), 1.0 + np.log(2.0)],
+        [[[0.5, 0.5], [0.5, 0.5]]],
+    ),
 }
 
 

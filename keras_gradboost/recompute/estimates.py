@@ -10,6 +10,8 @@ import dataclasses
 
 import tensorflow as tf
 
+from keras_gradboost import flops as flops_lib
+
 MIB = 2**20
 
 
@@ -144,27 +146,16 @@ def _bytes(tensor):
     return shape.num_elements() * tensor.dtype.size
 
 
-_CONTRACTIONS = (
-    "MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D", "Conv1D", "Conv3D",
-    "DepthwiseConv2dNative",
-)
+_CONTRACTIONS = flops_lib.MATMULS + flops_lib.CONVOLUTIONS + ("Einsum",)
 
 
 def _flops(op):
+    """An op's cost: a contraction's FLOPs (`flops.op_flops`: a depthwise
+    convolution sums over its window alone), else one per output element."""
     if op.type in _CONTRACTIONS:
-        out = op.outputs[0].shape
-        a = op.inputs[0].shape
-        if out.is_fully_defined() and a.is_fully_defined() and a.rank:
-            # output elements x reduced size x 2 (multiply-add)
-            if op.type.startswith("Conv") or op.type.startswith("Depthwise"):
-                kernel = op.inputs[1].shape
-                reduced = kernel[:-1].num_elements() if kernel.is_fully_defined() else 1
-            elif op.type == "Einsum":
-                reduced = max(1, a.num_elements() // max(1, out.num_elements()))
-            else:
-                transpose = op.get_attr("transpose_a") if op.type == "MatMul" else op.get_attr("adj_x")
-                reduced = a[-2] if transpose else a[-1]
-            return 2.0 * out.num_elements() * reduced
+        counted = flops_lib.op_flops(op)
+        if counted is not None:
+            return counted
     return float(sum(_bytes(t) / max(1, t.dtype.size) for t in op.outputs))
 
 

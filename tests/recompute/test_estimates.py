@@ -86,3 +86,31 @@ def test_budget_trains_exactly(data):
     assert rc.recompute_plan().recomputed
     assert_same_state(plain, rc)
 
+
+
+def test_a_depthwise_convolution_costs_its_window_per_output_not_its_channels():
+    """The plan's GFLOP column counts a depthwise convolution as `flops.py`
+    does: 2 x outputs x window. (It counted window x channels, C times too
+    much, on EfficientNet's and ConvNeXt's blocks.)"""
+    import keras
+
+    import keras_gradboost as kgb
+
+    channels, batch = 32, 4
+    block = keras.Sequential(
+        [
+            keras.layers.DepthwiseConv2D(3, padding="same"),
+            keras.layers.Conv2D(channels, 1),
+        ],
+        name="block",
+    )
+    inputs = keras.Input((8, 8, channels))
+    x = keras.layers.Conv2D(channels, 1, name="stem")(inputs)
+    outputs = keras.layers.Dense(2)(keras.layers.Flatten()(block(x)))
+    model = kgb.boost(keras.Model(inputs, outputs))
+    model.compile(optimizer="sgd", loss="mse", recompute=["block"])
+    (row,) = [b for b in model.recompute_plan(batch_size=batch).blocks if b.name == "block"]
+    outputs_per_conv = batch * 8 * 8 * channels
+    convolutions = 2 * outputs_per_conv * 9 + 2 * outputs_per_conv * channels
+    # Plus one per element for the bias adds: a few outputs' worth.
+    assert convolutions <= row.recompute_flops <= convolutions + 4 * outputs_per_conv
