@@ -18,6 +18,11 @@ Measured, per configuration:
   its level just before them (`tf.config.experimental.get_memory_info`
   after `reset_memory_stats`): what training adds on top of weights and
   optimizer slots. This is the figure the targets use.
+- req MiB: the peak of the bytes requested by the allocations of
+  `--steps` more steps, above the level at their start (the TensorFlow
+  profiler's memory events, `requested_peak.py`): the allocator peak counts
+  whole BFC chunks (a buffer can read as nearly twice its size) and is taken
+  against a level that includes buffers the steps free.
 - RSS MiB: the subprocess's peak resident set size minus its size before
   the first `fit` (includes tracing and allocator pools; a cross-check).
 - step: median seconds per step; its ratio to the baseline is the median
@@ -78,6 +83,7 @@ def worker(args):
 
     import keras
     from keras_gradboost import zoo
+    from requested_peak import requested_peak
 
     config = args.worker
     size = dict(blocks=args.blocks, width=args.width)
@@ -133,6 +139,13 @@ def worker(args):
         float(logs["loss"])
         times.append((time.perf_counter() - start) / args.steps)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+
+    def profiled_steps():
+        for _ in range(args.steps):
+            logs = model.train_function(iterator)
+        float(logs["loss"])
+
+    result["requested_bytes"] = requested_peak(profiled_steps)
     result.update(
         step_s=statistics.median(times),
         train_bytes=peak - before,
@@ -477,8 +490,8 @@ def per_model(args):
     )
     header = (
         f"{'model':<14} {'configuration':<16} {'blocks':>6} {'estimate':>9} "
-        f"{'peak est':>9} {'train MiB':>10} {'/ est':>6} {'x base':>7} {'step s':>7} "
-        f"{'x base':>7} {'(min-max)':>13}"
+        f"{'peak est':>9} {'train MiB':>10} {'/ est':>6} {'x base':>7} {'req MiB':>8} "
+        f"{'/ est':>6} {'x base':>7} {'step s':>7} {'x base':>7} {'(min-max)':>13}"
     )
     print(header)
     print("-" * len(header))
@@ -491,6 +504,8 @@ def per_model(args):
                 continue
             train = statistics.median(r["train_bytes"] for r in runs)
             base_train = statistics.median(r["train_bytes"] for r in base)
+            requested = statistics.median(r["requested_bytes"] for r in runs)
+            base_requested = statistics.median(r["requested_bytes"] for r in base)
             ratios = [r["step_s"] / b["step_s"] for r, b in zip(runs, base)]
             estimate = runs[0].get("estimate_bytes")
             peak = runs[0].get("peak_estimate_bytes")
@@ -500,6 +515,8 @@ def per_model(args):
                 f"{(f'{peak / mib:.1f}' if peak else '-'):>9} "
                 f"{train / mib:>10.1f} {(f'{train / peak:.2f}' if peak else '-'):>6} "
                 f"{train / base_train:>6.2f}x "
+                f"{requested / mib:>8.1f} {(f'{requested / peak:.2f}' if peak else '-'):>6} "
+                f"{requested / base_requested:>6.2f}x "
                 f"{statistics.median(r['step_s'] for r in runs):>7.3f} "
                 f"{statistics.median(ratios):>6.2f}x "
                 f"{f'({min(ratios):.2f}-{max(ratios):.2f})':>13}"
@@ -510,7 +527,11 @@ def per_model(args):
         "configuration (no recompute); step x base: median over rounds of the "
         "ratio within each round. estimate: recompute_plan().bytes_with at the "
         "batch size (activations kept for backward); peak est: with the "
-        "gradients (recompute_plan().peak_bytes); / est: train MiB over it."
+        "gradients (recompute_plan().peak_bytes); / est: train MiB over it. "
+        "req MiB: the peak of the bytes requested by the allocations of "
+        "--steps more steps, above the level at their start (the profiler's "
+        "memory events, requested_peak.py; the allocator peak counts whole "
+        "chunks); / est: req MiB over peak est."
     )
 
 

@@ -1,5 +1,7 @@
 """`benchmarks/run_all.py`: its entries and argument handling, with the
-benchmark subprocesses stubbed out (no benchmark runs here)."""
+benchmark subprocesses stubbed out (no benchmark runs here); and
+`benchmarks/requested_peak.py`, the memory measure `bench_recompute.py`
+reports beside the allocator's peak."""
 
 import glob
 import importlib.util
@@ -100,3 +102,35 @@ def test_the_hand_written_section_is_kept_on_rewrite(run_all, tmp_path, monkeypa
     assert text.endswith("\n" + section) and text.count(run_all.HAND_WRITTEN) == 1
     # The repository's own file has the section.
     assert run_all.hand_written(run_all.DEFAULT_OUTPUT).startswith(run_all.HAND_WRITTEN)
+
+
+@pytest.fixture
+def requested_peak():
+    path = os.path.join(BENCHMARKS, "requested_peak.py")
+    spec = importlib.util.spec_from_file_location("requested_peak", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_requested_peak_counts_frees_of_buffers_from_before_the_run(requested_peak):
+    # (time, bytes, +1 allocation / -1 deallocation): a 10-byte buffer from
+    # before the run is freed first (a copy-on-write update), then 8 and 6
+    # are allocated, 8 is freed, 7 is allocated.
+    events = [(0, 10, -1), (1, 8, 1), (2, 6, 1), (3, 8, -1), (4, 7, 1)]
+    assert requested_peak._peak(events) == 4  # -10 + 8 + 6
+    assert requested_peak._peak([(0, 8, 1), (1, 8, -1), (2, 3, 1)]) == 8
+
+
+def test_the_requested_peak_of_a_real_run_sees_its_tensors(requested_peak):
+    import tensorflow as tf
+
+    @tf.function
+    def run():
+        a = tf.random.uniform([1024, 1024])  # 4 MiB
+        b = tf.random.uniform([1024, 1024])  # 4 MiB, alive with a
+        return tf.reduce_sum(a * b)
+
+    float(run())  # traced outside the profiled run
+    peak = requested_peak.requested_peak(lambda: float(run()))
+    assert 8 * 2**20 <= peak < 64 * 2**20

@@ -51,7 +51,9 @@ class RecomputePlan:
         blocks: `BlockEstimate` per candidate block.
         bytes_without: estimated activation bytes without recompute.
         bytes_with: estimated peak activation bytes with this plan (what is
-            kept plus the largest recomputed block, rebuilt during backward).
+            kept plus the largest recomputed block, rebuilt during backward;
+            for a selective plan, what its traced step keeps plus what a
+            replay rebuilds beyond what the backward has freed by then).
         gradient_bytes: bytes of the trainable variables' gradients, held
             at the end of the backward beside what is left of the
             activations.

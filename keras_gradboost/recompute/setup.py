@@ -413,15 +413,34 @@ class RecomputeSetup:
             )
         plan = self._plan(self._estimate(model, spec), batch_size, model)
         if self.selective:
-            # What the selective step keeps, from its own trace, plus the
-            # largest block's activations, rebuilt during its replay (an upper
-            # bound: the replay rebuilds only what is not kept).
+            # What the selective step keeps, from its own trace, plus what a
+            # replay rebuilds beyond what the backward has freed when it
+            # gets there (`_selective_rebuild`).
             kept = kept_bytes(model, lambda v, _: self.forward(model, v), spec)
-            rebuilt = max(
-                [b.cached_bytes for b in plan.blocks if b.recomputed], default=0
-            )
-            plan.bytes_with = kept + rebuilt
+            plan.bytes_with = kept + _selective_rebuild(plan.blocks)
         return plan
+
+
+def _selective_rebuild(blocks):
+    """Bytes a selective plan's replays add to what its step keeps, at most.
+
+    The backward meets the blocks last to first (`blocks` are in the
+    forward's order). When it replays a block, the blocks after it that are
+    not recomputed have freed their activations, all of them kept. The
+    replay rebuilds at most the block's activations (less what the step
+    keeps anyway: its kernel layers' outputs). So a replay adds its block's
+    activations less what the later kept blocks freed, if that is positive.
+    (The later recomputed blocks' kept outputs, freed too, are not
+    subtracted: an upper bound.) With the block the backward meets first
+    left out, as "auto" does, nothing is added when blocks are alike.
+    """
+    added, freed = 0, 0
+    for block in reversed(blocks):
+        if block.recomputed:
+            added = max(added, block.cached_bytes - freed)
+        else:
+            freed += block.cached_bytes
+    return added
 
 
 def _unknown_dims(spec):

@@ -207,3 +207,23 @@ def test_a_graph_with_operation_nodes(data):
     train(selective, x, y, recompute=SELECTIVE)
     assert len(selective.recompute_plan().recomputed) >= 1  # segments
     assert_same_state(plain, selective)
+
+
+def test_a_replay_adds_only_what_the_later_kept_blocks_have_not_freed():
+    """The selective estimate: the step's kept bytes plus, at most, one
+    replay's rebuild less what the blocks after it that are not recomputed
+    freed before the backward reached it."""
+    from keras_gradboost.recompute.estimates import BlockEstimate
+    from keras_gradboost.recompute.setup import _selective_rebuild
+
+    def blocks(*rows):
+        return [BlockEstimate(f"b{i}", rc, cached, 0, 0.0) for i, (rc, cached) in enumerate(rows)]
+
+    # "auto" leaves out the block the backward meets first: alike blocks add nothing.
+    assert _selective_rebuild(blocks((True, 60), (True, 60), (True, 60), (False, 60))) == 0
+    # A larger recomputed block adds its excess over what was freed after it.
+    assert _selective_rebuild(blocks((True, 100), (True, 60), (False, 60))) == 40
+    # The block the backward meets first recomputed: its whole rebuild.
+    assert _selective_rebuild(blocks((False, 10), (True, 50), (True, 70))) == 70
+    # A kept block before a recomputed one frees nothing in time.
+    assert _selective_rebuild(blocks((True, 30), (False, 500), (True, 20), (False, 5))) == 15

@@ -1,0 +1,69 @@
+"""The peak of the bytes a run's allocations requested, from the TensorFlow
+profiler's memory events.
+
+The allocator's own peak (`tf.config.experimental.get_memory_info`) counts
+whole chunks: TensorFlow's BFC allocator gives a request over half of a free
+chunk the whole chunk unless 128 MiB would be left, so one buffer can read
+as nearly twice its size. This replays the allocations and deallocations the
+profiler records during the run, in order, each with the bytes it requested
+(a deallocation carries its allocation's), and keeps the largest total above
+the level at the start: what the run adds at once. A buffer from before the
+run that the run frees counts as freed: an optimizer's update that copies a
+variable still being read (copy-on-write) allocates the new buffer and frees
+the old one, no net growth.
+"""
+
+import glob
+import tempfile
+
+import tensorflow as tf
+from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+
+def requested_peak(run):
+    """Runs `run()` under the profiler; returns the peak of the requested
+    bytes allocated during it above the level at its start (an int)."""
+    logdir = tempfile.mkdtemp(prefix="requested_peak_")
+    tf.profiler.experimental.start(logdir)
+    try:
+        run()
+    finally:
+        tf.profiler.experimental.stop()
+    (path,) = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    return _peak(_memory_events(space))
+
+
+def _memory_events(space):
+    """`(time, requested bytes, +1 or -1)` per allocation and deallocation,
+    in time order."""
+    events = []
+    for plane in space.planes:
+        stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+        event_names = {k: v.name for k, v in plane.event_metadata.items()}
+        for line in plane.lines:
+            for event in line.events:
+                kind = event_names.get(event.metadata_id)
+                if kind not in ("MemoryAllocation", "MemoryDeallocation"):
+                    continue
+                stats = {
+                    stat_names.get(s.metadata_id): (
+                        s.uint64_value if s.HasField("uint64_value") else s.int64_value
+                    )
+                    for s in event.stats
+                }
+                time_ps = line.timestamp_ns * 1000 + event.offset_ps
+                sign = 1 if kind == "MemoryAllocation" else -1
+                events.append((time_ps, stats.get("requested_bytes") or 0, sign))
+    events.sort(key=lambda e: e[0])
+    return events
+
+
+def _peak(events):
+    level, peak = 0, 0
+    for _, size, sign in events:
+        level += sign * size
+        peak = max(peak, level)
+    return peak
