@@ -22,23 +22,29 @@ from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 def requested_peak(run):
     """Runs `run()` under the profiler; returns the peak of the requested
-    bytes allocated during it above the level at its start (an int)."""
-    logdir = tempfile.mkdtemp(prefix="requested_peak_")
-    tf.profiler.experimental.start(logdir)
-    try:
-        run()
-    finally:
-        tf.profiler.experimental.stop()
-    (path,) = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
-    space = xplane_pb2.XSpace()
-    with open(path, "rb") as f:
-        space.ParseFromString(f.read())
+    bytes allocated during it above the level at its start (an int). Every
+    allocator's events are summed (on a GPU, host and device together).
+
+    Raises:
+        RuntimeError: the profiler recorded no memory events, or an event
+            without its size.
+    """
+    with tempfile.TemporaryDirectory(prefix="requested_peak_") as logdir:
+        tf.profiler.experimental.start(logdir)
+        try:
+            run()
+        finally:
+            tf.profiler.experimental.stop()
+        (path,) = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+        space = xplane_pb2.XSpace()
+        with open(path, "rb") as f:
+            space.ParseFromString(f.read())
     return _peak(_memory_events(space))
 
 
 def _memory_events(space):
-    """`(time, requested bytes, +1 or -1)` per allocation and deallocation,
-    in time order."""
+    """`(time, is_allocation, address, requested bytes or None)` per
+    allocation and deallocation, in time order."""
     events = []
     for plane in space.planes:
         stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
@@ -55,15 +61,35 @@ def _memory_events(space):
                     for s in event.stats
                 }
                 time_ps = line.timestamp_ns * 1000 + event.offset_ps
-                sign = 1 if kind == "MemoryAllocation" else -1
-                events.append((time_ps, stats.get("requested_bytes") or 0, sign))
+                events.append(
+                    (time_ps, kind == "MemoryAllocation", stats.get("addr"),
+                     stats.get("requested_bytes"))
+                )
     events.sort(key=lambda e: e[0])
     return events
 
 
 def _peak(events):
-    level, peak = 0, 0
-    for _, size, sign in events:
-        level += sign * size
+    """The peak level of `_memory_events`' events above the start. A buffer
+    allocated during the run is freed by its own size; one from before it
+    by the size its deallocation event carries."""
+    if not events:
+        raise RuntimeError(
+            "The profiler recorded no memory events: the allocator keeps no "
+            "statistics (on a CPU set TF_CPU_ALLOCATOR_USE_BFC=true) or the "
+            "run allocated nothing."
+        )
+    sizes, level, peak = {}, 0, 0
+    for _, allocation, address, size in events:
+        if allocation:
+            sizes[address] = size
+        else:
+            size = sizes.pop(address, size)
+        if size is None:
+            raise RuntimeError(
+                "A profiler memory event has no requested_bytes: this "
+                "TensorFlow's profiler cannot give the requested peak."
+            )
+        level += size if allocation else -size
         peak = max(peak, level)
     return peak

@@ -156,7 +156,7 @@ def _flops(op):
     convolution sums over its window alone), else one per output element."""
     if op.type in _CONTRACTIONS:
         counted = flops_lib.op_flops(op)
-        if counted is not None:
+        if counted:  # None (a shape unknown), 0.0 (an einsum of one operand)
             return counted
     return float(sum(_bytes(t) / max(1, t.dtype.size) for t in op.outputs))
 
@@ -374,3 +374,33 @@ def plan_bytes(total, per_block, sizes, chosen):
         worst = max(worst, before + inside[key])
         before += kept_inside[key]
     return outside + sum(extra.values()) + worst
+
+
+def selective_rebuild(per_block, chosen):
+    """Estimated bytes a selective plan's replays add to what its step keeps.
+
+    The backward meets the blocks last to first (`per_block`'s order is the
+    forward's, as in `plan_bytes`). A replay rebuilds at most its block's
+    activations (less what the step keeps anyway: its kernel layers'
+    outputs). By then, assuming the backward of the blocks after it has
+    finished, those of them that are not recomputed have freed their
+    activations, all of them kept. So a replay adds its block's activations
+    less what those later blocks freed, if that is positive; the largest of
+    these is the estimate. (What the later recomputed blocks kept is not
+    subtracted.) With the block the backward meets first left out, as
+    "auto" does, alike blocks add nothing.
+
+    Args:
+        per_block: the blocks' figures, as `estimate` returns them.
+        chosen: the keys of the recomputed blocks.
+
+    Returns:
+        An int, bytes.
+    """
+    added, freed = 0, 0
+    for key in reversed(list(per_block)):
+        if key in chosen:
+            added = max(added, per_block[key]["cached"] - freed)
+        else:
+            freed += per_block[key]["cached"]
+    return added

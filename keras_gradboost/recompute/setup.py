@@ -41,6 +41,7 @@ from keras_gradboost.recompute.estimates import RecomputePlan
 from keras_gradboost.recompute.estimates import estimate
 from keras_gradboost.recompute.estimates import kept_bytes
 from keras_gradboost.recompute.estimates import plan_bytes
+from keras_gradboost.recompute.estimates import selective_rebuild
 
 # "auto" recomputes only where its best plan is estimated to save at least
 # this share of the activation memory: the estimates leave out the
@@ -411,36 +412,15 @@ class RecomputeSetup:
                     for k in self.keys
                 ],
             )
-        plan = self._plan(self._estimate(model, spec), batch_size, model)
+        estimated = self._estimate(model, spec)
+        plan = self._plan(estimated, batch_size, model)
         if self.selective:
             # What the selective step keeps, from its own trace, plus what a
             # replay rebuilds beyond what the backward has freed when it
-            # gets there (`_selective_rebuild`).
+            # gets there.
             kept = kept_bytes(model, lambda v, _: self.forward(model, v), spec)
-            plan.bytes_with = kept + _selective_rebuild(plan.blocks)
+            plan.bytes_with = kept + selective_rebuild(estimated[1], self.chosen)
         return plan
-
-
-def _selective_rebuild(blocks):
-    """Bytes a selective plan's replays add to what its step keeps, at most.
-
-    The backward meets the blocks last to first (`blocks` are in the
-    forward's order). When it replays a block, the blocks after it that are
-    not recomputed have freed their activations, all of them kept. The
-    replay rebuilds at most the block's activations (less what the step
-    keeps anyway: its kernel layers' outputs). So a replay adds its block's
-    activations less what the later kept blocks freed, if that is positive.
-    (The later recomputed blocks' kept outputs, freed too, are not
-    subtracted: an upper bound.) With the block the backward meets first
-    left out, as "auto" does, nothing is added when blocks are alike.
-    """
-    added, freed = 0, 0
-    for block in reversed(blocks):
-        if block.recomputed:
-            added = max(added, block.cached_bytes - freed)
-        else:
-            freed += block.cached_bytes
-    return added
 
 
 def _unknown_dims(spec):

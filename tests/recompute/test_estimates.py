@@ -91,7 +91,7 @@ def test_budget_trains_exactly(data):
 def test_a_depthwise_convolution_costs_its_window_per_output_not_its_channels():
     """The plan's GFLOP column counts a depthwise convolution as `flops.py`
     does: 2 x outputs x window. (It counted window x channels, C times too
-    much, on EfficientNet's and ConvNeXt's blocks.)"""
+    much, on EfficientNet's blocks and ConvNeXt's with depthwise="native".)"""
     import keras
 
     import keras_gradboost as kgb

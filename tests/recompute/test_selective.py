@@ -210,20 +210,23 @@ def test_a_graph_with_operation_nodes(data):
 
 
 def test_a_replay_adds_only_what_the_later_kept_blocks_have_not_freed():
-    """The selective estimate: the step's kept bytes plus, at most, one
-    replay's rebuild less what the blocks after it that are not recomputed
-    freed before the backward reached it."""
-    from keras_gradboost.recompute.estimates import BlockEstimate
-    from keras_gradboost.recompute.setup import _selective_rebuild
+    """The selective estimate: the step's kept bytes plus one replay's
+    rebuild less what the blocks after it (in the forward's order, which is
+    `per_block`'s) that are not recomputed freed before the backward
+    reached it."""
+    from keras_gradboost.recompute.estimates import selective_rebuild
 
-    def blocks(*rows):
-        return [BlockEstimate(f"b{i}", rc, cached, 0, 0.0) for i, (rc, cached) in enumerate(rows)]
+    def rebuild(*rows):  # (key, recomputed, cached bytes), in forward order
+        per_block = {key: {"cached": cached} for key, _, cached in rows}
+        return selective_rebuild(per_block, {key for key, rc, _ in rows if rc})
 
     # "auto" leaves out the block the backward meets first: alike blocks add nothing.
-    assert _selective_rebuild(blocks((True, 60), (True, 60), (True, 60), (False, 60))) == 0
+    assert rebuild(("a", True, 60), ("b", True, 60), ("c", True, 60), ("d", False, 60)) == 0
     # A larger recomputed block adds its excess over what was freed after it.
-    assert _selective_rebuild(blocks((True, 100), (True, 60), (False, 60))) == 40
+    assert rebuild(("a", True, 100), ("b", True, 60), ("c", False, 60)) == 40
     # The block the backward meets first recomputed: its whole rebuild.
-    assert _selective_rebuild(blocks((False, 10), (True, 50), (True, 70))) == 70
+    assert rebuild(("a", False, 10), ("b", True, 50), ("c", True, 70)) == 70
     # A kept block before a recomputed one frees nothing in time.
-    assert _selective_rebuild(blocks((True, 30), (False, 500), (True, 20), (False, 5))) == 15
+    assert rebuild(("a", True, 30), ("b", False, 500), ("c", True, 20), ("d", False, 5)) == 15
+    # The forward's order decides, not the keys' (block "z" runs first).
+    assert rebuild(("z", True, 100), ("a", False, 60)) == 40
