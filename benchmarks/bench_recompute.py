@@ -129,23 +129,21 @@ def worker(args):
         print(json.dumps(result))
         return
     iterator = iter(data)
+
+    def steps():  # --steps calls of the compiled train function, one host sync
+        for _ in range(args.steps):
+            logs = model.train_function(iterator)
+        float(logs["loss"])
+
     tf.config.experimental.reset_memory_stats("CPU:0")
     before = tf.config.experimental.get_memory_info("CPU:0")["current"]
     times = []
     for _ in range(args.reps):
         start = time.perf_counter()
-        for _ in range(args.steps):
-            logs = model.train_function(iterator)
-        float(logs["loss"])
+        steps()
         times.append((time.perf_counter() - start) / args.steps)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-
-    def profiled_steps():
-        for _ in range(args.steps):
-            logs = model.train_function(iterator)
-        float(logs["loss"])
-
-    result["requested_bytes"] = requested_peak(profiled_steps)
+    result["requested_bytes"] = requested_peak(steps)
     result.update(
         step_s=statistics.median(times),
         train_bytes=peak - before,

@@ -413,13 +413,14 @@ class RecomputeSetup:
                 ],
             )
         estimated = self._estimate(model, spec)
+        _, per_block, _ = estimated
         plan = self._plan(estimated, batch_size, model)
         if self.selective:
             # What the selective step keeps, from its own trace, plus what a
             # replay rebuilds beyond what the backward has freed when it
             # gets there.
             kept = kept_bytes(model, lambda v, _: self.forward(model, v), spec)
-            plan.bytes_with = kept + selective_rebuild(estimated[1], self.chosen)
+            plan.bytes_with = kept + selective_rebuild(per_block, self.chosen)
         return plan
 
 
