@@ -4,6 +4,7 @@ The logical device split must happen before TensorFlow initialises its
 devices, so it is done here, at collection time, for the whole session.
 """
 
+import importlib.util
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -134,3 +135,22 @@ class InterruptAt(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if (self.epoch, batch) == self.at:
             raise RuntimeError("interrupted")
+
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def load_benchmark(name):
+    """The module `benchmarks/<name>.py` (the benchmarks are scripts, not a
+    package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCHMARKS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def requested_peak():
+    """`benchmarks/requested_peak.py`: the peak of the bytes a run's
+    allocations request (the TensorFlow profiler's memory events)."""
+    return load_benchmark("requested_peak")

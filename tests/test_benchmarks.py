@@ -4,20 +4,17 @@ benchmark subprocesses stubbed out (no benchmark runs here); and
 reports beside the allocator's peak."""
 
 import glob
-import importlib.util
 import os
 
 import pytest
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+from conftest import BENCHMARKS
+from conftest import load_benchmark
 
 
 @pytest.fixture
 def run_all():
-    spec = importlib.util.spec_from_file_location("run_all", os.path.join(BENCHMARKS, "run_all.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("run_all")
 
 
 def test_every_benchmark_script_has_an_entry(run_all):
@@ -102,15 +99,6 @@ def test_the_hand_written_section_is_kept_on_rewrite(run_all, tmp_path, monkeypa
     assert text.endswith("\n" + section) and text.count(run_all.HAND_WRITTEN) == 1
     # The repository's own file has the section.
     assert run_all.hand_written(run_all.DEFAULT_OUTPUT).startswith(run_all.HAND_WRITTEN)
-
-
-@pytest.fixture
-def requested_peak():
-    path = os.path.join(BENCHMARKS, "requested_peak.py")
-    spec = importlib.util.spec_from_file_location("requested_peak", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_requested_peak_counts_frees_of_buffers_from_before_the_run(requested_peak):

@@ -34,12 +34,15 @@ class Candidate:
         chosen: indices of the layout's blocks that are recomputed.
         bytes: its estimated peak activation bytes (`plan_bytes`).
         flops: the estimated cost of recomputing its blocks.
+        peak: its estimated training peak, activations and the gradients
+            alive with them (`plan_bytes` with the gradients), or None.
     """
 
     layout: int
     chosen: tuple
     bytes: int
     flops: float
+    peak: object = None
 
 
 def groups_of(all_cuts, cuts):
@@ -66,10 +69,13 @@ def merge(per_block, sizes, groups):
     """
     merged = {}
     for index, group in enumerate(groups):
-        inside, flops = set(), 0.0
+        inside, flops, weights = set(), 0.0, {}
         for position, key in enumerate(group):
             inside |= per_block[key]["inside"]
             flops += per_block[key]["flops"]
+            weights.update(per_block[key].get("weights", {}))
+            if key != group[-1]:  # read between two of its parts: inside it
+                weights.update(per_block[key].get("after", {}))
             if position:
                 inside |= {n for n in per_block[key]["input_roots"] if n in sizes}
         first = per_block[group[0]]
@@ -79,11 +85,15 @@ def merge(per_block, sizes, groups):
             "flops": flops,
             "inside": inside,
             "input_roots": dict(first["input_roots"]),
+            "weights": weights,
+            "largest": max(per_block[key].get("largest", 0) for key in group),
+            "after": dict(per_block[group[-1]].get("after", {})),
+            "before": dict(first.get("before", {})),
         }
     return merged
 
 
-def candidates(total, layouts, sizes):
+def candidates(total, layouts, sizes, gradient_bytes=None):
     """Every plan of every layout the budget chooses among.
 
     Args:
@@ -91,11 +101,19 @@ def candidates(total, layouts, sizes):
         layouts: per layout, `(figures, keys)`: the blocks' figures (as in
             `estimate`) and the keys of those that may be recomputed.
         sizes: the size of every cached tensor by name.
+        gradient_bytes: bytes of all the gradients, to estimate each plan's
+            training peak too (`Candidate.peak`); None: not estimated.
 
     Returns:
         A list of `Candidate`s, recomputing nothing first.
     """
-    found = [Candidate(0, (), total, 0.0)]
+
+    def peak(figures, chosen):
+        if gradient_bytes is None:
+            return None
+        return plan_bytes(total, figures, sizes, chosen, gradient_bytes)
+
+    found = [Candidate(0, (), total, 0.0, peak(layouts[0][0], ()) if layouts else None)]
     for layout, (figures, keys) in enumerate(layouts):
         ranked = sorted(
             keys,
@@ -124,6 +142,7 @@ def candidates(total, layouts, sizes):
                     tuple(sorted(prefix)),
                     plan_bytes(total, figures, sizes, prefix),
                     sum(figures[k]["flops"] for k in prefix),
+                    peak(figures, prefix),
                 )
             )
     return found
@@ -145,12 +164,22 @@ def budget_choice(budget_bytes, found):
 
 
 def auto_choice(total, found, min_saving=0.1):
-    """The plan "auto" takes: the lowest estimate (then the cheapest to
-    recompute, then the fewest blocks) among the `found` candidates that
-    recompute something, when it saves at least `min_saving` of `total`;
-    else recomputing nothing (`found[0]`)."""
+    """The plan "auto" takes: the lowest estimated training peak (`peak`;
+    the activations, `bytes`, where the candidates have none), then the
+    cheapest to recompute, then the fewest blocks, among the `found`
+    candidates that recompute something, when it saves at least
+    `min_saving` of no recompute's (`found[0]`); else recomputing nothing.
+
+    The training peak counts the gradients alive with the activations, so
+    where a model's last blocks hold large weights (ResNet50's last stage),
+    "auto" prefers plans whose last segments are short.
+    """
     plans = [c for c in found if c.chosen]
-    best = min(plans, key=lambda c: (c.bytes, c.flops, len(c.chosen)), default=None)
-    if best is None or best.bytes > (1.0 - min_saving) * total:
+
+    def estimated(c):
+        return c.bytes if c.peak is None else c.peak
+
+    best = min(plans, key=lambda c: (estimated(c), c.flops, len(c.chosen)), default=None)
+    if best is None or estimated(best) > (1.0 - min_saving) * estimated(found[0]):
         return found[0]
     return best

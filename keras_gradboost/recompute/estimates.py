@@ -54,9 +54,14 @@ class RecomputePlan:
             kept plus the largest recomputed block, rebuilt during backward;
             for a selective plan, what its traced step keeps plus what a
             replay rebuilds beyond what the backward has freed by then).
-        gradient_bytes: bytes of the trainable variables' gradients, held
-            at the end of the backward beside what is left of the
-            activations.
+        gradient_bytes: bytes of all the trainable variables' gradients.
+        peak_bytes: the estimate a measured training peak compares with:
+            at each moment of the backward (`plan_bytes`), the activations
+            alive plus the gradients alive (the weights of the block being
+            differentiated, and those outside every block: TensorFlow
+            applies each variable's update as soon as its gradient exists);
+            None when not estimated.
+        peak_bytes_without: the same estimate without recompute.
         measured_peak_bytes: after a `fit` at `batch_size`, the device
             allocator's peak during it above the level before it (activations,
             plus gradients, optimizer slots it created and temporaries), read
@@ -71,15 +76,9 @@ class RecomputePlan:
     bytes_without: object = None
     bytes_with: object = None
     gradient_bytes: object = None
+    peak_bytes: object = None
+    peak_bytes_without: object = None
     measured_peak_bytes: object = None
-
-    @property
-    def peak_bytes(self):
-        """The estimate a measured training peak compares with: `bytes_with`
-        plus `gradient_bytes` (None when not estimated)."""
-        if self.bytes_with is None:
-            return None
-        return self.bytes_with + (self.gradient_bytes or 0)
 
     @property
     def recomputed(self):
@@ -101,10 +100,12 @@ class RecomputePlan:
                 "  selective: the outputs of the kernel layers (Dense, EinsumDense, "
                 "convolutions) are kept; GFLOP is what the backward replays"
             )
-        if self.gradient_bytes is not None:
+        if self.peak_bytes is not None:
             lines.append(
-                f"  with the gradients ({self.gradient_bytes / MIB:.1f} MiB): "
-                f"~{self.peak_bytes / MIB:.1f} MiB training peak estimated"
+                f"  with the gradients alive at each moment (all: "
+                f"{self.gradient_bytes / MIB:.1f} MiB): ~{self.peak_bytes / MIB:.1f} "
+                f"MiB training peak estimated (~{self.peak_bytes_without / MIB:.1f} "
+                "MiB without recompute)"
             )
         if self.measured_peak_bytes is not None:
             lines.append(
@@ -195,23 +196,53 @@ def estimate(model, forward, input_spec, keys, selective=False):
     Returns:
         `(bytes_without, per_block, sizes)`: total cached bytes; per key a
         dict with `cached` and `inputs` (bytes), `flops`, `inside` (names of
-        the cached tensors made inside the block) and `input_roots` (input
-        tensor names to bytes); and the size of every cached tensor by name.
+        the cached tensors made inside the block), `input_roots` (input
+        tensor names to bytes) and `weights` (the trainable variables it
+        reads, by name, to their bytes); and the size of every cached tensor
+        by name.
     """
     probe = _Probe()
     graph, backward_start = _trace_step(model, forward, probe, input_spec)
     operations = graph.get_operations()
     cached = _cached(operations, backward_start)
     total = sum(_bytes(t) for t in cached.values())
+    trainable = _trainable_handles(graph, model)
     # In the order the forward first calls them (`plan_bytes` needs it).
     first_call = {key: probe.calls[key][0][0] for key in keys if probe.calls.get(key)}
     ordered = sorted(keys, key=lambda k: first_call.get(k, len(operations)))
     per_block = {
-        key: _block_figures(probe.calls.get(key, []), operations, cached, selective)
+        key: _block_figures(
+            probe.calls.get(key, []), operations, cached, trainable, selective
+        )
         for key in ordered
     }
+    _place_outside_weights(per_block, probe.calls, operations[:backward_start], trainable)
     sizes = {name: _bytes(t) for name, t in cached.items()}
     return total, per_block, sizes
+
+
+def _place_outside_weights(per_block, calls, forward_ops, trainable):
+    """Adds to each block's figures `after`: the trainable weights read
+    outside every block between its calls and the next block's (or the
+    end; a stem's, a head's), by name, to bytes; and to the first block's
+    `before`: those read before any block (their gradients come last)."""
+    ranges = sorted(
+        (start, end, key) for key in per_block for start, end, _, _ in calls.get(key, [])
+    )
+    inside = set()
+    for figures in per_block.values():
+        figures["after"], figures["before"] = {}, {}
+        inside |= set(figures["weights"])
+    for index, op in enumerate(forward_ops):
+        name = op.inputs[0].name if op.type == "ReadVariableOp" and op.inputs else None
+        if name not in trainable or name in inside:
+            continue
+        inside.add(name)
+        previous = [key for start, end, key in ranges if end <= index]
+        if previous:
+            per_block[previous[-1]]["after"][name] = trainable[name]
+        elif per_block:
+            per_block[next(iter(per_block))]["before"][name] = trainable[name]
 
 
 def _trace_step(model, forward, probe, input_spec):
@@ -304,6 +335,19 @@ def _cached(operations, backward_start):
     return cached
 
 
+def _trainable_handles(graph, model):
+    """The traced graph's placeholders of the trainable variables' handles,
+    by name, to the variable's bytes. A variable not found (a distributed
+    one's handle is captured per replica) is left out: its gradient then
+    counts as alive throughout the backward (`gradient_moments`)."""
+    sizes = {id(v.handle): _bytes(v.value) for v in model.trainable_variables}
+    return {
+        internal.name: sizes[id(external)]
+        for external, internal in graph.captures
+        if id(external) in sizes
+    }
+
+
 _WEIGHT_PATH = _ALIASES | {"Cast"}
 
 
@@ -320,17 +364,27 @@ def _by_weight(op):
     return False
 
 
-def _block_figures(calls, operations, cached, selective=False):
-    """One block's figures (see `estimate`) from its `_Probe` calls."""
-    inside, outputs, input_roots, flops = set(), set(), {}, 0.0
+def _block_figures(calls, operations, cached, trainable, selective=False):
+    """One block's figures (see `estimate`) from its `_Probe` calls;
+    `trainable` maps the trainable variables' handles to their bytes."""
+    inside, outputs, input_roots, flops, weights = set(), set(), {}, 0.0, {}
+    largest = 0
     for start, end, inputs, outs in calls:
         outputs |= {_root(t).name for t in outs}
         for t in inputs:
             if t.dtype.is_floating:
                 input_roots[_root(t).name] = _bytes(t)
+                largest = max(largest, _bytes(t))
         for op in operations[start:end]:
             if not (selective and _by_weight(op)):
                 flops += _flops(op)
+            if op.type == "ReadVariableOp":
+                if op.inputs[0].name in trainable:
+                    weights[op.inputs[0].name] = trainable[op.inputs[0].name]
+                continue
+            for t in op.outputs:
+                if t.dtype.is_floating and op.type != "Const":
+                    largest = max(largest, _bytes(t))
             for t in op.outputs:
                 if t.name in cached and t.name not in outputs:
                     inside.add(t.name)
@@ -341,11 +395,14 @@ def _block_figures(calls, operations, cached, selective=False):
         "flops": flops,
         "inside": inside,
         "input_roots": input_roots,
+        "weights": weights,
+        "largest": largest,
     }
 
 
-def plan_bytes(total, per_block, sizes, chosen):
-    """Estimated peak activation bytes when the `chosen` keys are recomputed.
+def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
+    """Estimated peak activation bytes when the `chosen` keys are recomputed
+    (with `gradient_bytes`, the training peak: activations and gradients).
 
     The backward pass runs the blocks from the last (`per_block`'s order is
     the forward's) to the first: when it reaches a block, the blocks after
@@ -355,6 +412,23 @@ def plan_bytes(total, per_block, sizes, chosen):
     holds (kept throughout) and the recomputed blocks' inputs. So
     recomputing the last block saves nothing: its rebuild comes first,
     while everything else is still kept.
+
+    Gradients: TensorFlow's executor runs each variable's optimizer update
+    as soon as its gradient exists, so gradients do not pile up. At the
+    moment of a block, the gradients of the weights it reads are counted
+    alive, and the gradient flowing through it (as large as its largest
+    tensor); those of weights outside every block, throughout.
+
+    Args:
+        total: bytes of all cached activations (`estimate`).
+        per_block: the blocks' figures, in the forward's order.
+        sizes: the size of every cached tensor by name.
+        chosen: the keys of the recomputed blocks.
+        gradient_bytes: bytes of all the trainable variables' gradients, or
+            None for the activations alone.
+
+    Returns:
+        An int, bytes.
     """
     chosen = set(chosen)
     dropped = set()
@@ -369,11 +443,51 @@ def plan_bytes(total, per_block, sizes, chosen):
     inside = {key: per_block[key]["cached"] for key in per_block}
     kept_inside = {key: 0 if key in chosen else inside[key] for key in per_block}
     outside = max(0, kept - sum(kept_inside.values()))
-    worst, before = sum(kept_inside.values()), 0
+    grads, after, first, unplaced = _block_gradients(per_block, gradient_bytes)
+    worst, before = max(sum(kept_inside.values()), first), 0
     for key in per_block:
-        worst = max(worst, before + inside[key])
+        worst = max(worst, before + inside[key] + grads[key])
         before += kept_inside[key]
-    return outside + sum(extra.values()) + worst
+        worst = max(worst, before + after[key])
+    return outside + sum(extra.values()) + worst + unplaced
+
+
+def _block_gradients(per_block, gradient_bytes):
+    """The gradients alive at each moment of the backward (`plan_bytes`),
+    all zero when `gradient_bytes` is None.
+
+    Returns:
+        `(grads, after, first, unplaced)`: per key, the bytes of the
+        gradients alive at the block's moment (its weights', a weight read
+        by several blocks counted with the first in the forward, and the
+        gradient flowing through it, as large as its largest tensor); per
+        key, those of the weights read after it, outside every block (their
+        moment comes before the block's); those of the weights read before
+        any block (the last moment); and those of the weights not placed
+        (alive throughout).
+    """
+    keys = list(per_block)
+    if gradient_bytes is None:
+        return dict.fromkeys(keys, 0), dict.fromkeys(keys, 0), 0, 0
+    placed, grads, after, first = {}, {}, {}, 0
+    for key, figures in per_block.items():
+        mine = {n: b for n, b in figures.get("weights", {}).items() if n not in placed}
+        placed.update(mine)
+        grads[key] = sum(mine.values()) + figures.get("largest", 0)
+        after[key] = sum(figures.get("after", {}).values())
+        first += sum(figures.get("before", {}).values())
+        placed.update(figures.get("after", {}))
+        placed.update(figures.get("before", {}))
+    return grads, after, first, max(0, gradient_bytes - sum(placed.values()))
+
+
+def largest_gradients(per_block, gradient_bytes):
+    """The gradients alive at the worst moment of the backward, without
+    knowing which moment that is (a selective plan's peak): the largest
+    block's weights' gradients plus those of the weights outside every
+    block (`plan_bytes`)."""
+    grads, after, first, unplaced = _block_gradients(per_block, gradient_bytes)
+    return max([*grads.values(), *after.values(), first], default=0) + unplaced
 
 
 def selective_rebuild(per_block, chosen):

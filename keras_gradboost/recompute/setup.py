@@ -40,6 +40,7 @@ from keras_gradboost.recompute.estimates import BlockEstimate
 from keras_gradboost.recompute.estimates import RecomputePlan
 from keras_gradboost.recompute.estimates import estimate
 from keras_gradboost.recompute.estimates import kept_bytes
+from keras_gradboost.recompute.estimates import largest_gradients
 from keras_gradboost.recompute.estimates import plan_bytes
 from keras_gradboost.recompute.estimates import selective_rebuild
 
@@ -239,10 +240,12 @@ class RecomputeSetup:
         """Chooses the blocks of "auto" or `{"budget_mb": N}` (at the first
         trace).
 
-        "auto" takes the plan with the lowest estimated peak among those of
-        both kinds (`search`), when it saves at least `MIN_AUTO_SAVING` of
-        the activation memory, and else recomputes nothing (with a
-        warning); a budget takes the cheapest to recompute that fits.
+        "auto" takes the plan with the lowest estimated training peak
+        (activations and the gradients alive with them) among those of both
+        kinds (`search`), when it saves at least `MIN_AUTO_SAVING` of no
+        recompute's, and else recomputes nothing (with a warning); a
+        budget (of activation memory) takes the cheapest to recompute that
+        fits.
 
         Args:
             model: the model.
@@ -287,12 +290,13 @@ class RecomputeSetup:
             return
         if self.auto:
             plans = [c for c in found if c.chosen]
-            lowest = min(c.bytes for c in plans) if plans else total
+            lowest = min(c.peak for c in plans) if plans else found[0].peak
             warnings.warn(
                 f'recompute="auto": no plan of recompute is estimated to save '
-                f"{MIN_AUTO_SAVING:.0%} of the activation memory at batch size "
-                f"{self.batch_hint} (without recompute ~{total / MIB:.1f} MiB, "
-                f"the best plan ~{lowest / MIB:.1f} MiB): nothing is recomputed. "
+                f"{MIN_AUTO_SAVING:.0%} of the training peak (activations and "
+                f"gradients) at batch size {self.batch_hint} (without recompute "
+                f"~{found[0].peak / MIB:.1f} MiB, the best plan ~{lowest / MIB:.1f} "
+                "MiB): nothing is recomputed. "
                 "Lower the batch size (with accumulate_steps to keep the "
                 "effective batch) or use mixed precision to save memory.",
                 stacklevel=2,
@@ -334,6 +338,7 @@ class RecomputeSetup:
             `Candidate`s, whose `layout` indexes `layouts`.
         """
         families, layouts, found = [], [], []
+        gradients = _gradient_bytes(model)
         for layers, pieces in search_families(model):
             self.layers, self.segments = layers, pieces
             self.apply()
@@ -351,13 +356,16 @@ class RecomputeSetup:
                 mine.append((family, None, per_block, list(self.keys)))
             offset = len(layouts)
             layouts.extend(mine)
-            for c in candidates(family_total, [(f, k) for _, _, f, k in mine], sizes):
+            for c in candidates(
+                family_total, [(f, k) for _, _, f, k in mine], sizes, gradients
+            ):
                 if c.chosen or not found:  # recomputing nothing: once
                     found.append(dataclasses.replace(c, layout=c.layout + offset))
         return families[0][2], families, layouts, found
 
     def _plan(self, estimated, batch_size, model):
         total, per_block, sizes = estimated
+        gradients = _gradient_bytes(model)
         names = self.names()
         rows = [
             BlockEstimate(
@@ -374,8 +382,10 @@ class RecomputeSetup:
             batch_size=batch_size,
             blocks=rows,
             bytes_without=total,
-            bytes_with=plan_bytes(total, per_block, sizes, sorted(self.chosen)),
-            gradient_bytes=_gradient_bytes(model),
+            bytes_with=plan_bytes(total, per_block, sizes, self.chosen),
+            gradient_bytes=gradients,
+            peak_bytes=plan_bytes(total, per_block, sizes, self.chosen, gradients),
+            peak_bytes_without=plan_bytes(total, per_block, sizes, (), gradients),
         )
 
     def report(self, model, batch_size=None):
@@ -421,6 +431,9 @@ class RecomputeSetup:
             # gets there.
             kept = kept_bytes(model, lambda v, _: self.forward(model, v), spec)
             plan.bytes_with = kept + selective_rebuild(per_block, self.chosen)
+            plan.peak_bytes = plan.bytes_with + largest_gradients(
+                per_block, plan.gradient_bytes
+            )
         return plan
 
 

@@ -184,6 +184,42 @@ def test_the_peak_follows_the_backward_from_the_last_block(chosen, peak):
     assert recompute.plan_bytes(35, figures, sizes, chosen) == peak
 
 
+@pytest.mark.parametrize(
+    "chosen, head, peak",
+    [
+        # Blocks 0, 1 rebuilt, 2 kept: at block 2's moment its 10 bytes,
+        # its weights' 20 and its largest tensor's 3: 33, on top of the 5
+        # held by no block and the 2 of gradients never placed.
+        ((0, 1), 5, 5 + 33 + 2),
+        # Nothing recomputed: blocks 0, 1 kept (20) at block 2's moment.
+        ((), 5, 5 + 20 + 33 + 2),
+        # A head of 50: its moment comes first, with block 2 kept (10).
+        ((0, 1), 50, 5 + 10 + 50 + 2),
+    ],
+)
+def test_the_training_peak_counts_each_blocks_gradients_at_its_moment(chosen, head, peak):
+    # As above, and weights: block 0 reads 4 bytes, block 1 6, block 2 20,
+    # a head after block 2 reads `head`, a stem before block 0 reads 7 (its
+    # gradient comes last, when no block keeps anything), 2 bytes no block
+    # reads. Each block's largest tensor is 3 bytes (the gradient flowing
+    # through it).
+    figures = {
+        k: {"cached": 10, "inputs": 1, "flops": 1.0, "inside": {f"t{k}"},
+            "input_roots": {f"out{k - 1}": 1}, "weights": {f"w{k}": (4, 6, 20)[k]},
+            "largest": 3, "after": {}, "before": {}}
+        for k in range(3)
+    }
+    figures[2]["after"] = {"head": head}
+    figures[0]["before"] = {"stem": 7}
+    sizes = {**{f"t{k}": 10 for k in range(3)}, "out-1": 1, "out0": 1, "out1": 1, "rest": 2}
+    gradients = 4 + 6 + 20 + head + 7 + 2
+    assert recompute.plan_bytes(35, figures, sizes, chosen, gradients) == peak
+    # Without the gradients: the activations alone, as before.
+    assert recompute.plan_bytes(35, figures, sizes, chosen) == (15 if chosen else 35)
+    # A selective plan's share: the largest moment's gradients, and the rest.
+    assert recompute.largest_gradients(figures, gradients) == max(23, head) + 2
+
+
 def test_groups_of_cover_every_fine_segment_once():
     assert recompute.groups_of([3, 5, 9, 12], (5, 12)) == [(0, 1), (2, 3), (4,)]
     assert recompute.groups_of([3, 5], (3, 5)) == [(0,), (1,), (2,)]
