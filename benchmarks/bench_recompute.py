@@ -248,7 +248,8 @@ def hub_data(args):
 
 
 def estimates(args):
-    """The baseline's estimated activation bytes, and recompute="auto"'s."""
+    """recompute="auto"'s plan at the batch size (`RecomputePlan`: its
+    estimates and no recompute's)."""
     import keras  # noqa: F401
     from keras_gradboost import zoo
 
@@ -263,7 +264,7 @@ def estimates(args):
         x, y = training_data(args)
         model.fit(x, y, batch_size=args.batch, epochs=1, steps_per_epoch=1, verbose=0)
         plan = model.recompute_plan()
-    return plan.bytes_without, plan.bytes_with, plan.gradient_bytes or 0
+    return plan
 
 
 def run(config, args):
@@ -329,7 +330,8 @@ def main():
     if args.quick:
         args.rounds, args.blocks, args.batch = 1, 4, 512
 
-    without, with_auto, _ = estimates(args)
+    plan = estimates(args)
+    without, with_auto = plan.bytes_without, plan.bytes_with
     mib = 2**20
     budgets = [f"budget_{without * f / mib:.0f}" for f in BUDGET_FRACTIONS]
     configs = ["baseline", "auto", "rematscope_activations", "rematscope_full"] + budgets
@@ -463,12 +465,11 @@ def per_model(args):
     for name in args.models.split(","):
         select_model(args, name)
         run_configs = []
-        without = None
+        plan = estimates(args)
         for config in configs:
             if config.startswith("budget_"):
-                if without is None:
-                    without, _, _ = estimates(args)
-                config = f"budget_{without * float(config.split('_')[1]) / mib:.1f}"
+                fraction = float(config.split("_")[1])
+                config = f"budget_{plan.bytes_without * fraction / mib:.1f}"
             run_configs.append(config)
         results = {c: [] for c in run_configs}
         for r in range(args.rounds):
@@ -477,7 +478,7 @@ def per_model(args):
                 results[config].append(run(config, args))
                 print(f"{name} round {r + 1}/{args.rounds}: {config} done",
                       file=sys.stderr, flush=True)
-        table.append((name, args.batch, results))
+        table.append((name, plan.peak_bytes_without, results))
     print(
         f"\nRecompute per model: each configuration in its own process, "
         f"{args.rounds} round(s) in alternating order; float32, Adam, "
@@ -493,7 +494,7 @@ def per_model(args):
     )
     print(header)
     print("-" * len(header))
-    for name, batch, results in table:
+    for name, peak_without, results in table:
         base = results[next(iter(results))]
         for config, runs in results.items():
             errors = [r["error"] for r in runs if "error" in r]
@@ -507,6 +508,8 @@ def per_model(args):
             ratios = [r["step_s"] / b["step_s"] for r, b in zip(runs, base)]
             estimate = runs[0].get("estimate_bytes")
             peak = runs[0].get("peak_estimate_bytes")
+            if config == "baseline":
+                peak = peak_without
             print(
                 f"{name:<14} {config:<16} {runs[0].get('recomputed', '-')!s:>6} "
                 f"{(f'{estimate / mib:.1f}' if estimate else '-'):>9} "
@@ -525,7 +528,8 @@ def per_model(args):
         "configuration (no recompute); step x base: median over rounds of the "
         "ratio within each round. estimate: recompute_plan().bytes_with at the "
         "batch size (activations kept for backward); peak est: with the "
-        "gradients (recompute_plan().peak_bytes); / est: train MiB over it. "
+        "gradients alive with them (recompute_plan().peak_bytes; for the "
+        "baseline, .peak_bytes_without); / est: train MiB over it. "
         "req MiB: the peak of the bytes requested by the allocations of "
         "--steps more steps, above the level at their start (the profiler's "
         "memory events, requested_peak.py; the allocator peak counts whole "
@@ -541,12 +545,12 @@ def sweep(args):
     rows = []
     for app in args.apps.split(","):
         args.app = app
-        without, _, gradients = estimates(args)
-        budgets = [f"budget_{without * f / mib:.1f}" for f in SWEEP_FRACTIONS]
+        plan = estimates(args)
+        budgets = [f"budget_{plan.bytes_without * f / mib:.1f}" for f in SWEEP_FRACTIONS]
         for config in ["baseline", "auto"] + budgets:
             result = run(config, args)
             print(f"{app}: {config} done", file=sys.stderr, flush=True)
-            rows.append((app, without + gradients, result))
+            rows.append((app, plan.peak_bytes_without, result))
     print(
         f"\nBudget sweep: keras.applications, weights=None, {args.pixels}x"
         f"{args.pixels} inputs, batch {args.batch}, Adam, float32, no XLA; "
@@ -554,7 +558,8 @@ def sweep(args):
     )
     header = (
         f"{'model':<14} {'configuration':<16} {'blocks':>6} {'peak est':>9} "
-        f"{'train MiB':>10} {'/ est':>6}  smaller budget, larger peak?"
+        f"{'train MiB':>10} {'/ est':>6} {'req MiB':>8} {'/ est':>6}  "
+        "smaller budget, larger peak?"
     )
     print(header)
     print("-" * len(header))
@@ -564,23 +569,26 @@ def sweep(args):
             print(f"{app:<14} {result['config']:<16} fails: {result['error']}")
             continue
         estimate = result.get("peak_estimate_bytes", without)
-        train = result["train_bytes"]
+        train, requested = result["train_bytes"], result["requested_bytes"]
         flag = ""
         if result["config"].startswith("budget_"):
-            # 2% of slack: the allocator's peak moves that much run to run.
-            if app in previous and train > previous[app] * 1.02:
-                flag = f"  YES (+{(train / previous[app] - 1) * 100:.0f}%)"
-            previous[app] = train
+            # 2% of slack: the peaks move that much run to run.
+            if app in previous and requested > previous[app] * 1.02:
+                flag = f"  YES (+{(requested / previous[app] - 1) * 100:.0f}%)"
+            previous[app] = requested
         print(
             f"{app:<14} {result['config']:<16} {result.get('recomputed', 0):>6} "
-            f"{estimate / mib:>9.1f} {train / mib:>10.1f} {train / estimate:>6.2f}{flag}"
+            f"{estimate / mib:>9.1f} {train / mib:>10.1f} {train / estimate:>6.2f} "
+            f"{requested / mib:>8.1f} {requested / estimate:>6.2f}{flag}"
         )
     print(
-        "\npeak est: activations kept for backward plus the gradients "
-        "(recompute_plan().peak_bytes; no recompute's for the baseline); train "
-        "MiB: allocator peak of the timed steps above the level before them; "
-        "budgets in decreasing order, each flagged if its measured peak is "
-        "larger than the previous (larger) budget's."
+        "\npeak est: activations kept for backward plus the gradients alive "
+        "with them (recompute_plan().peak_bytes; .peak_bytes_without for the "
+        "baseline); train MiB: allocator peak of the timed steps above the "
+        "level before them; req MiB: the peak of the bytes their allocations "
+        "request (the profiler's memory events); budgets in decreasing order, "
+        "each flagged if its req MiB is larger than the previous (larger) "
+        "budget's."
     )
 
 

@@ -167,12 +167,16 @@ def auto_choice(total, found, min_saving=0.1):
     """The plan "auto" takes: the lowest estimated training peak (`peak`;
     the activations, `bytes`, where the candidates have none), then the
     cheapest to recompute, then the fewest blocks, among the `found`
-    candidates that recompute something, when it saves at least
-    `min_saving` of no recompute's (`found[0]`); else recomputing nothing.
+    candidates that recompute something; or recomputing nothing
+    (`found[0]`) when that plan saves less than `min_saving` of the
+    activation memory `total`, or does not lower the training peak.
 
     The training peak counts the gradients alive with the activations, so
     where a model's last blocks hold large weights (ResNet50's last stage),
-    "auto" prefers plans whose last segments are short.
+    "auto" prefers plans whose last segments are short. (The gate is on the
+    activations, which scale with the batch as the saving does, so a plan
+    estimated at the global batch agrees with the one chosen at a replica's
+    share of it.)
     """
     plans = [c for c in found if c.chosen]
 
@@ -180,6 +184,10 @@ def auto_choice(total, found, min_saving=0.1):
         return c.bytes if c.peak is None else c.peak
 
     best = min(plans, key=lambda c: (estimated(c), c.flops, len(c.chosen)), default=None)
-    if best is None or estimated(best) > (1.0 - min_saving) * estimated(found[0]):
+    if (
+        best is None
+        or best.bytes > (1.0 - min_saving) * total
+        or estimated(best) >= estimated(found[0])
+    ):
         return found[0]
     return best

@@ -337,10 +337,14 @@ def _cached(operations, backward_start):
 
 def _trainable_handles(graph, model):
     """The traced graph's placeholders of the trainable variables' handles,
-    by name, to the variable's bytes. A variable not found (a distributed
-    one's handle is captured per replica) is left out: its gradient then
-    counts as alive throughout the backward (`gradient_moments`)."""
-    sizes = {id(v.handle): _bytes(v.value) for v in model.trainable_variables}
+    by name, to the variable's bytes (a distributed variable's: any of its
+    replicas'). A variable not found is left out: its gradient then counts
+    as alive throughout the backward (`plan_bytes`)."""
+    sizes = {}
+    for v in model.trainable_variables:
+        value = v.value  # a tf.Variable, or a distributed variable
+        for component in getattr(value, "values", None) or (value,):
+            sizes[id(component.handle)] = _bytes(value)
     return {
         internal.name: sizes[id(external)]
         for external, internal in graph.captures

@@ -242,10 +242,10 @@ class RecomputeSetup:
 
         "auto" takes the plan with the lowest estimated training peak
         (activations and the gradients alive with them) among those of both
-        kinds (`search`), when it saves at least `MIN_AUTO_SAVING` of no
-        recompute's, and else recomputes nothing (with a warning); a
-        budget (of activation memory) takes the cheapest to recompute that
-        fits.
+        kinds (`search`), when it saves at least `MIN_AUTO_SAVING` of the
+        activation memory and lowers the peak, and else recomputes nothing
+        (with a warning); a budget (of activation memory) takes the
+        cheapest to recompute that fits.
 
         Args:
             model: the model.
@@ -290,13 +290,13 @@ class RecomputeSetup:
             return
         if self.auto:
             plans = [c for c in found if c.chosen]
-            lowest = min(c.peak for c in plans) if plans else found[0].peak
+            lowest = min(c.bytes for c in plans) if plans else total
             warnings.warn(
                 f'recompute="auto": no plan of recompute is estimated to save '
-                f"{MIN_AUTO_SAVING:.0%} of the training peak (activations and "
-                f"gradients) at batch size {self.batch_hint} (without recompute "
-                f"~{found[0].peak / MIB:.1f} MiB, the best plan ~{lowest / MIB:.1f} "
-                "MiB): nothing is recomputed. "
+                f"{MIN_AUTO_SAVING:.0%} of the activation memory and lower the "
+                f"training peak at batch size {self.batch_hint} (activations "
+                f"without recompute ~{total / MIB:.1f} MiB, the best plan "
+                f"~{lowest / MIB:.1f} MiB): nothing is recomputed. "
                 "Lower the batch size (with accumulate_steps to keep the "
                 "effective batch) or use mixed precision to save memory.",
                 stacklevel=2,
