@@ -57,8 +57,8 @@ class RecomputePlan:
         gradient_bytes: bytes of all the trainable variables' gradients.
         peak_bytes: the estimate a measured training peak compares with:
             at each moment of the backward (`plan_bytes`), the activations
-            alive plus the gradients alive (the weights of the block being
-            differentiated, and those outside every block: TensorFlow
+            alive plus the gradients alive (the weights' of the block being
+            differentiated, or of a stem or a head at theirs: TensorFlow
             applies each variable's update as soon as its gradient exists);
             None when not estimated.
         peak_bytes_without: the same estimate without recompute.
@@ -117,6 +117,8 @@ class RecomputePlan:
                     if self.peak_bytes
                     else ""
                 )
+                + " (the allocator reserves whole chunks: its peak reads above "
+                "the bytes requested)"
             )
         width = max([len(b.name) for b in self.blocks] + [5])
         lines.append(
@@ -197,9 +199,10 @@ def estimate(model, forward, input_spec, keys, selective=False):
         `(bytes_without, per_block, sizes)`: total cached bytes; per key a
         dict with `cached` and `inputs` (bytes), `flops`, `inside` (names of
         the cached tensors made inside the block), `input_roots` (input
-        tensor names to bytes) and `weights` (the trainable variables it
-        reads, by name, to their bytes); and the size of every cached tensor
-        by name.
+        tensor names to bytes), `weights` (the trainable variables it
+        reads, by name, to their bytes), `largest` (bytes of its largest
+        float tensor), `after` and `before` (`_place_outside_weights`); and
+        the size of every cached tensor by name.
     """
     probe = _Probe()
     graph, backward_start = _trace_step(model, forward, probe, input_spec)
@@ -389,7 +392,6 @@ def _block_figures(calls, operations, cached, trainable, selective=False):
             for t in op.outputs:
                 if t.dtype.is_floating and op.type != "Const":
                     largest = max(largest, _bytes(t))
-            for t in op.outputs:
                 if t.name in cached and t.name not in outputs:
                     inside.add(t.name)
     inside -= outputs | set(input_roots)
@@ -421,7 +423,10 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
     as soon as its gradient exists, so gradients do not pile up. At the
     moment of a block, the gradients of the weights it reads are counted
     alive, and the gradient flowing through it (as large as its largest
-    tensor); those of weights outside every block, throughout.
+    tensor). Weights read outside every block have moments of their own:
+    a head's (after a block) before that block's, with what the blocks
+    before it keep; a stem's (before any block) last, alone. Weights not
+    placed count throughout.
 
     Args:
         total: bytes of all cached activations (`estimate`).
