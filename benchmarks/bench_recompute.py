@@ -6,7 +6,7 @@ expansion with gelu), batch 2048, Adam, float32, no XLA: training memory is
 dominated by activations. Configurations: no recompute (baseline),
 `recompute="auto"`, Keras' own `keras.RematScope` (modes "activations" and
 "full"), and `recompute={"budget_mb": N}` for budgets at fractions of the
-baseline's estimated activation memory.
+baseline's estimated training peak (`peak_bytes_without`).
 
 Each configuration runs in a fresh subprocess (no shared allocator pools or
 caches), once per round, rounds in shuffled order. In the subprocess: build,
@@ -41,9 +41,9 @@ configuration.
 
 `--sweep` instead runs a budget sweep on keras.applications models
 (`--apps`, weights=None, `--pixels` square inputs, `--batch`, default 16):
-per model no recompute, "auto" and four budgets between "auto"'s estimate
-and no recompute's (`SWEEP_FRACTIONS` of the latter), each with its
-estimated peak activation bytes beside its measured train MiB.
+per model no recompute, "auto" and four budgets (`SWEEP_FRACTIONS` of no
+recompute's estimated training peak), each with its estimated training
+peak beside its measured train MiB and req MiB.
 
     python benchmarks/bench_recompute.py --sweep [--apps MobileNetV2,ResNet50]
 """
@@ -333,7 +333,7 @@ def main():
     plan = estimates(args)
     without, with_auto = plan.bytes_without, plan.bytes_with
     mib = 2**20
-    budgets = [f"budget_{without * f / mib:.0f}" for f in BUDGET_FRACTIONS]
+    budgets = [f"budget_{plan.peak_bytes_without * f / mib:.0f}" for f in BUDGET_FRACTIONS]
     configs = ["baseline", "auto", "rematscope_activations", "rematscope_full"] + budgets
     results = {c: [] for c in configs}
     for r in range(args.rounds):
@@ -469,7 +469,7 @@ def per_model(args):
         for config in configs:
             if config.startswith("budget_"):
                 fraction = float(config.split("_")[1])
-                config = f"budget_{plan.bytes_without * fraction / mib:.1f}"
+                config = f"budget_{plan.peak_bytes_without * fraction / mib:.1f}"
             run_configs.append(config)
         results = {c: [] for c in run_configs}
         for r in range(args.rounds):
@@ -546,7 +546,7 @@ def sweep(args):
     for app in args.apps.split(","):
         args.app = app
         plan = estimates(args)
-        budgets = [f"budget_{plan.bytes_without * f / mib:.1f}" for f in SWEEP_FRACTIONS]
+        budgets = [f"budget_{plan.peak_bytes_without * f / mib:.1f}" for f in SWEEP_FRACTIONS]
         for config in ["baseline", "auto"] + budgets:
             result = run(config, args)
             print(f"{app}: {config} done", file=sys.stderr, flush=True)

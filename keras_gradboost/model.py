@@ -270,8 +270,9 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 statistics are updated once). `None` (off); a list of layer
                 names or glob patterns (`["encoder_*", "res_block_3"]`),
                 nested layers included; `"auto"`: at the first training
-                batch, the plan with the lowest estimated activation memory
-                among two kinds, every block (a layer that holds layers; a
+                batch, the plan with the lowest estimated training peak
+                (activations and the gradients alive with them) among two
+                kinds, every block (a layer that holds layers; a
                 stack of them is split into its members), and segmentations
                 of a functional model's layer graph cut where one tensor
                 carries everything (about 2..n segments, sqrt(n) among
@@ -279,9 +280,10 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 recomputed, with a warning; with batches of no fixed size,
                 the blocks, else about sqrt(n) segments); `{"budget_mb": N}`:
                 among the plans of both kinds, the cheapest to recompute
-                whose estimated activation memory fits N MiB at the training
-                batch size (add `"batch_size": B` when batches have no fixed
-                size); `{"policy": "selective"}` (with `"blocks"`: `"auto"`
+                whose estimated training peak (activations and the gradients
+                alive with them, `recompute_plan().peak_bytes`) fits N MiB
+                at the training batch size (add `"batch_size": B` when
+                batches have no fixed size); `{"policy": "selective"}` (with `"blocks"`: `"auto"`
                 or a list of patterns; "auto" takes the kind of plan whose
                 blocks hold the most kernel layers): inside the blocks the
                 outputs of the kernel layers (Dense, EinsumDense,

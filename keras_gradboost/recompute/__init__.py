@@ -22,6 +22,7 @@ from keras_gradboost.recompute.budget import Candidate
 from keras_gradboost.recompute.budget import auto_choice
 from keras_gradboost.recompute.budget import budget_choice
 from keras_gradboost.recompute.budget import candidates
+from keras_gradboost.recompute.budget import estimated_peak
 from keras_gradboost.recompute.budget import groups_of
 from keras_gradboost.recompute.budget import merge
 from keras_gradboost.recompute.check import RecomputeCheckError

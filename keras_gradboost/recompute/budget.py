@@ -14,10 +14,11 @@ blocks ranked by saving per recompute cost, every block ("auto"'s plan),
 and every block but the one the backward meets first (whose rebuild would
 come while everything else is still kept: the same peak, less recompute).
 The candidates do not depend on the budget, and the choice is the cheapest
-in recompute cost among those that fit (else the lowest estimate), so a
+in recompute cost among those whose estimated training peak (activations
+and the gradients alive with them) fits (else the lowest estimate), so a
 smaller budget never gets a larger estimate, a budget at or below "auto"'s
-estimate never gets a worse one, and no plan estimated above no recompute
-is ever chosen (recomputing nothing is a candidate).
+estimate gets "auto"'s plan, and no plan estimated above no recompute is
+ever chosen (recomputing nothing is a candidate).
 """
 
 import dataclasses
@@ -113,7 +114,11 @@ def candidates(total, layouts, sizes, gradient_bytes=None):
             return None
         return plan_bytes(total, figures, sizes, chosen, gradient_bytes)
 
-    found = [Candidate(0, (), total, 0.0, peak(layouts[0][0], ()) if layouts else None)]
+    # Recomputing nothing: its training peak from the finest layout (the
+    # gradients alive at a moment are counted per block, so a coarse
+    # layout's reads higher).
+    nothing = [peak(figures, ()) for figures, _ in layouts]
+    found = [Candidate(0, (), total, 0.0, min(nothing) if gradient_bytes is not None else None)]
     for layout, (figures, keys) in enumerate(layouts):
         ranked = sorted(
             keys,
@@ -148,19 +153,26 @@ def candidates(total, layouts, sizes, gradient_bytes=None):
     return found
 
 
+def estimated_peak(candidate):
+    """What a budget and "auto" compare: the candidate's estimated training
+    peak, or its activations where it has none."""
+    return candidate.bytes if candidate.peak is None else candidate.peak
+
+
 def budget_choice(budget_bytes, found):
     """The plan for a budget: the cheapest to recompute (then the lowest
-    estimate, then the fewest blocks) of the `found` candidates that fit
-    `budget_bytes`, or, when none fits, the lowest estimate (recomputing
+    estimate, then the fewest blocks) of the `found` candidates whose
+    estimated training peak (`estimated_peak`) fits `budget_bytes`, or,
+    when none fits, the lowest estimate: "auto"'s plan (recomputing
     nothing when nothing saves).
 
     Returns:
         `(candidate, fits)`.
     """
-    fitting = [c for c in found if c.bytes <= budget_bytes]
+    fitting = [c for c in found if estimated_peak(c) <= budget_bytes]
     if fitting:
-        return min(fitting, key=lambda c: (c.flops, c.bytes, len(c.chosen))), True
-    return min(found, key=lambda c: (c.bytes, c.flops, len(c.chosen))), False
+        return min(fitting, key=lambda c: (c.flops, estimated_peak(c), len(c.chosen))), True
+    return min(found, key=lambda c: (estimated_peak(c), c.flops, len(c.chosen))), False
 
 
 def auto_choice(total, found, min_saving=0.1):
@@ -179,15 +191,11 @@ def auto_choice(total, found, min_saving=0.1):
     share of it.)
     """
     plans = [c for c in found if c.chosen]
-
-    def estimated(c):
-        return c.bytes if c.peak is None else c.peak
-
-    best = min(plans, key=lambda c: (estimated(c), c.flops, len(c.chosen)), default=None)
+    best = min(plans, key=lambda c: (estimated_peak(c), c.flops, len(c.chosen)), default=None)
     if (
         best is None
         or best.bytes > (1.0 - min_saving) * total
-        or estimated(best) >= estimated(found[0])
+        or estimated_peak(best) >= estimated_peak(found[0])
     ):
         return found[0]
     return best

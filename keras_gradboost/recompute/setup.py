@@ -28,6 +28,7 @@ from keras_gradboost.recompute.check import check as check_gradients
 from keras_gradboost.recompute.budget import auto_choice
 from keras_gradboost.recompute.budget import budget_choice
 from keras_gradboost.recompute.budget import candidates
+from keras_gradboost.recompute.budget import estimated_peak
 from keras_gradboost.recompute.budget import groups_of
 from keras_gradboost.recompute.budget import merge
 from keras_gradboost.recompute.choice import choose
@@ -244,8 +245,8 @@ class RecomputeSetup:
         (activations and the gradients alive with them) among those of both
         kinds (`search`), when it saves at least `MIN_AUTO_SAVING` of the
         activation memory and lowers the peak, and else recomputes nothing
-        (with a warning); a budget (of activation memory) takes the
-        cheapest to recompute that fits.
+        (with a warning); a budget takes the cheapest to recompute whose
+        estimated training peak fits.
 
         Args:
             model: the model.
@@ -303,9 +304,9 @@ class RecomputeSetup:
             )
             return
         where = (
-            f"recompute={self.setting!r}: the activation memory cannot be "
-            f"brought under {self.setting['budget_mb']:g} MiB at batch size "
-            f"{self.batch_hint}"
+            f"recompute={self.setting!r}: the training peak (activations and "
+            "the gradients alive with them) cannot be brought under "
+            f"{self.setting['budget_mb']:g} MiB at batch size {self.batch_hint}"
         )
         advice = (
             "Lower the batch size (with accumulate_steps to keep the effective "
@@ -314,15 +315,16 @@ class RecomputeSetup:
         if best.chosen:
             warnings.warn(
                 f"{where}; the best estimate, recomputing {len(best.chosen)} of "
-                f"{len(self.keys)} blocks, is {best.bytes / MIB:.1f} MiB "
-                f"(without recompute: {total / MIB:.1f} MiB). {advice}",
+                f"{len(self.keys)} blocks, is {estimated_peak(best) / MIB:.1f} MiB "
+                f"(without recompute: {estimated_peak(found[0]) / MIB:.1f} MiB). "
+                f"{advice}",
                 stacklevel=2,
             )
         else:
             warnings.warn(
                 f"{where}, and no plan of recompute is estimated to save "
-                f"memory (without recompute: {total / MIB:.1f} MiB): nothing "
-                f"is recomputed. {advice}",
+                f"memory (without recompute: {estimated_peak(found[0]) / MIB:.1f} "
+                f"MiB): nothing is recomputed. {advice}",
                 stacklevel=2,
             )
 
@@ -361,6 +363,8 @@ class RecomputeSetup:
             ):
                 if c.chosen or not found:  # recomputing nothing: once
                     found.append(dataclasses.replace(c, layout=c.layout + offset))
+                elif c.peak < found[0].peak:  # ... at the finest family's figures
+                    found[0] = dataclasses.replace(found[0], peak=c.peak)
         return families[0][2], families, layouts, found
 
     def _plan(self, estimated, batch_size, model):

@@ -44,35 +44,39 @@ def _spec(shape, batch, name):
     return tf.TensorSpec((batch,) + shape, dtype)
 
 
-def _auto_bytes(build, spec):
-    """`recompute="auto"`'s estimate, traced with its own blocks."""
+def _auto_plan(build, spec):
+    """`recompute="auto"`'s plan, traced with its own blocks."""
     model = build()
     model.compile(optimizer="sgd", loss="mse", recompute="auto")
-    return model.recompute_plan(batch_size=spec.shape[0]).bytes_with
+    return model.recompute_plan(batch_size=spec.shape[0])
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_budget_sweep_is_monotonic_and_never_worse_than_auto(name):
     build, shape, batch = MODELS[name]
     spec = _spec(shape, batch, name)
-    auto = _auto_bytes(build, spec)
+    auto = _auto_plan(build, spec)
     model = build()
     model.compile(optimizer="sgd", loss="mse", recompute={"budget_mb": 1.0})
     setup = model._gradboost.recompute
     total, _, _, found = setup.search(model, spec)
     # "auto"'s plan is a candidate: merged from the fine estimate, the same
-    # bytes as its own trace.
-    assert auto in [c.bytes for c in found]
-    budgets = np.linspace(1.1 * total, 0.0, 41)
+    # bytes and training peak as its own trace.
+    assert (auto.bytes_with, auto.peak_bytes) in [(c.bytes, c.peak) for c in found]
+    # No recompute's training peak: the gradients alive at a moment are
+    # counted per block, so the finest layout's estimate, the lowest.
+    without = found[0].peak
+    assert without <= auto.peak_bytes_without
+    budgets = np.linspace(1.1 * without, 0.0, 41)
     chosen = [recompute.budget_choice(b, found) for b in budgets]
-    estimates = [c.bytes for c, _ in chosen]
+    estimates = [c.peak for c, _ in chosen]
     assert all(b <= a for a, b in zip(estimates, estimates[1:])), estimates
     for budget, (candidate, fits) in zip(budgets, chosen):
-        assert candidate.bytes <= total  # never worse than no recompute
-        assert fits == (candidate.bytes <= budget)
-        if budget <= auto:
-            assert candidate.bytes <= auto
-    assert estimates[0] == total and chosen[0][0].chosen == ()
+        assert candidate.peak <= without  # never worse than no recompute
+        assert fits == (candidate.peak <= budget)
+        if budget <= auto.peak_bytes:
+            assert candidate.peak <= auto.peak_bytes
+    assert estimates[0] == without and chosen[0][0].chosen == ()
 
 
 def test_merged_segments_match_a_direct_estimate():
@@ -104,15 +108,15 @@ def test_merged_segments_match_a_direct_estimate():
 
 def test_budget_at_autos_estimate_is_no_worse_through_compile():
     build, shape, batch = MODELS["flat_model"]
-    auto = _auto_bytes(build, tf.TensorSpec((batch,) + shape))
+    auto = _auto_plan(build, tf.TensorSpec((batch,) + shape))
     model = build()
     model.compile(
         optimizer="sgd", loss="mse",
-        recompute={"budget_mb": auto / MIB, "batch_size": batch},
+        recompute={"budget_mb": auto.peak_bytes / MIB, "batch_size": batch},
     )
     plan = model.recompute_plan()
-    assert plan.bytes_with <= auto
-    assert plan.bytes_with < plan.bytes_without
+    assert plan.peak_bytes <= auto.peak_bytes
+    assert plan.peak_bytes < plan.peak_bytes_without
 
 
 def _nothing_saves():

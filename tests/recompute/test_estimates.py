@@ -54,13 +54,15 @@ def test_budget_picks_fewer_blocks_for_a_larger_budget(data):
     model = wide_model()
     model.compile(optimizer="sgd", loss="mse", recompute="auto")
     full = model.recompute_plan(batch_size=256)
-    middle = (full.bytes_with + full.bytes_without) / 2 / recompute.MIB
+    # Budgets of the training peak (activations and the gradients alive
+    # with them).
+    middle = (full.peak_bytes + full.peak_bytes_without) / 2 / recompute.MIB
     chosen = {}
-    for budget in (full.bytes_without / recompute.MIB + 1, middle, full.bytes_with / recompute.MIB + 0.01):
+    for budget in (full.peak_bytes_without / recompute.MIB + 1, middle, full.peak_bytes / recompute.MIB + 0.01):
         m = wide_model()
         m.compile(optimizer="sgd", loss="mse", recompute={"budget_mb": budget, "batch_size": 256})
         plan = m.recompute_plan()
-        assert plan.bytes_with <= budget * recompute.MIB
+        assert plan.peak_bytes <= budget * recompute.MIB
         chosen[budget] = len(plan.recomputed)
     assert list(chosen.values())[0] == 0
     assert 0 < list(chosen.values())[1] < 4
