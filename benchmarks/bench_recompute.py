@@ -351,7 +351,9 @@ def main():
     )
     print(
         f"Estimated activations kept for backward: {without / mib:.0f} MiB "
-        f"without recompute, {with_auto / mib:.0f} MiB with recompute=\"auto\"."
+        f"without recompute, {with_auto / mib:.0f} MiB with recompute=\"auto\"; "
+        f"training peak without recompute {plan.peak_bytes_without / mib:.0f} MiB "
+        "(the budgets are fractions of it)."
     )
     header = (
         f"{'configuration':<24} {'blocks':>6} {'estimate':>9} {'train MiB':>10} "

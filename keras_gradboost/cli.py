@@ -34,7 +34,7 @@ configurations (compile keyword arguments of GradBoostModel):
                   (Keras: XLA on a GPU, not on a CPU), precision="auto",
                   accumulate_steps=4, recompute={"budget_mb": half the
                   available memory} (blocks are recomputed only when the
-                  activations would not fit)
+                  estimated training peak would not fit)
 
 With --repeat N, every configuration runs once per round (a fresh process
 each time), in a shuffled order per round (seeded), and each figure is the

@@ -17,8 +17,9 @@ The candidates do not depend on the budget, and the choice is the cheapest
 in recompute cost among those whose estimated training peak (activations
 and the gradients alive with them) fits (else the lowest estimate), so a
 smaller budget never gets a larger estimate, a budget at or below "auto"'s
-estimate gets "auto"'s plan, and no plan estimated above no recompute is
-ever chosen (recomputing nothing is a candidate).
+estimate gets a plan estimated no higher than "auto"'s (when none fits,
+"auto"'s lowest), and no plan estimated above no recompute is ever chosen
+(recomputing nothing is a candidate).
 """
 
 import dataclasses
@@ -179,9 +180,9 @@ def auto_choice(total, found, min_saving=0.1):
     """The plan "auto" takes: the lowest estimated training peak (`peak`;
     the activations, `bytes`, where the candidates have none), then the
     cheapest to recompute, then the fewest blocks, among the `found`
-    candidates that recompute something; or recomputing nothing
-    (`found[0]`) when that plan saves less than `min_saving` of the
-    activation memory `total`, or does not lower the training peak.
+    candidates that recompute something, save at least `min_saving` of the
+    activation memory `total` and lower the training peak; recomputing
+    nothing (`found[0]`) when none does.
 
     The training peak counts the gradients alive with the activations, so
     where a model's last blocks hold large weights (ResNet50's last stage),
@@ -190,12 +191,13 @@ def auto_choice(total, found, min_saving=0.1):
     estimated at the global batch agrees with the one chosen at a replica's
     share of it.)
     """
-    plans = [c for c in found if c.chosen]
-    best = min(plans, key=lambda c: (estimated_peak(c), c.flops, len(c.chosen)), default=None)
-    if (
-        best is None
-        or best.bytes > (1.0 - min_saving) * total
-        or estimated_peak(best) >= estimated_peak(found[0])
-    ):
-        return found[0]
-    return best
+    saving = [
+        c
+        for c in found
+        if c.chosen
+        and c.bytes <= (1.0 - min_saving) * total
+        and estimated_peak(c) < estimated_peak(found[0])
+    ]
+    return min(
+        saving, key=lambda c: (estimated_peak(c), c.flops, len(c.chosen)), default=found[0]
+    )

@@ -41,9 +41,10 @@ class BlockEstimate:
 class RecomputePlan:
     """What `compile(recompute=...)` recomputes, with memory estimates.
 
-    The estimates are of activation memory the backward pass keeps (weights,
-    gradients and optimizer slots are not included), from the traced
-    training graph at `batch_size`.
+    The estimates are of activation memory the backward pass keeps, and
+    (`peak_bytes`) of the training peak: those activations plus the
+    gradients alive with them (weights and optimizer slots are not
+    included), from the traced training graph at `batch_size`.
 
     Attributes:
         setting: the `recompute` compile argument.
@@ -100,10 +101,10 @@ class RecomputePlan:
                 "  selective: the outputs of the kernel layers (Dense, EinsumDense, "
                 "convolutions) are kept; GFLOP is what the backward replays"
             )
-        if self.peak_bytes is not None:
+        if self.peak_bytes is not None and self.peak_bytes_without is not None:
             lines.append(
                 f"  with the gradients alive at each moment (all: "
-                f"{self.gradient_bytes / MIB:.1f} MiB): ~{self.peak_bytes / MIB:.1f} "
+                f"{(self.gradient_bytes or 0) / MIB:.1f} MiB): ~{self.peak_bytes / MIB:.1f} "
                 f"MiB training peak estimated (~{self.peak_bytes_without / MIB:.1f} "
                 "MiB without recompute)"
             )
@@ -347,7 +348,9 @@ def _trainable_handles(graph, model):
     for v in model.trainable_variables:
         value = v.value  # a tf.Variable, or a distributed variable
         for component in getattr(value, "values", None) or (value,):
-            sizes[id(component.handle)] = _bytes(value)
+            handle = getattr(component, "handle", None)
+            if handle is not None:
+                sizes[id(handle)] = _bytes(value)
     return {
         internal.name: sizes[id(external)]
         for external, internal in graph.captures

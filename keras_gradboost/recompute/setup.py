@@ -286,18 +286,26 @@ class RecomputeSetup:
         self.segments = segments(model, cuts=cuts) if pieces else []
         self.chosen = set(best.chosen)
         self.plan = self._plan((family_total, figures, sizes), self.batch_hint, model)
+        # The figures the choice was made on: no recompute's peak from the
+        # finest layout (`candidates`), and the chosen plan's.
+        self.plan.peak_bytes_without = found[0].peak
+        self.plan.peak_bytes = best.peak if best.chosen else found[0].peak
         self.pending = False
         if fits:
             return
         if self.auto:
             plans = [c for c in found if c.chosen]
             lowest = min(c.bytes for c in plans) if plans else total
+            lowest_peak = min(estimated_peak(c) for c in plans) if plans else None
             warnings.warn(
                 f'recompute="auto": no plan of recompute is estimated to save '
                 f"{MIN_AUTO_SAVING:.0%} of the activation memory and lower the "
                 f"training peak at batch size {self.batch_hint} (activations "
-                f"without recompute ~{total / MIB:.1f} MiB, the best plan "
-                f"~{lowest / MIB:.1f} MiB): nothing is recomputed. "
+                f"without recompute ~{total / MIB:.1f} MiB, the lowest plan's "
+                f"~{lowest / MIB:.1f} MiB; training peak without recompute "
+                f"~{estimated_peak(found[0]) / MIB:.1f} MiB"
+                + (f", the lowest plan's ~{lowest_peak / MIB:.1f} MiB" if plans else "")
+                + "): nothing is recomputed. "
                 "Lower the batch size (with accumulate_steps to keep the "
                 "effective batch) or use mixed precision to save memory.",
                 stacklevel=2,
@@ -466,8 +474,7 @@ def _flatten_with_paths(spec):
 
 def _gradient_bytes(model):
     """Bytes of the trainable variables' gradients (one per variable, in its
-    dtype), which the backward holds at its end beside what is left of the
-    activations."""
+    dtype); `plan_bytes` places each at its moment of the backward."""
     total = 0
     for v in model.trainable_variables:
         count = 1

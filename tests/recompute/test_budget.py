@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -117,6 +118,23 @@ def test_budget_at_autos_estimate_is_no_worse_through_compile():
     plan = model.recompute_plan()
     assert plan.peak_bytes <= auto.peak_bytes
     assert plan.peak_bytes < plan.peak_bytes_without
+
+
+def test_a_budget_through_compile_reports_a_peak_within_it():
+    """The plan a budget takes on a segmented graph reports the training
+    peak the choice was made on: within the budget when it fits (no
+    warning), and no recompute's from the same search."""
+    build, shape, batch = MODELS["flat_model"]
+    auto = _auto_plan(build, tf.TensorSpec((batch,) + shape))
+    for budget in np.linspace(auto.peak_bytes, auto.peak_bytes_without, 5)[1:]:
+        model = build()
+        model.compile(optimizer="sgd", loss="mse",
+                      recompute={"budget_mb": budget / MIB, "batch_size": batch})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a budget out of reach warns
+            plan = model.recompute_plan()
+        assert plan.peak_bytes <= budget
+        assert plan.peak_bytes_without == auto.peak_bytes_without
 
 
 def _nothing_saves():
