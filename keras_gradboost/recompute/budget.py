@@ -164,8 +164,8 @@ def budget_choice(budget_bytes, found):
     """The plan for a budget: the cheapest to recompute (then the lowest
     estimate, then the fewest blocks) of the `found` candidates whose
     estimated training peak (`estimated_peak`) fits `budget_bytes`, or,
-    when none fits, the lowest estimate: "auto"'s plan (recomputing
-    nothing when nothing saves).
+    when none fits, the lowest estimate (recomputing nothing when nothing
+    saves; "auto"'s plan too, unless "auto"'s 10% gate refuses it).
 
     Returns:
         `(candidate, fits)`.
