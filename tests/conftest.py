@@ -22,6 +22,39 @@ tf.config.set_logical_device_configuration(
 import keras  # noqa: E402
 
 
+def _without_autotune():
+    """tf.data autotuning off in every iterator the tests make.
+
+    An autotuned iterator's model thread sleeps for an optimisation period
+    that doubles up to 60 s, and deleting the iterator waits for it to wake.
+    Keras' fit iterators sit in reference cycles, so the garbage collector
+    deletes them minutes later, several at once: a worker of the suite spent
+    258 s in such collections (one took 105 s), stalls in whatever test was
+    running. Autotuning changes no element or order, only parallelism.
+    TensorFlow applies `_apply_debug_options` to a dataset wherever it makes
+    an iterator of it (also distributed and multi-device ones).
+    """
+    from tensorflow.python.data.ops import dataset_ops
+
+    original = getattr(dataset_ops.DatasetV2, "_apply_debug_options", None)
+    if original is None:
+        raise RuntimeError(
+            "tests/conftest.py: tf.data.Dataset._apply_debug_options is gone in "
+            f"TensorFlow {tf.__version__}; find where iterators are made now, "
+            "or the suite's collections stall on autotune threads again."
+        )
+    options = tf.data.Options()
+    options.autotune.enabled = False
+
+    def apply(self):
+        return original(self).with_options(options)
+
+    dataset_ops.DatasetV2._apply_debug_options = apply
+
+
+_without_autotune()
+
+
 def _major_minor(version):
     return tuple(int(part) for part in version.split(".")[:2])
 
