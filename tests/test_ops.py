@@ -238,3 +238,28 @@ def test_safe_divide_with_eps_is_zero_below_it_and_naive_above(traced):
     np.testing.assert_allclose(dx, [[0.0, -2.0, 0.25]], rtol=1e-6)
     np.testing.assert_allclose(dy, [[0.0, -8.0, -3.0 / 16]], rtol=1e-6)
     assert kgb.gradcheck(lambda a, b: ops.safe_divide(a, b, eps=1e-3), x, y, jit=False).ok
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_log1pexp_is_exact_to_a_few_ulps_over_the_whole_range(traced):
+    """Against float64 `logaddexp(0, x)` and `1 / (1 + exp(-x))`: the clamp
+    at 17, the correction of `1 + exp(x)`'s rounding (x far below 0, where
+    the naive composite loses every digit) and the linear tail."""
+    x = np.concatenate([
+        np.linspace(-100.0, 100.0, 20001), np.geomspace(1e-30, 100.0, 2001),
+        -np.geomspace(1e-30, 87.0, 2001), [16.9, 17.0, 17.1],
+    ]).astype("float32")
+    run = tf.function(value_and_grad) if traced else value_and_grad
+    y, (g,) = run(ops.log1pexp, x)
+    x64 = x.astype("float64")
+    exact, exact_grad = np.logaddexp(0.0, x64), 1.0 / (1.0 + np.exp(-x64))
+
+    def ulps(ours, exact):
+        normal = exact > np.finfo("float32").tiny
+        ulp = np.spacing(exact[normal].astype("float32")).astype("float64")
+        return np.max(np.abs(ours.numpy().astype("float64")[normal] - exact[normal]) / ulp)
+
+    assert ulps(y, exact) <= 4
+    assert ulps(g, exact_grad) <= 4
+    naive = tf.math.log(1 + tf.exp(tf.constant(x[x < -20])))  # loses every digit
+    assert float(tf.reduce_max(naive)) == 0.0
