@@ -198,8 +198,10 @@ def estimate(model, forward, input_spec, keys, selective=False):
 
     Returns:
         `(bytes_without, per_block, sizes)`: total cached bytes; per key a
-        dict with `cached` and `inputs` (bytes), `flops`, `inside` (names of
-        the cached tensors made inside the block), `input_roots` (input
+        dict with `cached` and `inputs` (bytes), `kernel_cached` (bytes of
+        the cached tensors that are kernel layers' outputs, which selective
+        recompute keeps), `flops`, `inside` (names of the cached tensors
+        made inside the block), `input_roots` (input
         tensor names to bytes), `weights` (the trainable variables it
         reads, by name, to their bytes), `largest` (bytes of its largest
         float tensor), `after` and `before` (`_place_outside_weights`); and
@@ -374,6 +376,42 @@ def _by_weight(op):
     return False
 
 
+def _from_weight(tensor):
+    """Whether `tensor` is a variable's value (through casts and reshapes)."""
+    while tensor.op.type in _WEIGHT_PATH and tensor.op.inputs:
+        tensor = tensor.op.inputs[0]
+    return tensor.op.type == "ReadVariableOp"
+
+
+def _bias_added(op):
+    """The contraction a bias add (`op`) adds a weight to, or None."""
+    if op.type in ("BiasAdd", "AddV2", "Add") and len(op.inputs) == 2:
+        a, b = op.inputs
+        for value, bias in ((a, b), (b, a)):
+            if _from_weight(bias) and _by_weight(_root(value).op):
+                return _root(value).op
+    return None
+
+
+def _kernel_output(tensor):
+    """Whether `tensor` is a kernel layer's output before its activation,
+    which a selective replay takes from the forward instead of rebuilding:
+    a contraction by a weight, or that plus a bias. (Not the depthwise half
+    of a separable convolution, which feeds the pointwise one: its replay
+    rebuilds it.)"""
+    op = _root(tensor).op
+    contraction = _bias_added(op)
+    if contraction is None:
+        if not _by_weight(op) or any(
+            _bias_added(c) is op for t in op.outputs for c in t.consumers()
+        ):
+            return False  # not a contraction, or one a bias is added to
+        contraction = op
+    return not any(
+        _by_weight(c) for t in contraction.outputs for c in t.consumers()
+    )
+
+
 def _block_figures(calls, operations, cached, trainable, selective=False):
     """One block's figures (see `estimate`) from its `_Probe` calls;
     `trainable` maps the trainable variables' handles to their bytes."""
@@ -400,6 +438,7 @@ def _block_figures(calls, operations, cached, trainable, selective=False):
     inside -= outputs | set(input_roots)
     return {
         "cached": sum(_bytes(cached[n]) for n in inside),
+        "kernel_cached": sum(_bytes(cached[n]) for n in inside if _kernel_output(cached[n])),
         "inputs": sum(input_roots.values()),
         "flops": flops,
         "inside": inside,
@@ -507,14 +546,15 @@ def selective_rebuild(per_block, chosen):
 
     The backward meets the blocks last to first (`per_block`'s order is the
     forward's, as in `plan_bytes`). A replay rebuilds at most its block's
-    activations (less what the step keeps anyway: its kernel layers'
-    outputs). By then, assuming the backward of the blocks after it has
-    finished, those of them that are not recomputed have freed their
-    activations, all of them kept. So a replay adds its block's activations
-    less what those later blocks freed, if that is positive; the largest of
-    these is the estimate. (What the later recomputed blocks kept is not
-    subtracted.) With the block the backward meets first left out, as
-    "auto" does, alike blocks add nothing.
+    activations less what the step keeps anyway: its kernel layers'
+    outputs (`kernel_cached`). By then, assuming the backward of the blocks
+    after it has finished, those blocks have freed what the step kept of
+    them: all their activations if they are not recomputed, their kernel
+    layers' outputs if they are. So a replay adds what it rebuilds less what
+    those later blocks freed, if that is positive; the largest of these is
+    the estimate. (The later recomputed blocks' inputs are not subtracted.)
+    With the block the backward meets first left out, as "auto" does, alike
+    blocks add nothing.
 
     Args:
         per_block: the blocks' figures, as `estimate` returns them.
@@ -525,8 +565,11 @@ def selective_rebuild(per_block, chosen):
     """
     added, freed = 0, 0
     for key in reversed(list(per_block)):
+        figures = per_block[key]
+        kernel = figures.get("kernel_cached", 0)
         if key in chosen:
-            added = max(added, per_block[key]["cached"] - freed)
+            added = max(added, figures["cached"] - kernel - freed)
+            freed += kernel  # what it kept, freed after its backward
         else:
-            freed += per_block[key]["cached"]
+            freed += figures["cached"]
     return added
