@@ -63,6 +63,9 @@ class RecomputePlan:
             applies each variable's update as soon as its gradient exists);
             None when not estimated.
         peak_bytes_without: the same estimate without recompute.
+        gradients_pile_up: the estimates count every gradient alive at
+            every moment: grappler's dependency optimizer is off
+            (`gradients_pile_up()`), so the updates wait for the backward.
         measured_peak_bytes: after a `fit` at `batch_size`, the device
             allocator's peak during it above the level before it (activations,
             plus gradients, optimizer slots it created and temporaries), read
@@ -80,6 +83,7 @@ class RecomputePlan:
     peak_bytes: object = None
     peak_bytes_without: object = None
     measured_peak_bytes: object = None
+    gradients_pile_up: bool = False
 
     @property
     def recomputed(self):
@@ -102,8 +106,15 @@ class RecomputePlan:
                 "convolutions) are kept; GFLOP is what the backward replays"
             )
         if self.peak_bytes is not None and self.peak_bytes_without is not None:
+            alive = (
+                "every gradient alive (grappler's dependency optimizer is off "
+                "in tf.config.optimizer, so the optimizer's updates wait for the "
+                "whole backward)"
+                if self.gradients_pile_up
+                else "the gradients alive at each moment"
+            )
             lines.append(
-                f"  with the gradients alive at each moment (all: "
+                f"  with {alive} (all: "
                 f"{(self.gradient_bytes or 0) / MIB:.1f} MiB): ~{self.peak_bytes / MIB:.1f} "
                 f"MiB training peak estimated (~{self.peak_bytes_without / MIB:.1f} "
                 "MiB without recompute)"
@@ -520,6 +531,8 @@ def _block_gradients(per_block, gradient_bytes):
     keys = list(per_block)
     if gradient_bytes is None:
         return dict.fromkeys(keys, 0), dict.fromkeys(keys, 0), 0, 0
+    if gradients_pile_up():
+        return dict.fromkeys(keys, 0), dict.fromkeys(keys, 0), 0, gradient_bytes
     placed, grads, after, first = {}, {}, {}, 0
     for key, figures in per_block.items():
         mine = {n: b for n, b in figures.get("weights", {}).items() if n not in placed}
@@ -530,6 +543,22 @@ def _block_gradients(per_block, gradient_bytes):
         placed.update(figures.get("after", {}))
         placed.update(figures.get("before", {}))
     return grads, after, first, max(0, gradient_bytes - sum(placed.values()))
+
+
+def gradients_pile_up():
+    """Whether grappler's dependency optimizer is off (`tf.config.optimizer`
+    options `dependency_optimization=False` or `disable_meta_optimizer`).
+
+    Then the optimizer's updates do not run as each gradient arrives: every
+    gradient is alive at the end of the backward. Measured on ResNet50
+    (64x64, batch 16) with `recompute="auto"`: the steps requested 145.4 MiB
+    with the dependency optimizer off, against 51.4 with it on; the estimate
+    with every gradient alive read 132.1, the one by moments 50.1.
+    """
+    options = tf.config.optimizer.get_experimental_options()
+    return bool(options.get("disable_meta_optimizer")) or (
+        options.get("dependency_optimization", True) is False
+    )
 
 
 def largest_gradients(per_block, gradient_bytes):

@@ -40,6 +40,7 @@ from keras_gradboost.recompute.estimates import MIB
 from keras_gradboost.recompute.estimates import BlockEstimate
 from keras_gradboost.recompute.estimates import RecomputePlan
 from keras_gradboost.recompute.estimates import estimate
+from keras_gradboost.recompute.estimates import gradients_pile_up
 from keras_gradboost.recompute.estimates import kept_bytes
 from keras_gradboost.recompute.estimates import largest_gradients
 from keras_gradboost.recompute.estimates import plan_bytes
@@ -398,6 +399,7 @@ class RecomputeSetup:
             gradient_bytes=gradients,
             peak_bytes=plan_bytes(total, per_block, sizes, self.chosen, gradients),
             peak_bytes_without=plan_bytes(total, per_block, sizes, (), gradients),
+            gradients_pile_up=gradients_pile_up(),
         )
 
     def report(self, model, batch_size=None):

@@ -18,6 +18,7 @@ import keras_gradboost as kgb
 from keras_gradboost import recompute
 from keras_gradboost import zoo
 from recompute.models import flat_model
+from recompute.models import grappler
 from recompute.models import wide_model
 
 MIB = recompute.MIB
@@ -220,6 +221,7 @@ def test_the_peak_follows_the_backward_from_the_last_block(chosen, peak):
     ],
 )
 def test_the_training_peak_counts_each_blocks_gradients_at_its_moment(chosen, head, peak):
+    grappler(False)  # the default set-up (the fixture restores it)
     # As above, and weights: block 0 reads 4 bytes, block 1 6, block 2 20,
     # a head after block 2 reads `head`, a stem before block 0 reads 7 (its
     # gradient comes last, when no block keeps anything), 2 bytes no block
@@ -248,7 +250,6 @@ def test_groups_of_cover_every_fine_segment_once():
 
 
 MEASURE = r"""
-import json
 import json
 import os
 import subprocess
