@@ -215,7 +215,8 @@ def estimate(model, forward, input_spec, keys, selective=False):
         made inside the block), `input_roots` (input
         tensor names to bytes), `weights` (the trainable variables it
         reads, by name, to their bytes), `largest` (bytes of its largest
-        float tensor), `after` and `before` (`_place_outside_weights`); and
+        float tensor), `after` and `before` (`_place_outside_weights`),
+        `outside_before` (`_place_outside_activations`); and
         the size of every cached tensor by name.
     """
     probe = _Probe()
@@ -234,8 +235,24 @@ def estimate(model, forward, input_spec, keys, selective=False):
         for key in ordered
     }
     _place_outside_weights(per_block, probe.calls, operations[:backward_start], trainable)
+    _place_outside_activations(per_block, first_call, cached, operations)
     sizes = {name: _bytes(t) for name, t in cached.items()}
     return total, per_block, sizes
+
+
+def _place_outside_activations(per_block, first_call, cached, operations):
+    """Adds to each block's figures `outside_before`: the bytes of the cached
+    activations made outside every block before its first call. Those made
+    after it (a later block's surroundings, a head) are freed by the time
+    the backward reaches it."""
+    index = {op.name: i for i, op in enumerate(operations)}
+    inside = set().union(*(figures["inside"] for figures in per_block.values()))
+    made = [
+        (index[t.op.name], _bytes(t)) for name, t in cached.items() if name not in inside
+    ]
+    for key, figures in per_block.items():
+        start = first_call.get(key, len(operations))
+        figures["outside_before"] = sum(size for i, size in made if i < start)
 
 
 def _place_outside_weights(per_block, calls, forward_ops, trainable):
@@ -466,10 +483,12 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
     The backward pass runs the blocks from the last (`per_block`'s order is
     the forward's) to the first: when it reaches a block, the blocks after
     it have freed what they kept, and this block's activations are all
-    alive (kept, or rebuilt when it is recomputed). The peak is the largest
-    of those moments and the end of the forward, on top of what no block
-    holds (kept throughout) and the recomputed blocks' inputs. So
-    recomputing the last block saves nothing: its rebuild comes first,
+    alive (kept, or rebuilt when it is recomputed), with the activations
+    made outside every block before it (`outside_before`; those after it
+    are freed). The peak is the largest of those moments and the end of the
+    forward, on top of the recomputed blocks' inputs. So
+    recomputing the last block saves at most what is made after it (a
+    head's activations, freed before its replay): its rebuild comes first,
     while everything else is still kept.
 
     Gradients: TensorFlow's executor runs each variable's optimizer update
@@ -505,13 +524,25 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
     inside = {key: per_block[key]["cached"] for key in per_block}
     kept_inside = {key: 0 if key in chosen else inside[key] for key in per_block}
     outside = max(0, kept - sum(kept_inside.values()))
+
+    def outside_at(key):  # made outside every block before `key`: alive then
+        if key is None:
+            return outside
+        return min(outside, per_block[key].get("outside_before", outside))
+
+    keys = list(per_block)
     grads, after, first, unplaced = _block_gradients(per_block, gradient_bytes)
-    worst, before = max(sum(kept_inside.values()), first), 0
-    for key in per_block:
-        worst = max(worst, before + inside[key] + grads[key])
+    worst = max(
+        outside + sum(kept_inside.values()),  # the end of the forward
+        outside_at(keys[0] if keys else None) + first,
+    )
+    before = 0
+    for i, key in enumerate(keys):
+        worst = max(worst, outside_at(key) + before + inside[key] + grads[key])
         before += kept_inside[key]
-        worst = max(worst, before + after[key])
-    return outside + sum(extra.values()) + worst + unplaced
+        following = keys[i + 1] if i + 1 < len(keys) else None
+        worst = max(worst, outside_at(following) + before + after[key])
+    return sum(extra.values()) + worst + unplaced
 
 
 def _block_gradients(per_block, gradient_bytes):

@@ -68,6 +68,7 @@ def test_recomputed_graph_keeps_only_block_inputs():
 
 
 def test_budget_picks_fewer_blocks_for_a_larger_budget(data):
+    grappler(False)  # the default set-up (the fixture restores it)
     model = wide_model()
     model.compile(optimizer="sgd", loss="mse", recompute="auto")
     full = model.recompute_plan(batch_size=256)
@@ -89,6 +90,7 @@ def test_budget_picks_fewer_blocks_for_a_larger_budget(data):
 
 
 def test_budget_out_of_reach_warns_with_best_estimate():
+    grappler(False)  # the default set-up (the fixture restores it)
     model = wide_model()
     model.compile(optimizer="sgd", loss="mse", recompute={"budget_mb": 0.001})
     x = np.zeros((32, 64), "float32")
