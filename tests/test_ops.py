@@ -240,26 +240,37 @@ def test_safe_divide_with_eps_is_zero_below_it_and_naive_above(traced):
     assert kgb.gradcheck(lambda a, b: ops.safe_divide(a, b, eps=1e-3), x, y, jit=False).ok
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
-def test_log1pexp_is_exact_to_a_few_ulps_over_the_whole_range(traced):
-    """Against float64 `logaddexp(0, x)` and `1 / (1 + exp(-x))`: the clamp
-    at 17, the correction of `1 + exp(x)`'s rounding (x far below 0, where
-    the naive composite loses every digit) and the linear tail."""
+def test_log1pexp_is_exact_to_a_few_ulps_over_the_whole_range(traced, dtype):
+    """Against `logaddexp(0, x)` and `1 / (1 + exp(-x))` in float64 (in
+    float128 for float64 inputs, where the platform has it), wherever the
+    result is a normal number of the dtype: the clamp (at 17; 37 in
+    float64), the correction of `1 + exp(x)`'s rounding (x far below 0,
+    where the naive composite loses every digit) and the linear tail."""
     x = np.concatenate([
         np.linspace(-100.0, 100.0, 20001), np.geomspace(1e-30, 100.0, 2001),
-        -np.geomspace(1e-30, 87.0, 2001), [16.9, 17.0, 17.1],
-    ]).astype("float32")
+        -np.geomspace(1e-30, 87.0, 2001), [16.9, 17.0, 17.1, 36.9, 37.0, 37.1],
+    ]).astype(dtype)
     run = tf.function(value_and_grad) if traced else value_and_grad
     y, (g,) = run(ops.log1pexp, x)
-    x64 = x.astype("float64")
-    exact, exact_grad = np.logaddexp(0.0, x64), 1.0 / (1.0 + np.exp(-x64))
+    wide = np.longdouble if np.finfo(np.longdouble).eps < np.finfo("float64").eps else np.float64
+    if dtype == "float64" and wide is np.float64:
+        pytest.skip("no wider float than float64 here")
+    xw = x.astype(wide)
+    exact = np.logaddexp(wide(0), xw)
+    exact_grad = 1 / (1 + np.exp(-xw))
 
     def ulps(ours, exact):
-        normal = exact > np.finfo("float32").tiny
-        ulp = np.spacing(exact[normal].astype("float32")).astype("float64")
-        return np.max(np.abs(ours.numpy().astype("float64")[normal] - exact[normal]) / ulp)
+        normal = exact > np.finfo(dtype).tiny
+        ulp = np.spacing(exact[normal].astype(dtype)).astype(wide)
+        return float(np.max(np.abs(ours.numpy().astype(wide)[normal] - exact[normal]) / ulp))
 
     assert ulps(y, exact) <= 4
     assert ulps(g, exact_grad) <= 4
-    naive = tf.math.log(1 + tf.exp(tf.constant(x[x < -20])))  # loses every digit
-    assert float(tf.reduce_max(naive)) == 0.0
+
+
+def test_log1pexp_gradient_does_not_overflow_with_a_huge_upstream():
+    x = tf.constant([30.0, -30.0, 0.0])
+    _, (g,) = value_and_grad(ops.log1pexp, x, upstream=tf.constant([1e32, 1e32, 1e32]))
+    np.testing.assert_allclose(g, [1e32, 1e32 * np.exp(-30.0), 0.5e32], rtol=1e-6)

@@ -60,8 +60,9 @@ class RecomputePlan:
             at each moment of the backward (`plan_bytes`), the activations
             alive plus the gradients alive (the weights' of the block being
             differentiated, or of a stem or a head at theirs: TensorFlow
-            applies each variable's update as soon as its gradient exists);
-            None when not estimated.
+            applies each variable's update as soon as its gradient exists;
+            every gradient throughout when `gradients_pile_up`); None when
+            not estimated.
         peak_bytes_without: the same estimate without recompute.
         gradients_pile_up: the estimates count every gradient alive at
             every moment: grappler's dependency optimizer is off
@@ -235,14 +236,15 @@ def estimate(model, forward, input_spec, keys, selective=False):
         for key in ordered
     }
     _place_outside_weights(per_block, probe.calls, operations[:backward_start], trainable)
-    _place_outside_activations(per_block, first_call, cached, operations)
+    _place_outside_activations(per_block, probe.calls, cached, operations)
     sizes = {name: _bytes(t) for name, t in cached.items()}
     return total, per_block, sizes
 
 
-def _place_outside_activations(per_block, first_call, cached, operations):
+def _place_outside_activations(per_block, calls, cached, operations):
     """Adds to each block's figures `outside_before`: the bytes of the cached
-    activations made outside every block before its first call. Those made
+    activations made outside every block until the end of its last call
+    (its outputs included: its own backward may read them). Those made
     after it (a later block's surroundings, a head) are freed by the time
     the backward reaches it."""
     index = {op.name: i for i, op in enumerate(operations)}
@@ -251,8 +253,8 @@ def _place_outside_activations(per_block, first_call, cached, operations):
         (index[t.op.name], _bytes(t)) for name, t in cached.items() if name not in inside
     ]
     for key, figures in per_block.items():
-        start = first_call.get(key, len(operations))
-        figures["outside_before"] = sum(size for i, size in made if i < start)
+        end = calls[key][-1][1] if calls.get(key) else len(operations)
+        figures["outside_before"] = sum(size for i, size in made if i < end)
 
 
 def _place_outside_weights(per_block, calls, forward_ops, trainable):
@@ -394,14 +396,7 @@ _WEIGHT_PATH = _ALIASES | {"Cast"}
 def _by_weight(op):
     """Whether a matmul or convolution multiplies by a weight (a variable's
     value, through casts and reshapes): a kernel layer's."""
-    if op.type not in _CONTRACTIONS:
-        return False
-    for t in op.inputs:
-        while t.op.type in _WEIGHT_PATH and t.op.inputs:
-            t = t.op.inputs[0]
-        if t.op.type == "ReadVariableOp":
-            return True
-    return False
+    return op.type in _CONTRACTIONS and any(_from_weight(t) for t in op.inputs)
 
 
 def _from_weight(tensor):
@@ -421,22 +416,41 @@ def _bias_added(op):
     return None
 
 
+def _consumers(op):
+    """The operations that read `op`'s outputs, through reshapes and
+    identities."""
+    found, pending = [], [c for t in op.outputs for c in t.consumers()]
+    while pending:
+        c = pending.pop()
+        if c.type in _ALIASES:
+            pending.extend(cc for t in c.outputs for cc in t.consumers())
+        else:
+            found.append(c)
+    return found
+
+
 def _kernel_output(tensor):
     """Whether `tensor` is a kernel layer's output before its activation,
     which a selective replay takes from the forward instead of rebuilding:
-    a contraction by a weight, or that plus a bias. (Not the depthwise half
+    a contraction by a weight, or that plus a bias. Not the depthwise half
     of a separable convolution, which feeds the pointwise one: its replay
-    rebuilds it.)"""
+    rebuilds it. (Missed, so counted as rebuilt, which reads high: a
+    transposed convolution, a grouped one Keras runs as a function call.)"""
     op = _root(tensor).op
     contraction = _bias_added(op)
     if contraction is None:
-        if not _by_weight(op) or any(
-            _bias_added(c) is op for t in op.outputs for c in t.consumers()
-        ):
-            return False  # not a contraction, or one a bias is added to
+        if any(_bias_added(c) is op for c in _consumers(op)):
+            return False  # a contraction a bias is added to
         contraction = op
-    return not any(
-        _by_weight(c) for t in contraction.outputs for c in t.consumers()
+    return _kept_contraction(contraction)
+
+
+def _kept_contraction(op):
+    """Whether `op` is a kernel layer's contraction by a weight whose
+    output selective recompute keeps: not the depthwise half of a separable
+    convolution (it feeds the pointwise one), which the replay runs."""
+    return _by_weight(op) and not (
+        op.type == "DepthwiseConv2dNative" and any(_by_weight(c) for c in _consumers(op))
     )
 
 
@@ -452,7 +466,7 @@ def _block_figures(calls, operations, cached, trainable, selective=False):
                 input_roots[_root(t).name] = _bytes(t)
                 largest = max(largest, _bytes(t))
         for op in operations[start:end]:
-            if not (selective and _by_weight(op)):
+            if not (selective and _kept_contraction(op)):
                 flops += _flops(op)
             if op.type == "ReadVariableOp":
                 if op.inputs[0].name in trainable:
@@ -484,15 +498,16 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
     the forward's) to the first: when it reaches a block, the blocks after
     it have freed what they kept, and this block's activations are all
     alive (kept, or rebuilt when it is recomputed), with the activations
-    made outside every block before it (`outside_before`; those after it
-    are freed). The peak is the largest of those moments and the end of the
+    made outside every block until its end (`outside_before`: its outputs
+    among them; those made after it are freed). The peak is the largest of those moments and the end of the
     forward, on top of the recomputed blocks' inputs. So
     recomputing the last block saves at most what is made after it (a
     head's activations, freed before its replay): its rebuild comes first,
     while everything else is still kept.
 
     Gradients: TensorFlow's executor runs each variable's optimizer update
-    as soon as its gradient exists, so gradients do not pile up. At the
+    as soon as its gradient exists, so gradients do not pile up (unless
+    grappler's dependency optimizer is off: `gradients_pile_up`). At the
     moment of a block, the gradients of the weights it reads are counted
     alive, and the gradient flowing through it (as large as its largest
     tensor). Weights read outside every block have moments of their own:

@@ -55,6 +55,7 @@ def _auto_plan(build, spec):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_budget_sweep_is_monotonic_and_never_worse_than_auto(name):
+    grappler(False)  # the default set-up: gradients by moments (the fixture restores it)
     build, shape, batch = MODELS[name]
     spec = _spec(shape, batch, name)
     auto = _auto_plan(build, spec)

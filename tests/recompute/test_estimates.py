@@ -141,3 +141,17 @@ def test_a_depthwise_convolution_costs_its_window_per_output_not_its_channels():
     # Plus one per element for the bias adds: a few outputs' worth.
     assert convolutions <= row.recompute_flops <= convolutions + 4 * outputs_per_conv
 
+
+
+def test_outside_activations_are_placed_where_the_forward_makes_them():
+    """`outside_before`, from the traced step: the cached activations no
+    block holds, made until each block's end. Here the model's input and
+    each block's output (the next one's kernel reads it), 256 x 64 float32
+    each: block i's moment has the input and i + 1 outputs."""
+    model = wide_model()
+    model.compile(optimizer="sgd", loss="mse", recompute="auto")
+    _, per_block, sizes = model._gradboost.recompute._estimate(model, tf.TensorSpec((256, 64)))
+    one = 256 * 64 * 4
+    assert [f["outside_before"] for f in per_block.values()] == [2 * one, 3 * one, 4 * one, 5 * one]
+    inside = set().union(*(f["inside"] for f in per_block.values()))
+    assert sum(size for name, size in sizes.items() if name not in inside) == 5 * one

@@ -262,15 +262,21 @@ def test_kernel_outputs_are_told_from_the_rest_in_a_traced_graph():
         keras.layers.Conv2D(4, 3, use_bias=False, name="nobias"),
         keras.layers.SeparableConv2D(4, 3, name="sep"),
         keras.layers.LayerNormalization(name="norm"),
+        keras.layers.Dense(4, use_bias=False, name="linear"),  # into another Dense
+        keras.layers.Dense(4, name="after"),
+        keras.layers.Conv1D(4, 3, name="conv1d"),  # ExpandDims, Conv2D, Squeeze
+        keras.layers.EinsumDense("abc,cd->abd", (None, 4), bias_axes="d", name="einsum"),
+        keras.layers.Dense(4, name="dense3d"),  # on a 3-D input
     ]
 
     @tf.function(autograph=False)
-    def run(v, x):
-        dense, nobias, sep, norm = layers
-        return [dense(v), nobias(x), sep(x), norm(v)]
+    def run(v, x, s):
+        dense, nobias, sep, norm, linear, after, conv1d, einsum, dense3d = layers
+        return [dense(v), nobias(x), sep(x), norm(v), after(linear(v)), conv1d(s),
+                einsum(s), dense3d(s)]
 
     graph = run.get_concrete_function(
-        tf.TensorSpec((2, 3)), tf.TensorSpec((2, 8, 8, 3))).graph
+        tf.TensorSpec((2, 3)), tf.TensorSpec((2, 8, 8, 3)), tf.TensorSpec((2, 6, 3))).graph
     flagged = {
         (op.name.split("/")[0].rsplit("_", 1)[0], op.type)  # "dense_1/..": dense's
         for op in graph.get_operations()
@@ -278,5 +284,10 @@ def test_kernel_outputs_are_told_from_the_rest_in_a_traced_graph():
     }
     # dense: its bias add (not the matmul, not the relu); nobias: the
     # convolution; sep: the pointwise convolution's bias add, not the
-    # depthwise half; norm: nothing.
-    assert flagged == {("dense", "BiasAdd"), ("nobias", "Conv2D"), ("sep", "BiasAdd")}, flagged
+    # depthwise half; norm: nothing; a Dense without a bias: its matmul,
+    # though another Dense reads it; the others: their bias adds only (not
+    # the contraction behind a reshape).
+    assert flagged == {
+        ("dense", "BiasAdd"), ("nobias", "Conv2D"), ("sep", "BiasAdd"), ("linear", "MatMul"),
+        ("after", "BiasAdd"), ("conv1d", "BiasAdd"), ("einsum", "BiasAdd"), ("dense3d", "BiasAdd"),
+    }, flagged
