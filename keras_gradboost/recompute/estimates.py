@@ -499,11 +499,12 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
     it have freed what they kept, and this block's activations are all
     alive (kept, or rebuilt when it is recomputed), with the activations
     made outside every block until its end (`outside_before`: its outputs
-    among them; those made after it are freed). The peak is the largest of those moments and the end of the
-    forward, on top of the recomputed blocks' inputs. So
-    recomputing the last block saves at most what is made after it (a
-    head's activations, freed before its replay): its rebuild comes first,
-    while everything else is still kept.
+    among them; those made after it are freed; figures without it, such as
+    a merged segment layout's, count them all at every moment). The peak
+    is the largest of those moments and the end of the forward, on top of
+    the recomputed blocks' inputs. So recomputing the last block saves at
+    most what is made after it (a head's activations, freed before its
+    replay): its rebuild comes first, while everything else is still kept.
 
     Gradients: TensorFlow's executor runs each variable's optimizer update
     as soon as its gradient exists, so gradients do not pile up (unless
@@ -540,7 +541,7 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
     kept_inside = {key: 0 if key in chosen else inside[key] for key in per_block}
     outside = max(0, kept - sum(kept_inside.values()))
 
-    def outside_at(key):  # made outside every block before `key`: alive then
+    def outside_at(key):  # made outside every block until `key`'s end: alive then
         if key is None:
             return outside
         return min(outside, per_block[key].get("outside_before", outside))
