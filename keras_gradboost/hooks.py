@@ -187,11 +187,20 @@ def stop_recording():
 class _UpdateRecordingScope(keras.StatelessScope):
     def __init__(self, mapping):
         super().__init__(state_mapping=mapping)
+        self.variables = {id(v): v for v, _ in mapping}
         self.updated = []
+        self.read = set()  # ids of the variables read from the scope
 
     def add_update(self, update):
         self.updated.append(update[0])
+        self.variables[id(update[0])] = update[0]
         super().add_update(update)
+
+    def get_current_value(self, variable):
+        value = super().get_current_value(variable)
+        if value is not None:
+            self.read.add(id(variable))
+        return value
 
 
 def update_recording_scope(state_mapping):
@@ -205,6 +214,20 @@ def update_recording_scope(state_mapping):
     owns (its recompute would read it after the forward's update).
     """
     return _UpdateRecordingScope(state_mapping)
+
+
+def scope_value(scope, variable):
+    """`variable`'s value in an `update_recording_scope` (None: not in it),
+    without counting a read."""
+    return scope.state_mapping.get(id(variable))
+
+
+def scope_values(scope):
+    """`(variable, value)` for every variable an `update_recording_scope`
+    holds now: its mapping, with the updates made inside it. Keras' scope
+    keeps values by `id(variable)` (`state_mapping`); a variable reads its
+    value through `scope.get_current_value`."""
+    return [(v, scope.state_mapping[i]) for i, v in scope.variables.items()]
 
 
 def keras_saveable_class():

@@ -177,3 +177,25 @@ def test_symbolic_build_builds_the_compiled_metrics_from_one_batch():
     before = len(model.metrics_variables)  # the loss tracker's only
     hooks.symbolic_build(model, (np.zeros((4, 2), "float32"), np.zeros((4, 1), "float32")))
     assert len(model.metrics_variables) == before + 2  # mae's total and count
+
+
+def test_the_update_recording_scope_sees_reads_assignments_and_values():
+    """The recompute reads a Keras variable's value through the stateless
+    scope's `get_current_value`, and an `assign` reaches it through
+    `add_update`; `scope_values` reads Keras' `state_mapping`."""
+    seen = keras.Variable(np.ones(2, "float32"), name="seen")
+    assigned = keras.Variable(np.zeros(2, "float32"), name="assigned")
+    outside = keras.Variable(np.ones(2, "float32"), name="outside")
+    with hooks.update_recording_scope([(seen, np.full(2, 3.0, "float32"))]) as scope:
+        np.testing.assert_allclose(seen.value, [3.0, 3.0])  # the scope's value
+        assigned.assign(np.full(2, 5.0, "float32"))
+        np.testing.assert_allclose(assigned.value, [5.0, 5.0])
+        np.asarray(outside.value)  # not in the scope: not counted
+    assert scope.read == {id(seen), id(assigned)}
+    assert scope.updated == [assigned]
+    values = {v.name: np.asarray(t) for v, t in hooks.scope_values(scope)}
+    assert sorted(values) == ["assigned", "seen"]
+    np.testing.assert_allclose(values["assigned"], [5.0, 5.0])
+    np.testing.assert_allclose(hooks.scope_value(scope, seen), [3.0, 3.0])
+    assert hooks.scope_value(scope, outside) is None
+    np.testing.assert_allclose(assigned.numpy(), [0.0, 0.0])  # not assigned

@@ -136,8 +136,10 @@ def candidates(total, layouts, sizes, gradient_bytes=None):
         prefixes.append(tuple(keys))  # every block: "auto"'s plan
         # Every block but the one the backward meets first: its rebuild
         # would come while everything else is still kept, so the same peak
-        # for less recompute.
-        last = max(keys, key=list(figures).index, default=None)
+        # for less recompute. (Blocks inside it still pay: recomputed at the
+        # top, they free their insides until their own replay.)
+        top = [k for k in keys if figures[k].get("parent") is None]
+        last = max(top, key=list(figures).index, default=None)
         prefixes.append(tuple(k for k in keys if k != last))
         for prefix in dict.fromkeys(prefixes):
             if not prefix:

@@ -80,6 +80,51 @@ def auto_layer_blocks(model):
     return chosen
 
 
+# "auto" also considers recomputing blocks inside blocks when a model has at
+# most this many: with n blocks, a flat plan's replay holds about 1/n of the
+# activations at once.
+NESTED_UP_TO = 2
+
+
+def inner_blocks(layer):
+    """The layers directly in `layer` worth recomputing inside its replay:
+    those that hold layers (an attention block), and kernel layers with an
+    activation of their own (a feed-forward's first Dense, whose
+    pre-activation and activation internals the backward keeps)."""
+    found = []
+    for child in hooks.child_layers(layer):
+        activation = getattr(child, "activation", None)
+        linear = activation is None or activation is keras.activations.linear
+        if _holds_layers(child) or (selective.is_kernel_layer(child) and not linear):
+            found.append(child)
+    return found
+
+
+def nested_names(layers):
+    """Per layer id, its name, prefixed with those of the layers among
+    `layers` that hold it (`"transformer_layer_0/self_attention"`)."""
+    below = {
+        id(layer): {id(i) for i in hooks.flatten_layers(layer, include_self=False)}
+        for layer in layers
+    }
+    names = {}
+
+    def name(layer):
+        if id(layer) not in names:
+            holders = [o for o in layers if id(layer) in below[id(o)]]
+            # The innermost holder: the one the other holders hold.
+            up = next(
+                (o for o in holders if all(o is h or id(o) in below[id(h)] for h in holders)),
+                None,
+            )
+            names[id(layer)] = f"{name(up)}/{layer.name}" if up is not None else layer.name
+        return names[id(layer)]
+
+    for layer in layers:
+        name(layer)
+    return names
+
+
 def match_blocks(model, patterns):
     """The layers of `model` (nested ones included) matching the names or
     glob patterns, in model order.
@@ -270,7 +315,10 @@ def search_families(model):
     graph (if it has any), whose coarser segmentations the search merges.
     A model whose nested blocks are few or small beside the flat graph
     around them (ConvNeXt's 18 blocks sit inline between 4 nested
-    `Sequential`s) is served by the second.
+    `Sequential`s) is served by the second. With at most `NESTED_UP_TO`
+    nested blocks (a 2-layer GPT-2), a third: those blocks and the blocks
+    inside them (`inner_blocks`), recomputed inside their replays; a flat
+    plan of so few blocks keeps a whole block's activations at its replay.
 
     Returns:
         A list of `(layers, segments)` pairs, one of each pair empty.
@@ -282,6 +330,10 @@ def search_families(model):
     layers = auto_layer_blocks(model)
     if layers:
         families.append((layers, []))
+    if 0 < len(layers) <= NESTED_UP_TO:
+        nested = [b for layer in layers for b in [layer] + inner_blocks(layer)]
+        if len(nested) > len(layers):
+            families.append((nested, []))
     if hooks.is_functional(model):
         _, cuts = cut_points(model)
         if cuts:

@@ -44,8 +44,10 @@ class Recompute(keras.layers.Wrapper):
     equal the plain block's, Dropout and BatchNormalization included (the
     recompute reads the seeds and batch statistics the forward saw). The
     mechanism is the one of `GradBoostModel.compile(recompute=...)`, usable
-    in any Keras model or custom training loop. Nested recompute blocks
-    inside `layer` run as they are.
+    in any Keras model or custom training loop. A `Recompute` inside
+    `layer` recomputes inside this one's replay (nested recompute: the
+    inner block runs three times in a step, and this block's backward holds
+    its activations less the inner block's).
 
     Args:
         layer: the Keras layer (a block: a layer, `Sequential` or model).

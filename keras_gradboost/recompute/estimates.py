@@ -235,10 +235,32 @@ def estimate(model, forward, input_spec, keys, selective=False):
         )
         for key in ordered
     }
+    _place_nested_blocks(per_block, probe.calls)
     _place_outside_weights(per_block, probe.calls, operations[:backward_start], trainable)
     _place_outside_activations(per_block, probe.calls, cached, operations)
     sizes = {name: _bytes(t) for name, t in cached.items()}
     return total, per_block, sizes
+
+
+def _place_nested_blocks(per_block, calls):
+    """Adds to each block's figures `parent`: the key of the innermost
+    other block whose calls hold all of its calls (None: a block at the
+    top). Such a block is recomputed inside its parent's replay when both
+    are chosen (`mechanism`), and its activations are among its parent's."""
+    spans = {key: [(start, end) for start, end, _, _ in calls.get(key, [])] for key in per_block}
+    for key, figures in per_block.items():
+        holders = [
+            other
+            for other in per_block
+            if other != key
+            and spans[key]
+            and all(any(s <= a and b <= e for s, e in spans[other]) for a, b in spans[key])
+            and spans[other] != spans[key]
+        ]
+        # The innermost: the holder with the shortest span.
+        figures["parent"] = min(
+            holders, key=lambda k: sum(e - s for s, e in spans[k]), default=None
+        )
 
 
 def _place_outside_activations(per_block, calls, cached, operations):
@@ -262,8 +284,11 @@ def _place_outside_weights(per_block, calls, forward_ops, trainable):
     outside every block between its calls and the next block's (or the
     end; a stem's, a head's), by name, to bytes; and to the first block's
     `before`: those read before any block (their gradients come last)."""
-    ranges = sorted(
-        (start, end, key) for key in per_block for start, end, _, _ in calls.get(key, [])
+    ranges = sorted(  # of the blocks at the top: a nested block's are its parent's
+        (start, end, key)
+        for key in per_block
+        if per_block[key].get("parent") is None
+        for start, end, _, _ in calls.get(key, [])
     )
     inside = set()
     for figures in per_block.values():
@@ -497,10 +522,12 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
     The backward pass runs the blocks from the last (`per_block`'s order is
     the forward's) to the first: when it reaches a block, the blocks after
     it have freed what they kept, and this block's activations are all
-    alive (kept, or rebuilt when it is recomputed), with the activations
-    made outside every block until its end (`outside_before`: its outputs
-    among them; those made after it are freed; figures without it, such as
-    a merged segment layout's, count them all at every moment). The peak
+    alive (kept, or rebuilt when it is recomputed; a chosen block nested
+    in it holds only its inputs until its own replay, `_nested_moments`),
+    with the activations made outside every block until its end
+    (`outside_before`: its outputs among them; those made after it are
+    freed; figures without it, such as a merged segment layout's, count
+    them all at every moment). The peak
     is the largest of those moments and the end of the forward, on top of
     the recomputed blocks' inputs. So recomputing the last block saves at
     most what is made after it (a head's activations, freed before its
@@ -532,13 +559,17 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
     for key in chosen:
         dropped |= per_block[key]["inside"]
     kept = total - sum(sizes[name] for name in dropped)
+    parent = {key: per_block[key].get("parent") for key in per_block}
     extra = {}
     for key in chosen:
+        if _chosen_ancestor(key, parent, chosen):
+            continue  # its inputs are among its ancestor's rebuilt activations
         for name, size in per_block[key]["input_roots"].items():
             if name not in sizes or name in dropped:
                 extra[name] = size
-    inside = {key: per_block[key]["cached"] for key in per_block}
-    kept_inside = {key: 0 if key in chosen else inside[key] for key in per_block}
+    held, inside = _nested_moments(per_block, parent, chosen)
+    top = {key: per_block[key] for key in per_block if parent[key] is None}
+    kept_inside = {key: 0 if key in chosen else held[key] for key in top}
     outside = max(0, kept - sum(kept_inside.values()))
 
     def outside_at(key):  # made outside every block until `key`'s end: alive then
@@ -546,8 +577,8 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
             return outside
         return min(outside, per_block[key].get("outside_before", outside))
 
-    keys = list(per_block)
-    grads, after, first, unplaced = _block_gradients(per_block, gradient_bytes)
+    keys = list(top)
+    grads, after, first, unplaced = _block_gradients(top, gradient_bytes)
     worst = max(
         outside + sum(kept_inside.values()),  # the end of the forward
         outside_at(keys[0] if keys else None) + first,
@@ -559,6 +590,42 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
         following = keys[i + 1] if i + 1 < len(keys) else None
         worst = max(worst, outside_at(following) + before + after[key])
     return sum(extra.values()) + worst + unplaced
+
+
+def _chosen_ancestor(key, parent, chosen):
+    while parent.get(key) is not None:
+        key = parent[key]
+        if key in chosen:
+            return True
+    return False
+
+
+def _nested_moments(per_block, parent, chosen):
+    """Per block, `(held, moment)`: the bytes of its activations alive when
+    the backward enters it (kept, or rebuilt when it is recomputed; its
+    chosen nested blocks' own activations left out, their inputs in), and
+    the most alive while the backward is inside it (a nested block's
+    replay, or a nested block's own nested replays, on top)."""
+    children = {key: [] for key in per_block}
+    for key, up in parent.items():
+        if up is not None:
+            children[up].append(key)
+    held, moment = {}, {}
+
+    def visit(key):
+        if key in held:
+            return
+        base, rise = per_block[key]["cached"], 0
+        for child in children[key]:
+            visit(child)
+            mine = 0 if child in chosen else held[child]
+            base -= per_block[child]["cached"] - mine
+            rise = max(rise, moment[child] - mine)
+        held[key], moment[key] = base, base + rise
+
+    for key in per_block:
+        visit(key)
+    return held, moment
 
 
 def _block_gradients(per_block, gradient_bytes):

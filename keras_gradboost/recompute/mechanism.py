@@ -11,6 +11,11 @@ forward only.
 marked with `mark(layer)`, which puts a dispatcher in front of their `call`:
 it recomputes only inside `active(plan)` (GradBoostModel's training forward,
 for the blocks its plan chose) and is a plain call everywhere else.
+
+Chosen blocks nest: a chosen block inside a recomputed one runs plain in
+the forward (nothing is kept there anyway) and recomputes inside the outer
+block's replay, so the outer block's backward holds its activations less
+the inner block's, plus the inner block's while its own backward runs.
 """
 
 import contextlib
@@ -52,6 +57,7 @@ def active(layer_ids, selective=False):
             layer.name,
             layer.trainable_variables,
             selective=selective,
+            nested=None if selective else handle,
         )
         return fn(*args, **kwargs)
 
@@ -91,7 +97,7 @@ def snapshot(variables):
         return [(v, tf.identity(v.value)) for v in variables]
 
 
-def recomputed(fn, state, name="block", weights=(), selective=False):
+def recomputed(fn, state, name="block", weights=(), selective=False, nested=None):
     """`fn` with the same forward, whose backward recomputes `fn`'s forward.
 
     Args:
@@ -110,12 +116,18 @@ def recomputed(fn, state, name="block", weights=(), selective=False):
         selective: keep the outputs of the kernel layers `fn` calls (marked
             ones, see `selective`) and recompute only the rest. Defaults to
             `False` (everything is recomputed).
+        nested: the handler (see `_handling`) of the marked layers `fn`
+            calls during the replay: `active`'s own, so chosen blocks inside
+            this one recompute inside its replay. Defaults to `None` (they
+            run as they are).
 
     Returns:
         A function with `fn`'s signature.
     """
 
     def call(*args, **kwargs):
+        if getattr(_LOCAL, "replay", None) is not None:  # inside a replay
+            return _recomputed_in_replay(fn, state, name, weights, nested)(*args, **kwargs)
         flat = tf.nest.flatten((args, kwargs))
         positions = _tensor_positions(flat, name)
 
@@ -153,8 +165,8 @@ def recomputed(fn, state, name="block", weights=(), selective=False):
                     with hooks.update_recording_scope(
                         _after_state(upstream, saved) + held
                     ) as scope, hooks.autocast(dtype), depthwise.running(native), (
-                        _handling(replay) if kept else _plain()
-                    ):
+                        _handling(replay) if kept else _handling(nested)
+                    ), _replaying(scope, [v for v, _ in held]):
                         again = fn(*a, **k)
                 if kept:
                     kept.check_replayed(replay)
@@ -179,6 +191,117 @@ def recomputed(fn, state, name="block", weights=(), selective=False):
         return tf.nest.pack_sequence_as(structure[0], flat_outputs)
 
     return call
+
+
+@contextlib.contextmanager
+def _replaying(scope, weights):
+    """Marks a replay: `recomputed` blocks called inside it (nested chosen
+    blocks) take `_recomputed_in_replay`, which reads the variables from
+    `scope` as the replay does; `weights` are the replay's held weights."""
+    previous = getattr(_LOCAL, "replay", None)
+    _LOCAL.replay = (scope, {id(v) for v in weights})
+    try:
+        yield
+    finally:
+        _LOCAL.replay = previous
+
+
+def _recomputed_in_replay(fn, state, name, weights, nested):
+    """`recomputed` for a block called inside another block's replay.
+
+    There every variable the outer block reads is a tensor of the outer
+    replay's scope (the values the forward saw), and a `tf.custom_gradient`
+    differentiates only its inputs and the variables it reads: the block's
+    weights are passed in as inputs, and its gradient returns theirs. Its
+    state is read from the outer scope here (as the forward saw it at this
+    point), and what it updates goes back to that scope. Reading a weight
+    of another layer of the outer block would lose that weight's gradient:
+    refused.
+    """
+
+    def call(*args, **kwargs):
+        outer, outer_weights = _LOCAL.replay
+        flat = tf.nest.flatten((args, kwargs))
+        positions = _tensor_positions(flat, name)
+        count = len(positions)
+
+        def rebuild(tensors):
+            values = list(flat)
+            for i, tensor in zip(positions, tensors):
+                values[i] = tensor
+            return tf.nest.pack_sequence_as((args, kwargs), values)
+
+        here = hooks.scope_values(outer)  # (variable, value) as the replay has them now
+        own = {id(v) for v in weights}
+        others = [(v, t) for v, t in here if id(v) not in own]
+        with hooks.autocast(None):
+            weight_values = [tf.convert_to_tensor(v.value) for v in weights]
+        saved = snapshot(state)  # as the forward saw it here
+        dtype = hooks.current_autocast()
+        native = depthwise.current()
+        structure = []
+
+        def scope(weight_tensors, state_values):
+            return hooks.update_recording_scope(
+                others + state_values + list(zip(weights, weight_tensors))
+            )
+
+        @tf.custom_gradient
+        def forward(*tensors):
+            a, k = rebuild(tensors[:count])
+            with hooks.stop_recording(), scope(tensors[count:], saved) as inner, _plain():
+                outputs = fn(*a, **k)
+            _refuse_foreign_weights(inner.read & (outer_weights - own), here, name)
+            for variable in inner.updated:  # the outer replay reads them after
+                outer.add_update((variable, hooks.scope_value(inner, variable)))
+            structure.append(outputs)
+
+            def grad(*upstream, variables=None):
+                variables = list(variables or ())
+                inputs = _after(upstream, tensors[:count]) + list(tensors[count:])
+                with tf.GradientTape() as tape:
+                    tape.watch([t for t in inputs if t.dtype.is_floating])
+                    a, k = rebuild(inputs[:count])
+                    with scope(inputs[count:], _after_state(upstream, saved)) as replay, (
+                        hooks.autocast(dtype)
+                    ), depthwise.running(native), _handling(nested), _replaying(
+                        replay, weights
+                    ):
+                        again = fn(*a, **k)
+                _refuse_unsaved_updates(replay.updated, others + saved, name)
+                grads = tape.gradient(
+                    tf.nest.flatten(again),
+                    inputs + variables,
+                    output_gradients=list(upstream),
+                )
+                return grads[: len(inputs)], grads[len(inputs) :]
+
+            return tf.nest.flatten(outputs), grad
+
+        flat_outputs = forward(*[flat[i] for i in positions], *weight_values)
+        return tf.nest.pack_sequence_as(structure[0], flat_outputs)
+
+    return call
+
+
+def _refuse_foreign_weights(read, here, name):
+    """Raises if a block recomputed inside another's replay read a weight
+    of the outer block that is not its own: that read is a tensor of the
+    outer replay, and its gradient would be silently lost.
+
+    Raises:
+        ValueError: naming the weights and the fix.
+    """
+    if not read:
+        return
+    paths = ", ".join(repr(getattr(v, "path", v.name)) for v, _ in here if id(v) in read)
+    raise ValueError(
+        f"Cannot recompute block {name!r} inside the recompute of the block "
+        f"that holds it: it reads the weight(s) {paths}, which belong to "
+        "another layer of the outer block (tied weights), and their gradient "
+        "through it would be lost. Recompute the outer block or the inner "
+        "one, not both."
+    )
 
 
 def _refuse_unsaved_updates(updated, saved, name):
@@ -281,10 +404,10 @@ class _Dispatch:
         handler = getattr(_LOCAL, "handler", None)
         if handler is None:
             return original(*args, **kwargs)
-        if getattr(handler, "reaches_nested", False):  # selective's own
-            return handler(self.layer, original, args, kwargs)
-        with _plain():  # nested marked blocks run as they are
-            return handler(self.layer, original, args, kwargs)
+        # The handler reaches marked layers nested in this one too: a
+        # recomputed block's forward runs them plain (`recomputed`), a
+        # block that is not chosen passes them on.
+        return handler(self.layer, original, args, kwargs)
 
 
 def mark(layer):

@@ -123,7 +123,6 @@ class Kept:
             self.activations.append(activation)
             return linear if activation is None else activation(linear)
 
-        handle.reaches_nested = True
         return handle
 
     def replay(self, tensors):
@@ -165,7 +164,6 @@ class Kept:
             activation = self.activations[i]
             return value if activation is None else activation(value)
 
-        handle.reaches_nested = True
         handle.calls = calls
         return handle
 

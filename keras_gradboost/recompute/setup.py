@@ -32,6 +32,7 @@ from keras_gradboost.recompute.budget import estimated_peak
 from keras_gradboost.recompute.budget import groups_of
 from keras_gradboost.recompute.budget import merge
 from keras_gradboost.recompute.choice import choose
+from keras_gradboost.recompute.choice import nested_names
 from keras_gradboost.recompute.choice import search_families
 from keras_gradboost.recompute.choice import segment_layouts
 from keras_gradboost.recompute.choice import segments
@@ -103,7 +104,7 @@ class RecomputeSetup:
     def names(self):
         if self.segments:
             return {i: s.name for i, s in enumerate(self.segments)}
-        return {id(layer): layer.name for layer in self.layers}
+        return nested_names(self.layers)
 
     # -------------------------------------------------------------- lifecycle
 

@@ -211,6 +211,41 @@ def test_the_peak_follows_the_backward_from_the_last_block(chosen, peak):
 @pytest.mark.parametrize(
     "chosen, peak",
     [
+        ((), 65),  # everything kept
+        ((0, 1), 35),  # flat: one whole block rebuilt, the other kept
+        ((0,), 35),
+        # Nested: a block's replay holds its activations less its nested
+        # blocks' (30 - 22), and then the larger nested block's (12).
+        ((0, "0a", "0b", 1, "1a", "1b"), 5 + 8 + 12),
+        ((0, "0a", "0b", "1a", "1b"), 5 + 8 + 12),  # block 1 kept but for its nested ones
+        (("1a", "1b"), 5 + 30 + 8 + 12),  # block 0 kept whole at block 1's moment
+    ],
+)
+def test_blocks_recomputed_inside_recomputed_blocks(chosen, peak):
+    """Two blocks of 30 bytes (in forward order), each holding two nested
+    blocks of 10 and 12 bytes and 8 bytes of its own (the first nested
+    block's output, the second's input); 5 bytes held by no block. By hand:
+    a nested block inside a recomputed one is recomputed in its replay
+    (`mechanism`), so that replay holds 8 bytes, then 8 + 12 during the
+    second nested block's own replay."""
+    figures = {}
+    for k in (0, 1):
+        figures[k] = {"cached": 30, "inputs": 1, "flops": 3.0,
+                      "inside": {f"a{k}", f"b{k}", f"m{k}"}, "input_roots": {f"out{k - 1}": 1}}
+        figures[f"{k}a"] = {"cached": 10, "inputs": 1, "flops": 1.0, "inside": {f"a{k}"},
+                            "input_roots": {f"out{k - 1}": 1}, "parent": k}
+        figures[f"{k}b"] = {"cached": 12, "inputs": 8, "flops": 1.0, "inside": {f"b{k}"},
+                            "input_roots": {f"m{k}": 8}, "parent": k}
+    sizes = {"out-1": 1, "out0": 1, "rest": 3}
+    for k in (0, 1):
+        sizes.update({f"a{k}": 10, f"b{k}": 12, f"m{k}": 8})
+    assert sum(sizes.values()) == 65
+    assert recompute.plan_bytes(65, figures, sizes, chosen) == peak
+
+
+@pytest.mark.parametrize(
+    "chosen, peak",
+    [
         ((), 35),  # the end of the forward: everything
         ((0, 1, 2), 2 + 10),  # block 1's moment: its rebuild, the 2 made before it
         ((1, 2), 2 + 10 + 10),  # block 1's moment: block 0 kept, block 1 rebuilt

@@ -137,8 +137,11 @@ def test_subclassed_and_boosted_models(data):
     rc = boost(Net())
     train(plain, x, y)
     train(rc, x, y, recompute="auto")
-    # "auto" leaves out the block the backward meets first (the same peak).
-    assert rc.recompute_plan().recomputed == ["blk_0"]
+    # "auto" leaves out the block the backward meets first (the same peak);
+    # with two blocks it also recomputes the gelu Dense inside each (nested).
+    recomputed = rc.recompute_plan().recomputed
+    assert "blk_0" in recomputed and "blk_1" not in recomputed, recomputed
+    assert any(name.startswith("blk_1/") for name in recomputed), recomputed
     assert_same_state(plain, rc)
 
 
