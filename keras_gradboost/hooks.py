@@ -230,6 +230,19 @@ def scope_values(scope):
     return [(v, scope.state_mapping[i]) for i, v in scope.variables.items()]
 
 
+def onednn_enabled():
+    """Whether TensorFlow runs its CPU kernels with oneDNN (on by default
+    only on CPUs with AVX-512 and newer; `TF_ENABLE_ONEDNN_OPTS` overrides).
+    Reads TensorFlow's private `_pywrap_util_port.IsMklEnabled`; None when
+    it is gone."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+    except ImportError:
+        return None
+    check = getattr(_pywrap_util_port, "IsMklEnabled", None)
+    return bool(check()) if check else None
+
+
 def keras_saveable_class():
     """`keras.src.saving.keras_saveable.KerasSaveable`, the base of what
     Keras' saving walk visits (layers, optimizers, metrics): an object of a

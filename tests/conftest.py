@@ -1,4 +1,5 @@
-"""Test set-up: quiet TensorFlow, and two logical CPUs for MirroredStrategy.
+"""Test set-up: quiet TensorFlow with allocator statistics, and two logical
+CPUs for MirroredStrategy.
 
 The logical device split must happen before TensorFlow initialises its
 devices, so it is done here, at collection time, for the whole session.
@@ -8,6 +9,10 @@ import importlib.util
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Allocator statistics and the profiler's memory events on a CPU need
+# TensorFlow's BFC allocator, which is the default on some CPUs only (not
+# on an AMD EPYC without AVX-512): the peak tests read them.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import keras
 import keras_gradboost as kgb
+from keras_gradboost import hooks
 
 pytestmark = pytest.mark.slow
 
@@ -290,9 +291,18 @@ def _check_resnet50_peak(recompute_setting, requested_peak, piling):
         plan = model.recompute_plan(batch_size=16)
         estimated, all_at_once = plan.peak_bytes, plan.bytes_with + plan.gradient_bytes
     assert plan.gradients_pile_up == piling
+    # Where oneDNN is off (CPUs without AVX-512), TensorFlow's Eigen
+    # convolution kernels allocate working buffers the estimate leaves out
+    # (up to ~30 MiB per backward convolution, two running at once; "auto"
+    # requested 66.5-71 MiB against 52.5 estimated, 51.4 with oneDNN on):
+    # the plan must say so, and the excess stay within two such buffers.
+    assert plan.eigen_convolutions == (hooks.onednn_enabled() is False)
+    buffers = 2 * 30 * 2**20 if plan.eigen_convolutions else 0
+    if plan.eigen_convolutions:
+        assert "Eigen kernels" in str(plan)
     if piling:
         assert estimated == all_at_once and "dependency optimizer is off" in str(plan)
-        assert 0.85 <= measured / estimated <= 1.2  # the estimate by moments: 0.35
+        assert 0.85 * estimated <= measured <= 1.2 * estimated + buffers  # by moments: 0.35
         return
-    assert 0.85 <= measured / estimated <= 1.15
+    assert 0.85 * estimated <= measured <= 1.15 * estimated + buffers
     assert measured / all_at_once < 0.85  # the old estimate would fail here

@@ -199,3 +199,9 @@ def test_the_update_recording_scope_sees_reads_assignments_and_values():
     np.testing.assert_allclose(hooks.scope_value(scope, seen), [3.0, 3.0])
     assert hooks.scope_value(scope, outside) is None
     np.testing.assert_allclose(assigned.numpy(), [0.0, 0.0])  # not assigned
+
+
+def test_onednn_enabled_reads_tensorflows_own_flag():
+    """TensorFlow's `IsMklEnabled` (private): a bool here; the recompute
+    plan's `eigen_convolutions` note depends on it."""
+    assert isinstance(hooks.onednn_enabled(), bool)

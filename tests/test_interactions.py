@@ -216,7 +216,9 @@ class Cell:
             f"spe{self.steps_per_execution}",
             "xla" if self.jit_compile else "noxla",
             {"none": "f32", "fixed": "f32fixed", "dynamic16": "f16dyn"}[self.scaling],
-            "rc-" + {"auto": "auto", "selective": "sel"}.get(self.recompute, "list")
+            "rc-" + {"auto": "auto", "selective": "sel"}.get(
+                self.recompute, "nested" if len(self.recompute) > 1 else "list"
+            )
             if self.recompute
             else "rc-off",
             "cb-" + self.callbacks,
@@ -270,6 +272,15 @@ SPECIFIC = [
     _cell(dict(model="residual", recompute="selective", scaling="dynamic16",
                accumulate_steps=K, jit_compile=True, watcher="restore")),
     _cell(dict(model="residual", recompute="selective", accumulate_steps=K,
+               steps_per_execution=3, optimizer="momentum", devices="mirrored",
+               watcher="skip", bad=2), backup=True),
+    # Nested recompute (each block and the Dense layers inside it, which
+    # recompute inside the block's replay) x NaN replay, a float16 dynamic
+    # loss scale, accumulation and XLA with a restore; and on
+    # MirroredStrategy with chunks of 3 resumed from a mid-window backup.
+    _cell(dict(model="residual", recompute=("block_*", "inner_*"), scaling="dynamic16",
+               accumulate_steps=K, jit_compile=True, watcher="restore")),
+    _cell(dict(model="residual", recompute=("block_*", "inner_*"), accumulate_steps=K,
                steps_per_execution=3, optimizer="momentum", devices="mirrored",
                watcher="skip", bad=2), backup=True),
     # Accumulate x restore, plain SGD (no optimizer slots): micro-batch 4 is
@@ -420,10 +431,10 @@ def build(kind, cls, seed=0):
             small = keras.initializers.RandomNormal(stddev=0.1)
             block = keras.Sequential(
                 [
-                    keras.layers.Dense(16, activation="tanh"),
+                    keras.layers.Dense(16, activation="tanh", name=f"inner_{i}a"),
                     # Small residual branches: gradients times the dynamic
                     # loss scale's 2**15 stay below float16's 65504.
-                    keras.layers.Dense(8, kernel_initializer=small),
+                    keras.layers.Dense(8, kernel_initializer=small, name=f"inner_{i}b"),
                 ],
                 name=f"block_{i}",
             )

@@ -401,6 +401,7 @@ class RecomputeSetup:
             peak_bytes=plan_bytes(total, per_block, sizes, self.chosen, gradients),
             peak_bytes_without=plan_bytes(total, per_block, sizes, (), gradients),
             gradients_pile_up=gradients_pile_up(),
+            eigen_convolutions=_eigen_convolutions(model),
         )
 
     def report(self, model, batch_size=None):
@@ -450,6 +451,17 @@ class RecomputeSetup:
                 per_block, plan.gradient_bytes
             )
         return plan
+
+
+def _eigen_convolutions(model):
+    """Whether the model's convolutions run on TensorFlow's Eigen kernels
+    (a CPU with oneDNN off; see `RecomputePlan.eigen_convolutions`)."""
+    if hooks.onednn_enabled() is not False or tf.config.list_physical_devices("GPU"):
+        return False
+    return any(
+        "Conv" in type(layer).__name__
+        for layer in hooks.flatten_layers(model, include_self=False)
+    )
 
 
 def _unknown_dims(spec):
