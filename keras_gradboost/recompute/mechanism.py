@@ -166,7 +166,7 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
                         _after_state(upstream, saved) + held
                     ) as scope, hooks.autocast(dtype), depthwise.running(native), (
                         _handling(replay) if kept else _handling(nested)
-                    ), _replaying(scope, [v for v, _ in held]):
+                    ), _replaying(scope, [id(v) for v, _ in held]):
                         again = fn(*a, **k)
                 if kept:
                     kept.check_replayed(replay)
@@ -194,12 +194,13 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
 
 
 @contextlib.contextmanager
-def _replaying(scope, weights):
+def _replaying(scope, weight_ids):
     """Marks a replay: `recomputed` blocks called inside it (nested chosen
     blocks) take `_recomputed_in_replay`, which reads the variables from
-    `scope` as the replay does; `weights` are the replay's held weights."""
+    `scope` as the replay does; `weight_ids` are the ids of the weights
+    `scope` holds as tensors (this replay's and its outer replays')."""
     previous = getattr(_LOCAL, "replay", None)
-    _LOCAL.replay = (scope, {id(v) for v in weights})
+    _LOCAL.replay = (scope, frozenset(weight_ids))
     try:
         yield
     finally:
@@ -265,7 +266,7 @@ def _recomputed_in_replay(fn, state, name, weights, nested):
                     with scope(inputs[count:], _after_state(upstream, saved)) as replay, (
                         hooks.autocast(dtype)
                     ), depthwise.running(native), _handling(nested), _replaying(
-                        replay, weights
+                        replay, outer_weights | own
                     ):
                         again = fn(*a, **k)
                 _refuse_unsaved_updates(replay.updated, others + saved, name)

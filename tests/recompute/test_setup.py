@@ -184,3 +184,25 @@ def test_budget_candidates_are_autos_layers_or_every_segment():
     layers, pieces = recompute.budget_candidates(model)
     _, cuts = recompute.cut_points(model)
     assert layers == [] and len(pieces) == len(cuts) + 1 and pieces[-1].last
+
+
+@pytest.mark.parametrize("onednn, has_conv, noted", [
+    (False, True, True),  # Eigen's convolution kernels: their buffers are not estimated
+    (True, True, False),
+    (False, False, False),  # no convolution: nothing to say
+])
+def test_the_plan_says_when_eigen_convolution_buffers_are_left_out(
+    monkeypatch, onednn, has_conv, noted
+):
+    from keras_gradboost import hooks
+
+    monkeypatch.setattr(hooks, "onednn_enabled", lambda: onednn)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 3))
+    layer = keras.layers.Conv2D(4, 3, name="block") if has_conv else keras.layers.Dense(4, name="block")
+    h = keras.Sequential([layer], name="seq")(inputs)
+    model = GradBoostModel(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+    model.compile(optimizer="sgd", loss="mse", recompute=["seq"])
+    plan = model.recompute_plan(batch_size=4)
+    assert plan.eigen_convolutions is noted
+    assert ("Eigen kernels" in str(plan)) is noted
