@@ -264,6 +264,7 @@ def _place_nested_blocks(per_block, calls):
     top). Such a block is recomputed inside its parent's replay when both
     are chosen (`mechanism`), and its activations are among its parent's."""
     spans = {key: [(start, end) for start, end, _, _ in calls.get(key, [])] for key in per_block}
+    order = {key: i for i, key in enumerate(per_block)}
     for key, figures in per_block.items():
         holders = [
             other
@@ -271,7 +272,9 @@ def _place_nested_blocks(per_block, calls):
             if other != key
             and spans[key]
             and all(any(s <= a and b <= e for s, e in spans[other]) for a, b in spans[key])
-            and spans[other] != spans[key]
+            # The same calls (a wrapper and its only layer): the first in the
+            # forward's order holds the other.
+            and (spans[other] != spans[key] or order[other] < order[key])
         ]
         # The innermost: the holder with the shortest span.
         figures["parent"] = min(
@@ -725,6 +728,8 @@ def selective_rebuild(per_block, chosen):
     added, freed = 0, 0
     for key in reversed(list(per_block)):
         figures = per_block[key]
+        if figures.get("parent") is not None:
+            continue  # selective recompute does not nest: its activations are its parent's
         kernel = figures.get("kernel_cached", 0)
         if key in chosen:
             added = max(added, figures["cached"] - kernel - freed)

@@ -250,7 +250,9 @@ def _recomputed_in_replay(fn, state, name, weights, nested):
         @tf.custom_gradient
         def forward(*tensors):
             a, k = rebuild(tensors[:count])
-            with hooks.stop_recording(), scope(tensors[count:], saved) as inner, _plain():
+            with hooks.stop_recording(), scope(tensors[count:], saved) as inner, _plain(), (
+                _replaying(inner, outer_weights | own)  # a `Recompute` in it reads this scope
+            ):
                 outputs = fn(*a, **k)
             _refuse_foreign_weights(inner.read & (outer_weights - own), here, name)
             for variable in inner.updated:  # the outer replay reads them after

@@ -121,7 +121,10 @@ def test_the_recompute_wrapper_nests(data):
         return tape.gradient(loss, outer.trainable_variables)
 
     seeds = [np.asarray(v) for v in outer.non_trainable_variables]
-    expected = gradients(outer)
+    def plain(h, training):  # the same layers, no recompute at all
+        return outer.dense(outer.inner.layer(h, training=training))
+
+    expected = gradients(plain)
     for v, value in zip(outer.non_trainable_variables, seeds):  # the same masks
         v.assign(value)
     got = gradients(wrapped)
@@ -182,3 +185,59 @@ def test_the_plan_names_nested_blocks_and_counts_them_inside(data):
     # The outer blocks' rows are the same in both plans.
     rows = {b.name: b.cached_bytes for b in nested.blocks}
     assert all(rows[b.name] == b.cached_bytes for b in outer.blocks)
+
+
+class _DenseDrop(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(WIDTH, activation="gelu")
+        self.drop = keras.layers.Dropout(0.5, seed=7)
+
+    def build(self, input_shape):
+        self.dense.build(input_shape)
+
+    def call(self, x, training=None):
+        return self.drop(self.dense(x), training=training)
+
+
+class _SharedTwice(keras.layers.Layer):
+    """A `Recompute`d Dropout block called twice: two different masks."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        block = _DenseDrop(name="dense_drop")
+        block.build((None, WIDTH))
+        self.shared = recompute.Recompute(block)
+
+    def call(self, x, training=None):
+        return self.shared(self.shared(x, training=training), training=training)
+
+
+class _Outer3(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.twice = _SharedTwice(name="twice")
+        self.dense = keras.layers.Dense(WIDTH)
+
+    def call(self, x, training=None):
+        return self.dense(self.twice(x, training=training))
+
+
+def test_three_levels_with_a_shared_dropout_block(data):
+    """A `Recompute`d Dropout block called twice inside a chosen block
+    nested in another: each call reads the seed its forward read (the
+    nested replay's own scope), so the two masks differ as in the forward
+    and training equals the same model without `compile`'s recompute."""
+    x, y = data
+
+    def model():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5,))
+        h = keras.layers.Dense(WIDTH, name="stem")(inputs)
+        h = _Outer3(name="outer3")(h)
+        return GradBoostModel(inputs, keras.layers.Dense(3, name="head")(h))
+
+    plain, nested = model(), model()
+    train(plain, x, y)
+    train(nested, x, y, recompute=["outer3", "twice"])
+    assert_same_state(plain, nested)
