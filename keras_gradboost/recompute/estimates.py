@@ -276,9 +276,10 @@ def _place_nested_blocks(per_block, calls):
             # forward's order holds the other.
             and (spans[other] != spans[key] or order[other] < order[key])
         ]
-        # The innermost: the holder with the shortest span.
+        # The innermost: the holder with the shortest span (of equal ones,
+        # the last in the forward's order).
         figures["parent"] = min(
-            holders, key=lambda k: sum(e - s for s, e in spans[k]), default=None
+            holders, key=lambda k: (sum(e - s for s, e in spans[k]), -order[k]), default=None
         )
 
 

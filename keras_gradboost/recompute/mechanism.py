@@ -131,11 +131,7 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
         flat = tf.nest.flatten((args, kwargs))
         positions = _tensor_positions(flat, name)
 
-        def rebuild(tensors):
-            values = list(flat)
-            for i, tensor in zip(positions, tensors):
-                values[i] = tensor
-            return tf.nest.pack_sequence_as((args, kwargs), values)
+        rebuild = _rebuilder(args, kwargs, flat, positions)
 
         saved = snapshot(state)  # as the forward finds it, before it updates it
         held = snapshot(weights)  # the weights as the forward reads them
@@ -226,11 +222,7 @@ def _recomputed_in_replay(fn, state, name, weights, nested):
         positions = _tensor_positions(flat, name)
         count = len(positions)
 
-        def rebuild(tensors):
-            values = list(flat)
-            for i, tensor in zip(positions, tensors):
-                values[i] = tensor
-            return tf.nest.pack_sequence_as((args, kwargs), values)
+        rebuild = _rebuilder(args, kwargs, flat, positions)
 
         here = hooks.scope_values(outer)  # (variable, value) as the replay has them now
         own = {id(v) for v in weights}
@@ -305,6 +297,19 @@ def _refuse_foreign_weights(read, here, name):
         "through it would be lost. Recompute the outer block or the inner "
         "one, not both."
     )
+
+
+def _rebuilder(args, kwargs, flat, positions):
+    """A function putting new tensors at `positions` of a call's flattened
+    arguments (`_tensor_positions`); returns `(args, kwargs)`."""
+
+    def rebuild(tensors):
+        values = list(flat)
+        for i, tensor in zip(positions, tensors):
+            values[i] = tensor
+        return tf.nest.pack_sequence_as((args, kwargs), values)
+
+    return rebuild
 
 
 def _refuse_unsaved_updates(updated, saved, name):
