@@ -292,9 +292,10 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 again (`{"policy": "full", "blocks": b}` is `b`).
                 See `recompute_plan()`. Defaults to `None`.
             recompute_check: if True, the first training batch is run once
-                without recompute and once with each block recomputed, and a
-                `RecomputeCheckError` names a block that changes a gradient.
-                Defaults to `False`.
+                without recompute and once with each block recomputed (and
+                each block holding chosen blocks, with them recomputed inside
+                its replay), and a `RecomputeCheckError` names a block that
+                changes a gradient. Defaults to `False`.
             accumulate_check: if True, before the first accumulation window's
                 update, its accumulated gradient is compared with the
                 gradient of one step on its micro-batches concatenated (no

@@ -1,5 +1,6 @@
 """`recompute_check=True`: gradients with each block recomputed must equal
-the gradients without recompute, on the first training batch."""
+the gradients without recompute, on the first training batch; and so must
+each block that holds chosen blocks, recomputed with them (nested)."""
 
 import keras
 import numpy as np
@@ -29,7 +30,8 @@ class RecomputeCheckError(RuntimeError):
 
 
 def check(model, setup, batch, rtol=None):
-    """Compares gradients without recompute and with each block recomputed.
+    """Compares gradients without recompute and with each block recomputed
+    (then each block holding chosen blocks, recomputed with them).
 
     Runs once, on `batch`, without changing any variable: moving statistics,
     seed-generator states and metrics are read through a `StatelessScope`,
@@ -84,3 +86,43 @@ def check(model, setup, batch, rtol=None):
                 path,
                 difference,
             )
+    # Each block alone replays plain inside; a chosen block inside another
+    # is replayed as a recomputed block within the outer block's replay
+    # (a third forward of it, with its state read from the outer scope):
+    # that path is checked with the outer block and all it holds.
+    for key, inner in _nested(setup):
+        found = gradient_diff.differing(
+            variables, reference, gradients((key, *inner)), rtol
+        )
+        path, difference = found[0] if found else (None, 0.0)
+        if path is not None:
+            held = ", ".join(repr(names[k]) for k in inner)
+            raise RecomputeCheckError(
+                f"recompute_check: recomputing block {names[key]!r} with the "
+                f"block(s) {held} recomputed inside its replay changes the "
+                f"gradient of {path!r} (largest difference {difference:.3g}; "
+                "a None gradient on one side counts as inf), while each block "
+                "recomputed alone does not. The inner blocks' third forward "
+                "pass (inside the outer replay) does not repeat the first: "
+                "typical causes are state changed in Python during call() or "
+                "a random op that does not use a Keras seed generator. Leave "
+                "the outer block or the inner ones out of `recompute`.",
+                names[key],
+                path,
+                difference,
+            )
+
+
+def _nested(setup):
+    """`(key, inner keys)` of each chosen block holding chosen blocks, in
+    model order."""
+    if setup.segments:  # segments of a functional graph do not nest
+        return []
+    chosen = [layer for layer in setup.layers if id(layer) in setup.chosen]
+    groups = []
+    for layer in chosen:
+        below = {id(l) for l in hooks.flatten_layers(layer, include_self=False)}
+        inner = tuple(id(l) for l in chosen if id(l) in below)
+        if inner:
+            groups.append((id(layer), inner))
+    return groups

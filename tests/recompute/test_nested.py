@@ -241,3 +241,41 @@ def test_three_levels_with_a_shared_dropout_block(data):
     train(plain, x, y)
     train(nested, x, y, recompute=["outer3", "twice"])
     assert_same_state(plain, nested)
+
+
+def test_recompute_check_checks_the_nested_replays(data):
+    """recompute_check=True on a nested plan passes, and trains exactly as
+    no recompute."""
+    x, y = data
+    plain, checked = nested_model(), nested_model()
+    train(plain, x, y)
+    train(checked, x, y, recompute=["outer_0", "inner_0b"], recompute_check=True)
+    assert checked._gradboost.recompute_check_pending is False
+    assert_same_state(plain, checked)
+
+
+def test_recompute_check_names_a_nested_replay_that_differs(data, monkeypatch):
+    """A fault planted in the nested path only (a block recomputed inside
+    another's replay): each block recomputed alone agrees, so only the
+    nested comparison can catch it, and it names the outer and inner
+    blocks."""
+    from keras_gradboost import RecomputeCheckError
+    from keras_gradboost.recompute import mechanism
+
+    original = mechanism._recomputed_in_replay
+
+    def off_by_one_percent(*args, **kwargs):
+        call = original(*args, **kwargs)
+        return lambda *a, **k: tf.nest.map_structure(lambda t: t * 1.01, call(*a, **k))
+
+    monkeypatch.setattr(mechanism, "_recomputed_in_replay", off_by_one_percent)
+    x, y = data
+    model = nested_model()
+    before = model.get_weights()
+    with pytest.raises(RecomputeCheckError) as info:
+        train(model, x, y, recompute=["outer_0", "inner_0b"], recompute_check=True)
+    message = str(info.value)
+    assert "block 'outer_0' with the block(s) 'outer_0/inner_0b'" in message
+    assert info.value.block == "outer_0" and info.value.difference > 0
+    for a, b in zip(before, model.get_weights()):  # nothing trained
+        np.testing.assert_array_equal(a, b)
