@@ -210,7 +210,7 @@ class _Probe:
         self.calls.setdefault(key, []).append((start, end, inputs, flat))
         return outputs
 
-def estimate(model, forward, input_spec, keys, selective=False):
+def estimate(model, forward, input_spec, keys, selective=False, owned=None):
     """Traces one training step and measures what each block keeps.
 
     Args:
@@ -223,6 +223,8 @@ def estimate(model, forward, input_spec, keys, selective=False):
             recompute replays: not the matmuls and convolutions by a weight
             (the kernel layers', whose outputs it keeps). Defaults to
             `False`.
+        owned: per key, the trainable variables the block owns (its
+            layer's), for `tied_inner_blocks`; None: not recorded.
 
     Returns:
         `(bytes_without, per_block, sizes)`: total cached bytes; per key a
@@ -233,7 +235,8 @@ def estimate(model, forward, input_spec, keys, selective=False):
         tensor names to bytes), `weights` (the trainable variables it
         reads, by name, to their bytes), `largest` (bytes of its largest
         float tensor), `after` and `before` (`_place_outside_weights`),
-        `outside_before` (`_place_outside_activations`); and
+        `outside_before` (`_place_outside_activations`), `own` (with
+        `owned`: the names of the weights it owns); and
         the size of every cached tensor by name.
     """
     probe = _Probe()
@@ -252,6 +255,8 @@ def estimate(model, forward, input_spec, keys, selective=False):
         for key in ordered
     }
     _place_nested_blocks(per_block, probe.calls)
+    for key in per_block if owned else ():
+        per_block[key]["own"] = set(_handles(graph, owned.get(key, ())))
     _place_outside_weights(per_block, probe.calls, operations[:backward_start], trainable)
     _place_outside_activations(per_block, probe.calls, cached, operations)
     sizes = {name: _bytes(t) for name, t in cached.items()}
@@ -281,6 +286,23 @@ def _place_nested_blocks(per_block, calls):
         figures["parent"] = min(
             holders, key=lambda k: (sum(e - s for s, e in spans[k]), -order[k]), default=None
         )
+
+
+def tied_inner_blocks(per_block):
+    """The keys of the nested blocks that read a weight owned by another
+    layer of a block holding them (a tied projection): recomputed inside
+    that block's replay, the weight's gradient through them would be lost,
+    so the mechanism refuses them there, and "auto" leaves them out. Needs
+    `estimate(..., owned=...)`."""
+    tied = []
+    for key, figures in per_block.items():
+        ancestors, up = set(), figures.get("parent")
+        while up is not None:
+            ancestors |= per_block[up].get("own", set())
+            up = per_block[up].get("parent")
+        if set(figures["weights"]) & (ancestors - figures.get("own", set())):
+            tied.append(key)
+    return tied
 
 
 def _place_outside_activations(per_block, calls, cached, operations):
@@ -421,8 +443,13 @@ def _trainable_handles(graph, model):
     by name, to the variable's bytes (a distributed variable's: any of its
     replicas'). A variable not found is left out: its gradient then counts
     as alive throughout the backward (`plan_bytes`)."""
+    return _handles(graph, model.trainable_variables)
+
+
+def _handles(graph, variables):
+    """`_trainable_handles` of the given variables."""
     sizes = {}
-    for v in model.trainable_variables:
+    for v in variables:
         value = v.value  # a tf.Variable, or a distributed variable
         for component in getattr(value, "values", None) or (value,):
             handle = getattr(component, "handle", None)

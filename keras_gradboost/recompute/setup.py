@@ -46,6 +46,7 @@ from keras_gradboost.recompute.estimates import kept_bytes
 from keras_gradboost.recompute.estimates import largest_gradients
 from keras_gradboost.recompute.estimates import plan_bytes
 from keras_gradboost.recompute.estimates import selective_rebuild
+from keras_gradboost.recompute.estimates import tied_inner_blocks
 
 # "auto" recomputes only where its best plan is estimated to save at least
 # this share of the activation memory: the estimates leave out the
@@ -237,6 +238,7 @@ class RecomputeSetup:
             spec,
             self.keys,
             selective=self.selective,
+            owned={id(l): l.trainable_variables for l in self.layers} or None,
         )
 
     def resolve(self, model, x):
@@ -365,7 +367,11 @@ class RecomputeSetup:
                     keys = list(range(len(groups) - 1))  # the last is never recomputed
                     mine.append((family, cuts, merge(per_block, sizes, groups), keys))
             else:
-                mine.append((family, None, per_block, list(self.keys)))
+                # Not a block that reads a weight of another layer of its
+                # holder: the mechanism refuses to nest it (tied weights).
+                tied = set(tied_inner_blocks(per_block))
+                keys = [k for k in self.keys if k not in tied]
+                mine.append((family, None, per_block, keys))
             offset = len(layouts)
             layouts.extend(mine)
             for c in candidates(

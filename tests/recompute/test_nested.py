@@ -279,3 +279,50 @@ def test_recompute_check_names_a_nested_replay_that_differs(data, monkeypatch):
     assert info.value.block == "outer_0" and info.value.difference > 0
     for a, b in zip(before, model.get_weights()):  # nothing trained
         np.testing.assert_array_equal(a, b)
+
+
+class _TiedBlock(keras.layers.Layer):
+    """Holds a Dense of its own and reads its holder's Dense kernel,
+    untracked (a tied projection)."""
+
+    def __init__(self, source, **kwargs):
+        super().__init__(**kwargs)
+        self.own = keras.layers.Dense(WIDTH, activation="gelu", name="own")
+        self._source = lambda: source.kernel
+
+    def call(self, x):
+        return self.own(tf.matmul(x, self._source()))
+
+
+class _TiedHolder(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(WIDTH, activation="gelu", name="dense")
+        self.tied = _TiedBlock(self.dense, name="tied")
+
+    def call(self, x):
+        return self.tied(self.dense(x)) + x
+
+
+def test_auto_leaves_out_an_inner_block_reading_its_holders_weight(data):
+    """With two blocks "auto" also weighs the blocks inside them; one that
+    reads a weight of another layer of its holder cannot recompute inside
+    the holder's replay (the refusal above), so "auto" must not choose it:
+    it chose `h0` with `h0/tied` inside, and `fit` raised. Now it trains,
+    exactly as no recompute."""
+
+    def model():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((WIDTH,))
+        h = _TiedHolder(name="h1")(_TiedHolder(name="h0")(inputs))
+        return GradBoostModel(inputs, keras.layers.Dense(3, name="head")(h))
+
+    x, y = data
+    xs = np.tile(x, 2)[:, :WIDTH]
+    plain, auto = model(), model()
+    train(plain, xs, y)
+    train(auto, xs, y, recompute="auto")
+    plan = auto.recompute_plan(batch_size=16)
+    assert plan.recomputed, str(plan)
+    assert not any(row.name.endswith("/tied") and row.recomputed for row in plan.blocks)
+    assert_same_state(plain, auto)
