@@ -60,20 +60,6 @@ def _without_autotune():
 _without_autotune()
 
 
-def pytest_collection_modifyitems(items):
-    """Runs the modules holding `slow` or `multiworker` tests (30-70 s
-    each) first. With pytest-xdist a worker that draws one of them last
-    keeps the run going after the other worker is done; first, they overlap
-    the quick tests. Whole modules move, in their own order, so a module's
-    fixtures are still set up once."""
-    long = {
-        item.module.__name__
-        for item in items
-        if item.get_closest_marker("slow") or item.get_closest_marker("multiworker")
-    }
-    items.sort(key=lambda item: item.module.__name__ not in long)  # stable
-
-
 def _major_minor(version):
     return tuple(int(part) for part in version.split(".")[:2])
 

@@ -20,13 +20,16 @@ class RecomputeCheckError(RuntimeError):
         variable: path of the variable whose gradient differs most.
         difference: the largest absolute difference (inf when a gradient is
             None on one side only).
+        inner: the names of the chosen blocks recomputed inside `block`'s
+            replay in the comparison that failed (empty: `block` alone).
     """
 
-    def __init__(self, message, block, variable, difference):
+    def __init__(self, message, block, variable, difference, inner=()):
         super().__init__(message)
         self.block = block
         self.variable = variable
         self.difference = difference
+        self.inner = list(inner)
 
 
 def check(model, setup, batch, rtol=None):
@@ -102,21 +105,24 @@ def check(model, setup, batch, rtol=None):
                 f"block(s) {held} recomputed inside its replay changes the "
                 f"gradient of {path!r} (largest difference {difference:.3g}; "
                 "a None gradient on one side counts as inf), while each block "
-                "recomputed alone does not. The inner blocks' third forward "
-                "pass (inside the outer replay) does not repeat the first: "
-                "typical causes are state changed in Python during call() or "
-                "a random op that does not use a Keras seed generator. Leave "
-                "the outer block or the inner ones out of `recompute`.",
+                "recomputed alone does not: the inner blocks' third forward "
+                "pass, inside the outer replay (which reads their state and "
+                "weights from the outer replay's scope), does not repeat the "
+                "first. Leave the outer block or the inner ones out of "
+                "`recompute`, and report it: nested recompute is meant to be "
+                "exact.",
                 names[key],
                 path,
                 difference,
+                inner=[names[k] for k in inner],
             )
 
 
 def _nested(setup):
-    """`(key, inner keys)` of each chosen block holding chosen blocks, in
-    model order."""
-    if setup.segments:  # segments of a functional graph do not nest
+    """`(key, inner keys)` of each chosen block holding chosen blocks (as
+    Keras tracks them: a chosen block called inside another that does not
+    track it is not grouped with it), in model order."""
+    if setup.segments or setup.selective:  # segments do not nest; nor does selective
         return []
     chosen = [layer for layer in setup.layers if id(layer) in setup.chosen]
     groups = []

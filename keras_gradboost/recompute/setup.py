@@ -143,7 +143,8 @@ class RecomputeSetup:
 
     def check(self, model, batch):
         """`recompute_check=True`: settles a budget's choice on `batch` and
-        compares the gradients with and without each block recomputed.
+        compares the gradients with and without each block recomputed (and
+        each block holding chosen blocks, with them nested).
 
         Raises:
             RecomputeCheckError: naming the first block that changes a
@@ -367,8 +368,11 @@ class RecomputeSetup:
                     keys = list(range(len(groups) - 1))  # the last is never recomputed
                     mine.append((family, cuts, merge(per_block, sizes, groups), keys))
             else:
-                # Not a block that reads a weight of another layer of its
+                # Never a block that reads a weight of another layer of its
                 # holder: the mechanism refuses to nest it (tied weights).
+                # (Recomputed without its holder it would work; such plans
+                # are left out too, for simplicity. A layer also called
+                # outside its holder has no parent here, and is not caught.)
                 tied = set(tied_inner_blocks(per_block))
                 keys = [k for k in self.keys if k not in tied]
                 mine.append((family, None, per_block, keys))

@@ -277,6 +277,7 @@ def test_recompute_check_names_a_nested_replay_that_differs(data, monkeypatch):
     message = str(info.value)
     assert "block 'outer_0' with the block(s) 'outer_0/inner_0b'" in message
     assert info.value.block == "outer_0" and info.value.difference > 0
+    assert info.value.inner == ["outer_0/inner_0b"]
     for a, b in zip(before, model.get_weights()):  # nothing trained
         np.testing.assert_array_equal(a, b)
 
@@ -326,3 +327,14 @@ def test_auto_leaves_out_an_inner_block_reading_its_holders_weight(data):
     assert plan.recomputed, str(plan)
     assert not any(row.name.endswith("/tied") and row.recomputed for row in plan.blocks)
     assert_same_state(plain, auto)
+
+    # The trace finds exactly the two tied blocks among the nested family's.
+    from keras_gradboost.recompute.estimates import tied_inner_blocks
+
+    probe = model()
+    setup = recompute.RecomputeSetup(probe, ["h0", "h1", "tied", "dense", "own"])
+    setup.apply()
+    spec = tf.TensorSpec([16, WIDTH], tf.float32)
+    _, per_block, _ = setup._estimate(probe, spec)
+    names = setup.names()
+    assert sorted(names[k] for k in tied_inner_blocks(per_block)) == ["h0/tied", "h1/tied"]
