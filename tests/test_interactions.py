@@ -206,6 +206,10 @@ class Cell:
     # mixed_bfloat16. With accumulate_steps=4 or steps_per_execution=3 the
     # 16 batches end before it decides (it measures throughout).
     measure: bool = False
+    # compile(recompute_check=True): the first batch compares the gradients
+    # with each block recomputed, and each block with the blocks nested in
+    # it, against no recompute (one device: refused under a strategy).
+    recompute_check: bool = False
 
     @property
     def name(self):
@@ -238,6 +242,8 @@ class Cell:
             parts.append("resumed")
         if self.measure:
             parts.append("pmeasure")
+        if self.recompute_check:
+            parts.append("rcheck")
         return "-".join(parts)
 
     @property
@@ -278,8 +284,10 @@ SPECIFIC = [
     # recompute inside the block's replay) x NaN replay, a float16 dynamic
     # loss scale, accumulation and XLA with a restore; and on
     # MirroredStrategy with chunks of 3 resumed from a mid-window backup.
+    # (The first also checked by recompute_check, nested replays included.)
     _cell(dict(model="residual", recompute=("block_*", "inner_*"), scaling="dynamic16",
-               accumulate_steps=K, jit_compile=True, watcher="restore")),
+               accumulate_steps=K, jit_compile=True, watcher="restore"),
+          recompute_check=True),
     _cell(dict(model="residual", recompute=("block_*", "inner_*"), accumulate_steps=K,
                steps_per_execution=3, optimizer="momentum", devices="mirrored",
                watcher="skip", bad=2), backup=True),
@@ -583,6 +591,8 @@ def compile_kwargs(cell):
         "loss_scale": None,
         "accumulate_check": cell.accumulate_check,
     }
+    if cell.recompute_check:
+        kwargs["recompute_check"] = True
     if cell.scaling == "fixed":
         kwargs["loss_scale"] = 128.0
     elif cell.scaling == "dynamic16":
