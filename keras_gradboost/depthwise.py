@@ -116,6 +116,49 @@ def apply(layers):
     return frozenset(id(layer) for layer in layers)
 
 
+# XLA's CPU backward of a depthwise convolution that Keras runs as a grouped
+# Conv2D (multiplier 1) holds about this many float32 copies of the dense
+# (kh, kw, C, C) filter at once: it added 1.9-2.0 of them to the training
+# peak of ConvNeXtTiny and of a one-convolution model, in requested bytes
+# (2.0-2.4 for the layer's gradient alone; float32, mixed_bfloat16 and
+# mixed_float16 alike: XLA computes them in float32 here). With a
+# multiplier of 2 nothing of that size was seen, so only 1 is counted.
+XLA_DENSE_FILTER_COPIES = 2
+
+
+def xla_backward_temporary(model):
+    """The largest temporary of the XLA backward of a depthwise convolution
+    Keras runs as a grouped `Conv2D` (groups = input channels = filters) on
+    a CPU: about `XLA_DENSE_FILTER_COPIES` float32 copies of a dense
+    `(kh, kw, C, C)` filter (ConvNeXtTiny's last stage: ~220 MiB). Layers
+    running natively here (`current()`) have none, and neither has a GPU
+    (cuDNN runs grouped convolutions).
+
+    Returns:
+        `(bytes, layer)`, or `(0, None)` when there is no such layer.
+    """
+    if tf.config.list_physical_devices("GPU"):
+        return 0, None
+    native = current()
+    found = (0, None)
+    for layer in hooks.flatten_layers(model, include_self=False):
+        if (
+            not isinstance(layer, keras.layers.Conv2D)
+            or layer.groups == 1
+            or not layer.built
+            or id(layer) in native
+        ):
+            continue
+        kh, kw, per_group, filters = layer.kernel.shape
+        if per_group != 1 or filters != layer.groups:
+            continue
+        itemsize = max(4, tf.as_dtype(layer.compute_dtype).size)
+        size = int(XLA_DENSE_FILTER_COPIES * kh * kw * filters * filters * itemsize)
+        if size > found[0]:
+            found = (size, layer)
+    return found
+
+
 def current():
     """The ids `running` has made native here (a recompute's backward
     replays its block with them, as its forward ran)."""

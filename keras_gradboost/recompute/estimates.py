@@ -74,6 +74,14 @@ class RecomputePlan:
             estimates leave out (ResNet50 at 64x64, batch 16, "auto":
             66.5-71 MiB requested against 52.5 estimated; 51.4 with
             `TF_ENABLE_ONEDNN_OPTS=1`).
+        xla_temporary_bytes: the largest temporary of the XLA backward of
+            a depthwise convolution that Keras runs as a grouped `Conv2D` on
+            a CPU (`depthwise.xla_backward_temporary`), which both training
+            peaks include: no plan of recompute removes it, and
+            `compile(depthwise="native")` does (ConvNeXtTiny at 64x64,
+            batch 16: ~220 MiB, where the activations are ~50); 0 when
+            there is none.
+        xla_temporary_layer: the name of that convolution, or None.
         measured_peak_bytes: after a `fit` at `batch_size`, the device
             allocator's peak during it above the level before it (activations,
             plus gradients, optimizer slots it created and temporaries), read
@@ -93,6 +101,8 @@ class RecomputePlan:
     measured_peak_bytes: object = None
     gradients_pile_up: bool = False
     eigen_convolutions: bool = False
+    xla_temporary_bytes: int = 0
+    xla_temporary_layer: object = None
 
     @property
     def recomputed(self):
@@ -127,6 +137,15 @@ class RecomputePlan:
                 f"{(self.gradient_bytes or 0) / MIB:.1f} MiB): ~{self.peak_bytes / MIB:.1f} "
                 f"MiB training peak estimated (~{self.peak_bytes_without / MIB:.1f} "
                 "MiB without recompute)"
+            )
+        if self.xla_temporary_bytes:
+            lines.append(
+                f"  the training peaks include ~{self.xla_temporary_bytes / MIB:.1f} "
+                "MiB that the XLA backward of the depthwise convolution "
+                f"{self.xla_temporary_layer!r} allocates (Keras runs it as a "
+                "grouped convolution; on a CPU its gradient goes through dense "
+                "(kh, kw, C, C) filters): recompute cannot remove it, "
+                'compile(depthwise="native") does'
             )
         if self.eigen_convolutions:
             lines.append(

@@ -21,6 +21,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_gradboost import depthwise
 from keras_gradboost import hooks
 from keras_gradboost.recompute import mechanism
 from keras_gradboost.recompute import selective as selective_lib
@@ -385,6 +386,14 @@ class RecomputeSetup:
                     found.append(dataclasses.replace(c, layout=c.layout + offset))
                 elif c.peak < found[0].peak:  # ... at the finest family's figures
                     found[0] = dataclasses.replace(found[0], peak=c.peak)
+        # A temporary no plan removes (XLA's depthwise backward) is in every
+        # training peak: a budget below it cannot be met, and says so.
+        temporary, _ = depthwise.xla_backward_temporary(model)
+        if temporary:
+            found = [
+                c if c.peak is None else dataclasses.replace(c, peak=c.peak + temporary)
+                for c in found
+            ]
         return families[0][2], families, layouts, found
 
     def _plan(self, estimated, batch_size, model):
@@ -401,6 +410,7 @@ class RecomputeSetup:
             )
             for k in self.keys
         ]
+        temporary, layer = depthwise.xla_backward_temporary(model)
         return RecomputePlan(
             setting=self.setting,
             batch_size=batch_size,
@@ -408,10 +418,14 @@ class RecomputeSetup:
             bytes_without=total,
             bytes_with=plan_bytes(total, per_block, sizes, self.chosen),
             gradient_bytes=gradients,
-            peak_bytes=plan_bytes(total, per_block, sizes, self.chosen, gradients),
-            peak_bytes_without=plan_bytes(total, per_block, sizes, (), gradients),
+            peak_bytes=plan_bytes(total, per_block, sizes, self.chosen, gradients)
+            + temporary,
+            peak_bytes_without=plan_bytes(total, per_block, sizes, (), gradients)
+            + temporary,
             gradients_pile_up=gradients_pile_up(),
             eigen_convolutions=_eigen_convolutions(model),
+            xla_temporary_bytes=temporary,
+            xla_temporary_layer=layer.name if layer is not None else None,
         )
 
     def report(self, model, batch_size=None):
@@ -457,8 +471,10 @@ class RecomputeSetup:
             # gets there.
             kept = kept_bytes(model, lambda v, _: self.forward(model, v), spec)
             plan.bytes_with = kept + selective_rebuild(per_block, self.chosen)
-            plan.peak_bytes = plan.bytes_with + largest_gradients(
-                per_block, plan.gradient_bytes
+            plan.peak_bytes = (
+                plan.bytes_with
+                + largest_gradients(per_block, plan.gradient_bytes)
+                + plan.xla_temporary_bytes
             )
         return plan
 
