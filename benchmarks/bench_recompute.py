@@ -42,8 +42,9 @@ configuration.
 `--sweep` instead runs a budget sweep on keras.applications models
 (`--apps`, weights=None, `--pixels` square inputs, `--batch`, default 16):
 per model no recompute, "auto" and four budgets (`SWEEP_FRACTIONS` of no
-recompute's estimated training peak), each with its estimated training
-peak beside its measured train MiB and req MiB.
+recompute's estimated training peak, above the XLA depthwise temporary
+no plan removes, `RecomputePlan.xla_temporary_bytes`), each with its
+estimated training peak beside its measured train MiB and req MiB.
 
     python benchmarks/bench_recompute.py --sweep [--apps MobileNetV2,ResNet50]
 """
@@ -548,7 +549,13 @@ def sweep(args):
     for app in args.apps.split(","):
         args.app = app
         plan = estimates(args)
-        budgets = [f"budget_{plan.peak_bytes_without * f / mib:.1f}" for f in SWEEP_FRACTIONS]
+        # Above a temporary no plan removes (XLA's depthwise backward), so
+        # that each budget is one a plan can meet.
+        floor = plan.xla_temporary_bytes
+        budgets = [
+            f"budget_{(floor + (plan.peak_bytes_without - floor) * f) / mib:.1f}"
+            for f in SWEEP_FRACTIONS
+        ]
         for config in ["baseline", "auto"] + budgets:
             result = run(config, args)
             print(f"{app}: {config} done", file=sys.stderr, flush=True)

@@ -117,46 +117,63 @@ def apply(layers):
 
 
 # XLA's CPU backward of a depthwise convolution that Keras runs as a grouped
-# Conv2D (multiplier 1) holds about this many float32 copies of the dense
-# (kh, kw, C, C) filter at once: it added 1.9-2.0 of them to the training
-# peak of ConvNeXtTiny and of a one-convolution model, in requested bytes
-# (2.0-2.4 for the layer's gradient alone; float32, mixed_bfloat16 and
+# convolution (multiplier 1) holds about this many float32 copies of the
+# dense (kh, kw, C, C) filter at once: it added 1.9-2.0 of them to the
+# training peak of ConvNeXtTiny and of a one-convolution model, in requested
+# bytes (2.0-2.4 for the layer's gradient alone; float32, mixed_bfloat16 and
 # mixed_float16 alike: XLA computes them in float32 here). With a
-# multiplier of 2 nothing of that size was seen, so only 1 is counted.
+# multiplier of 2 nothing of that size was seen, so only a multiplier of 1
+# is counted.
 XLA_DENSE_FILTER_COPIES = 2
+_GROUPED = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 
 
-def xla_backward_temporary(model):
-    """The largest temporary of the XLA backward of a depthwise convolution
-    Keras runs as a grouped `Conv2D` (groups = input channels = filters) on
-    a CPU: about `XLA_DENSE_FILTER_COPIES` float32 copies of a dense
-    `(kh, kw, C, C)` filter (ConvNeXtTiny's last stage: ~220 MiB). Layers
-    running natively here (`current()`) have none, and neither has a GPU
-    (cuDNN runs grouped convolutions).
+def xla_backward_temporaries(model):
+    """The temporaries of the XLA backward of each depthwise convolution
+    Keras runs as a grouped convolution (`Conv1D`/`Conv2D`/`Conv3D` with
+    groups = input channels = filters) on a CPU: about
+    `XLA_DENSE_FILTER_COPIES` float32 copies of a dense `(k..., C, C)`
+    filter (ConvNeXtTiny's last stage: ~220 MiB; measured for `Conv2D`,
+    channels_last; the others assumed alike). Layers running natively here
+    (`current()`) have none, and neither has a GPU (cuDNN runs grouped
+    convolutions). A layer not yet built is skipped (the estimates trace
+    the model first, which builds it).
 
     Returns:
-        `(bytes, layer)`, or `(0, None)` when there is no such layer.
+        A list of `(layer, bytes)`.
     """
     if tf.config.list_physical_devices("GPU"):
-        return 0, None
+        return []
     native = current()
-    found = (0, None)
+    found = []
     for layer in hooks.flatten_layers(model, include_self=False):
         if (
-            not isinstance(layer, keras.layers.Conv2D)
+            not isinstance(layer, _GROUPED)
             or layer.groups == 1
             or not layer.built
             or id(layer) in native
         ):
             continue
-        kh, kw, per_group, filters = layer.kernel.shape
+        *window, per_group, filters = layer.kernel.shape
         if per_group != 1 or filters != layer.groups:
             continue
         itemsize = max(4, tf.as_dtype(layer.compute_dtype).size)
-        size = int(XLA_DENSE_FILTER_COPIES * kh * kw * filters * filters * itemsize)
-        if size > found[0]:
-            found = (size, layer)
+        dense = filters * filters * itemsize
+        for size in window:
+            dense *= size
+        found.append((layer, int(XLA_DENSE_FILTER_COPIES * dense)))
     return found
+
+
+def xla_backward_temporary(model):
+    """The largest of `xla_backward_temporaries(model)`.
+
+    Returns:
+        `(bytes, layer)`, or `(0, None)` when there is none.
+    """
+    found = xla_backward_temporaries(model)
+    size, layer = max(((size, layer) for layer, size in found), key=lambda p: p[0], default=(0, None))
+    return size, layer
 
 
 def current():

@@ -292,18 +292,18 @@ def _check_resnet50_peak(recompute_setting, requested_peak, piling):
         estimated, all_at_once = plan.peak_bytes, plan.bytes_with + plan.gradient_bytes
     assert plan.gradients_pile_up == piling
     # Where oneDNN is off (CPUs without AVX-512), TensorFlow's Eigen
-    # convolution kernels allocate working buffers the estimate leaves out
-    # (up to ~30 MiB per backward convolution; "auto"
-    # requested 66.5-71 MiB against 52.5 estimated, 51.4 with oneDNN on):
-    # the plan must say so, and the excess stay within one such buffer
-    # (16.5 MiB measured over the band's edge of 1.15x).
+    # convolution kernels allocate working buffers (up to ~30 MiB per
+    # backward convolution): the estimate counts them at their moments
+    # ("auto" requested 58.6-71 MiB, estimated 52.5 without them, 64.5
+    # with), and the plan says so.
     assert plan.eigen_convolutions == (hooks.onednn_enabled() is False)
-    buffers = 30 * 2**20 if plan.eigen_convolutions else 0
     if plan.eigen_convolutions:
-        assert "Eigen kernels" in str(plan)
+        assert "Eigen convolution kernels" in str(plan)
     if piling:
-        assert estimated == all_at_once and "dependency optimizer is off" in str(plan)
-        assert 0.85 * estimated <= measured <= 1.2 * estimated + buffers  # by moments: 0.35
+        assert "dependency optimizer is off" in str(plan)
+        if not plan.eigen_convolutions:  # else buffers at moments on top
+            assert estimated == all_at_once
+        assert 0.85 * estimated <= measured <= 1.2 * estimated  # by moments: 0.35
         return
-    assert 0.85 * estimated <= measured <= 1.15 * estimated + buffers
+    assert 0.85 * estimated <= measured <= 1.15 * estimated
     assert measured / all_at_once < 0.85  # the old estimate would fail here

@@ -233,26 +233,30 @@ def test_native_under_mirrored_strategy_trains_like_keras():
     assert xla_convolutions(model, data()[0]) == 0
 
 
-def wide_depthwise_net(policy="float32"):
-    """One wide depthwise 7x7 convolution on small activations: XLA's
-    backward temporary (dense (7, 7, 256, 256) filters, ~24 MiB) is most of
-    the training peak."""
+def wide_depthwise_net(policy="float32", pixels=4, dense_layers=0):
+    """One wide depthwise 7x7 convolution first (`pixels` square inputs of
+    256 channels), then `dense_layers` Dense layers: on small activations
+    XLA's backward temporary (dense (7, 7, 256, 256) filters, ~24 MiB) is
+    most of the training peak; after 16x16 inputs and 6 Dense layers it
+    comes last in the backward, when most activations are freed."""
     keras.utils.set_random_seed(0)
     before = keras.config.dtype_policy().name
     keras.config.set_dtype_policy(policy)
     try:
-        inputs = keras.Input((4, 4, 256))
+        inputs = keras.Input((pixels, pixels, 256))
         x = keras.layers.Conv2D(256, 7, padding="same", groups=256, name="dw_wide")(inputs)
         x = keras.layers.LayerNormalization(name="norm")(x)
         x = keras.layers.Dense(64, activation="gelu", name="expand")(x)
+        for i in range(dense_layers):
+            x = keras.layers.Dense(256, activation="gelu", name=f"dense_{i}")(x)
         x = keras.layers.GlobalAveragePooling2D()(x)
         return keras.Model(inputs, keras.layers.Dense(3, name="head", dtype="float32")(x))
     finally:
         keras.config.set_dtype_policy(before)
 
 
-def measured_training_peak(model, requested_peak):
-    x = np.random.default_rng(0).normal(size=(32, 4, 4, 256)).astype("float32")
+def measured_training_peak(model, requested_peak, pixels=4):
+    x = np.random.default_rng(0).normal(size=(32, pixels, pixels, 256)).astype("float32")
     data = tf.data.Dataset.from_tensor_slices((x, np.arange(32) % 3)).batch(16).repeat()
     model.fit(data, steps_per_epoch=2, verbose=0)  # traced, slots made
     iterator = iter(data)
@@ -265,24 +269,33 @@ def measured_training_peak(model, requested_peak):
     return requested_peak.requested_peak(steps)
 
 
+_OLD_XLA = tuple(int(p) for p in tf.__version__.split(".")[:2]) < (2, 17)
+
+
 @pytest.mark.skipif(bool(tf.config.list_physical_devices("GPU")), reason="a CPU temporary")
-@pytest.mark.parametrize(
-    "policy, native", [("float32", False), ("mixed_bfloat16", False), ("float32", True)])
+@pytest.mark.parametrize("policy, native, first", [
+    ("float32", False, False), ("mixed_bfloat16", False, False), ("float32", True, False),
+    pytest.param("float32", False, True, marks=pytest.mark.xfail(
+        _OLD_XLA, strict=True,
+        reason="TensorFlow 2.16's XLA allocated 1.54x the estimate here (117 MiB, not 76)")),
+])
 def test_the_training_peak_estimate_counts_xla_depthwise_temporaries(
-        policy, native, requested_peak):
+        policy, native, first, requested_peak):
     """Keras runs a depthwise Conv2D as an XLA grouped convolution, whose
     backward on a CPU allocates dense (kh, kw, C, C) filters (in float32
-    under mixed precision too): the estimate counts them (it read ~0.07x of
-    the measured peak without), the plan says which layer and what removes
-    them, and a budget below them warns; with depthwise="native" there are
-    none to count."""
-    model = kgb.boost(wide_depthwise_net(policy))
+    under mixed precision too): the estimate counts them at their moment
+    (it read ~0.07x of the measured peak without them, 0.75x with them on
+    top of the peak where the convolution comes first in a larger model),
+    the plan says which layer and what removes them, and a budget below
+    them warns so; with depthwise="native" there are none to count."""
+    pixels, dense_layers = (16, 6) if first else (4, 0)
+    model = kgb.boost(wide_depthwise_net(policy, pixels, dense_layers))
     kwargs = {"depthwise": "native"} if native else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # compile's depthwise advice
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
                       recompute="auto", **kwargs)
-    measured = measured_training_peak(model, requested_peak)
+    measured = measured_training_peak(model, requested_peak, pixels)
     plan = model.recompute_plan(batch_size=16)
     dense_filters = 7 * 7 * 256 * 256 * 4
     if native:
@@ -293,9 +306,12 @@ def test_the_training_peak_estimate_counts_xla_depthwise_temporaries(
     assert plan.xla_temporary_layer == "dw_wide"
     assert "'dw_wide'" in str(plan) and 'depthwise="native"' in str(plan)
     assert 0.85 * plan.peak_bytes <= measured <= 1.15 * plan.peak_bytes
+    if first:
+        return
     assert measured > 2 * (plan.peak_bytes - plan.xla_temporary_bytes)  # the old estimate
     budget = kgb.boost(wide_depthwise_net(policy))
-    with pytest.warns(UserWarning, match="cannot be brought under 20 MiB"):
+    with pytest.warns(UserWarning, match=r"cannot be brought under 20 MiB.*'dw_wide'.*"
+                      r'recomputed: compile\(depthwise="native"\) removes it'):
         budget.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
                        recompute={"budget_mb": 20, "batch_size": 16})
         budget.recompute_plan()

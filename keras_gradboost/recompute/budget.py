@@ -91,6 +91,13 @@ def merge(per_block, sizes, groups):
             "largest": max(per_block[key].get("largest", 0) for key in group),
             "after": dict(per_block[group[-1]].get("after", {})),
             "before": dict(first.get("before", {})),
+            # Working buffers of a backward between two of its parts: inside it.
+            "workspace": max(
+                [per_block[key].get("workspace", 0) for key in group]
+                + [per_block[key].get("after_workspace", 0) for key in group[:-1]]
+            ),
+            "after_workspace": per_block[group[-1]].get("after_workspace", 0),
+            "before_workspace": first.get("before_workspace", 0),
         }
     return merged
 

@@ -7,10 +7,13 @@ those made inside its calls.
 """
 
 import dataclasses
+import os
 
 import tensorflow as tf
 
+from keras_gradboost import depthwise
 from keras_gradboost import flops as flops_lib
+from keras_gradboost import hooks
 
 MIB = 2**20
 
@@ -61,23 +64,28 @@ class RecomputePlan:
             alive plus the gradients alive (the weights' of the block being
             differentiated, or of a stem or a head at theirs: TensorFlow
             applies each variable's update as soon as its gradient exists;
-            every gradient throughout when `gradients_pile_up`); None when
-            not estimated.
+            every gradient throughout when `gradients_pile_up`), and the
+            working buffers of the backward of the convolutions there
+            (`eigen_convolutions`, `xla_temporary_bytes`); None when not
+            estimated.
         peak_bytes_without: the same estimate without recompute.
         gradients_pile_up: the estimates count every gradient alive at
             every moment: grappler's dependency optimizer is off
             (`gradients_pile_up()`), so the updates wait for the backward.
         eigen_convolutions: the model has convolutions and TensorFlow runs
             them with its own (Eigen) kernels, oneDNN being off (the
-            default on CPUs without AVX-512): their backward allocates
-            working buffers of up to about 30 MiB each, which the
-            estimates leave out (ResNet50 at 64x64, batch 16, "auto":
-            66.5-71 MiB requested against 52.5 estimated; 51.4 with
-            `TF_ENABLE_ONEDNN_OPTS=1`).
+            default on CPUs without AVX-512): the backward of each
+            `Conv2D` allocates im2col working buffers of up to about 30 MiB
+            (one for the filter's gradient, one for the input's), which
+            the training peaks count at that convolution's moment
+            (ResNet50 at 64x64, batch 16, "auto": 65.8-71 MiB requested,
+            where the activations and gradients alone were estimated at
+            52.5).
         xla_temporary_bytes: the largest temporary of the XLA backward of
-            a depthwise convolution that Keras runs as a grouped `Conv2D` on
-            a CPU (`depthwise.xla_backward_temporary`), which both training
-            peaks include: no plan of recompute removes it, and
+            a depthwise convolution that Keras runs as a grouped one on a
+            CPU (`depthwise.xla_backward_temporaries`), which the training
+            peaks count at that convolution's moment, as every such
+            layer's: no plan of recompute removes them, and
             `compile(depthwise="native")` does (ConvNeXtTiny at 64x64,
             batch 16: ~220 MiB, where the activations are ~50); 0 when
             there is none.
@@ -149,11 +157,11 @@ class RecomputePlan:
             )
         if self.eigen_convolutions:
             lines.append(
-                "  not estimated: TensorFlow runs this model's convolutions with "
-                "its Eigen kernels here (oneDNN is off on this CPU; "
-                "TF_ENABLE_ONEDNN_OPTS=1 turns it on), whose backward allocates "
-                "working buffers of up to ~30 MiB each (ResNet50 at 64x64: "
-                "+14 to +19 MiB measured)"
+                "  the training peaks include the working buffers of "
+                "TensorFlow's Eigen convolution kernels (oneDNN is off on this "
+                "CPU; TF_ENABLE_ONEDNN_OPTS=1 turns it on, and needs less "
+                "memory): up to ~30 MiB per Conv2D's backward, for its filter "
+                "and again for its input"
             )
         if self.measured_peak_bytes is not None:
             lines.append(
@@ -200,6 +208,7 @@ def _bytes(tensor):
 
 
 _CONTRACTIONS = flops_lib.MATMULS + flops_lib.CONVOLUTIONS + ("Einsum",)
+_CALLS = ("PartitionedCall", "StatefulPartitionedCall")
 
 
 def _flops(op):
@@ -210,6 +219,72 @@ def _flops(op):
         if counted:  # None (a shape unknown), 0.0 (an einsum of one operand)
             return counted
     return float(sum(_bytes(t) / max(1, t.dtype.size) for t in op.outputs))
+
+
+# TensorFlow's own CPU kernels for a convolution's gradients (used where
+# oneDNN is off; `Conv2DCustomBackpropFilterOp`, `Conv2DCustomBackpropInputOp`)
+# allocate an im2col buffer for as many images as fit a 30 MiB working set;
+# the input's kernel takes one image at a time instead when a thread's share
+# of one image's matmul operands reaches a 256 KiB L2 cache.
+_EIGEN_WORKING_SET = 30 << 20
+_EIGEN_L2 = 256 << 10
+
+
+def eigen_convolution_kernels():
+    """Whether convolutions run on TensorFlow's own (Eigen) CPU kernels:
+    no GPU, and oneDNN off (the default on CPUs without AVX-512;
+    `TF_ENABLE_ONEDNN_OPTS=1` turns it on)."""
+    return hooks.onednn_enabled() is False and not tf.config.list_physical_devices("GPU")
+
+
+def _eigen_workspace(op, differentiable):
+    """Bytes of the working buffers of the backward of the `Conv2D` `op` on
+    TensorFlow's own CPU kernels, which run at once (MobileNetV2 at 64x64,
+    batch 16, oneDNN off: both 23.9 MiB buffers of `block_2_project` alive
+    at the training peak): `Conv2DBackpropFilter`'s im2col buffer
+    `[shard, out_h * out_w, kh * kw * in_channels]`, `shard` the images
+    whose matmul operands fit `_EIGEN_WORKING_SET`; and, when the input has
+    a gradient (its name in `differentiable`), `Conv2DBackpropInput`'s, of
+    the same shape or of one image (`_EIGEN_L2`). 0 for other ops."""
+    if op.type != "Conv2D" or op.get_attr("data_format") != b"NHWC":
+        return 0
+    if any(d != 1 for d in op.get_attr("dilations")):
+        return 0  # not these kernels
+    kernel, output = op.inputs[1].shape, op.outputs[0].shape
+    if not (kernel.is_fully_defined() and output.is_fully_defined()):
+        return 0
+    kh, kw, channels, filters = kernel
+    image, patch = output[1] * output[2], kh * kw * channels
+    itemsize = op.outputs[0].dtype.size
+    per_image = image * patch + image * filters + patch * filters
+    shard = -(-(_EIGEN_WORKING_SET // itemsize) // per_image)
+    found = shard * image * patch * itemsize
+    if op.inputs[0].name in differentiable:
+        one_at_a_time = output[0] == 1 or per_image // _intra_op_threads() >= (
+            _EIGEN_L2 // itemsize
+        )
+        found += (1 if one_at_a_time else shard) * image * patch * itemsize
+    return found
+
+
+def _intra_op_threads():
+    """The threads TensorFlow's CPU kernels share a batch among."""
+    configured = tf.config.threading.get_intra_op_parallelism_threads()
+    if configured:
+        return configured
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _differentiable(operations, trainable):
+    """Names of the float tensors that depend on a trainable variable (their
+    gradients are computed), in a graph's `operations` (in creation order)."""
+    found = set()
+    for op in operations:
+        if (op.type == "ReadVariableOp" and op.inputs and op.inputs[0].name in trainable) or any(
+            t.name in found for t in op.inputs
+        ):
+            found.update(t.name for t in op.outputs if t.dtype.is_floating)
+    return found
 
 
 class _Probe:
@@ -267,19 +342,55 @@ def estimate(model, forward, input_spec, keys, selective=False, owned=None):
     # In the order the forward first calls them (`plan_bytes` needs it).
     first_call = {key: probe.calls[key][0][0] for key in keys if probe.calls.get(key)}
     ordered = sorted(keys, key=lambda k: first_call.get(k, len(operations)))
+    forward_ops = operations[:backward_start]
+    workspace, anywhere = _workspaces(graph, forward_ops, trainable, model)
     per_block = {
         key: _block_figures(
-            probe.calls.get(key, []), operations, cached, trainable, selective
+            probe.calls.get(key, []), operations, cached, trainable, selective, workspace
         )
         for key in ordered
     }
     _place_nested_blocks(per_block, probe.calls)
     for key in per_block if owned else ():
         per_block[key]["own"] = set(_handles(graph, owned.get(key, ())))
-    _place_outside_weights(per_block, probe.calls, operations[:backward_start], trainable)
+    _place_outside_weights(per_block, probe.calls, forward_ops, trainable, workspace)
     _place_outside_activations(per_block, probe.calls, cached, operations)
+    for figures in per_block.values():
+        figures["workspace"] = max(figures["workspace"], anywhere)
     sizes = {name: _bytes(t) for name, t in cached.items()}
     return total, per_block, sizes
+
+
+def _workspaces(graph, forward_ops, trainable, model):
+    """Per forward op name, the working buffers its backward allocates:
+    those of TensorFlow's own convolution kernels where oneDNN is off
+    (`_eigen_workspace`), and the temporaries of the XLA backward of a
+    depthwise convolution Keras runs as a grouped one, on its XLA call
+    (`depthwise.xla_backward_temporaries`).
+
+    Returns:
+        `(found, anywhere)`: the dict, and the largest temporary whose op
+        was not found in the graph (counted at every moment).
+    """
+    found, anywhere = {}, 0
+    if eigen_convolution_kernels():
+        differentiable = _differentiable(forward_ops, trainable)
+        for op in forward_ops:
+            size = _eigen_workspace(op, differentiable)
+            if size:
+                found[op.name] = size
+    for layer, size in depthwise.xla_backward_temporaries(model):
+        kernel = set(_handles(graph, [layer.kernel]))
+        calls = [
+            op
+            for op in forward_ops
+            if op.type in _CALLS and kernel & {t.name for t in op.inputs}
+        ]
+        for op in calls:
+            found[op.name] = found.get(op.name, 0) + size
+        if not calls:
+            anywhere = max(anywhere, size)
+    return found, anywhere
 
 
 def _place_nested_blocks(per_block, calls):
@@ -340,11 +451,13 @@ def _place_outside_activations(per_block, calls, cached, operations):
         figures["outside_before"] = sum(size for i, size in made if i < end)
 
 
-def _place_outside_weights(per_block, calls, forward_ops, trainable):
+def _place_outside_weights(per_block, calls, forward_ops, trainable, workspace=None):
     """Adds to each block's figures `after`: the trainable weights read
     outside every block between its calls and the next block's (or the
     end; a stem's, a head's), by name, to bytes; and to the first block's
-    `before`: those read before any block (their gradients come last)."""
+    `before`: those read before any block (their gradients come last).
+    Likewise `after_workspace` and `before_workspace`: the largest working
+    buffers of the backward of an op there (`workspace`, by op name)."""
     ranges = sorted(  # of the blocks at the top: a nested block's are its parent's
         (start, end, key)
         for key in per_block
@@ -354,7 +467,17 @@ def _place_outside_weights(per_block, calls, forward_ops, trainable):
     inside = set()
     for figures in per_block.values():
         figures["after"], figures["before"] = {}, {}
+        figures["after_workspace"] = figures["before_workspace"] = 0
         inside |= set(figures["weights"])
+    position = {op.name: i for i, op in enumerate(forward_ops)} if workspace else {}
+    for name, size in (workspace or {}).items():
+        index = position[name]
+        if any(start <= index < end for start, end, _ in ranges) or not per_block:
+            continue
+        previous = [key for start, end, key in ranges if end <= index]
+        key, side = (previous[-1], "after") if previous else (next(iter(per_block)), "before")
+        figures = per_block[key]
+        figures[f"{side}_workspace"] = max(figures[f"{side}_workspace"], size)
     for index, op in enumerate(forward_ops):
         name = op.inputs[0].name if op.type == "ReadVariableOp" and op.inputs else None
         if name not in trainable or name in inside:
@@ -545,11 +668,12 @@ def _kept_contraction(op):
     )
 
 
-def _block_figures(calls, operations, cached, trainable, selective=False):
+def _block_figures(calls, operations, cached, trainable, selective=False, workspace=None):
     """One block's figures (see `estimate`) from its `_Probe` calls;
-    `trainable` maps the trainable variables' handles to their bytes."""
+    `trainable` maps the trainable variables' handles to their bytes,
+    `workspace` forward op names to their backward's working buffers."""
     inside, outputs, input_roots, flops, weights = set(), set(), {}, 0.0, {}
-    largest = 0
+    largest, convolutions, made = 0, [], []
     for start, end, inputs, outs in calls:
         outputs |= {_root(t).name for t in outs}
         for t in inputs:
@@ -557,6 +681,9 @@ def _block_figures(calls, operations, cached, trainable, selective=False):
                 input_roots[_root(t).name] = _bytes(t)
                 largest = max(largest, _bytes(t))
         for op in operations[start:end]:
+            if (workspace or {}).get(op.name):
+                convolutions.append((len(made), workspace[op.name]))
+            made.extend(t.name for t in op.outputs if t.name in cached)
             if not (selective and _kept_contraction(op)):
                 flops += _flops(op)
             if op.type == "ReadVariableOp":
@@ -569,6 +696,13 @@ def _block_figures(calls, operations, cached, trainable, selective=False):
                 if t.name in cached and t.name not in outputs:
                     inside.add(t.name)
     inside -= outputs | set(input_roots)
+    # A convolution's backward comes when the block's activations made from
+    # it on are freed: its buffers raise the block's moment by what they
+    # exceed those by.
+    buffers = 0
+    for index, size in convolutions:
+        later = sum(_bytes(cached[n]) for n in set(made[index:]) & inside)
+        buffers = max(buffers, size - later)
     return {
         "cached": sum(_bytes(cached[n]) for n in inside),
         "kernel_cached": sum(_bytes(cached[n]) for n in inside if _kernel_output(cached[n])),
@@ -578,6 +712,7 @@ def _block_figures(calls, operations, cached, trainable, selective=False):
         "input_roots": input_roots,
         "weights": weights,
         "largest": largest,
+        "workspace": buffers,
     }
 
 
@@ -711,14 +846,19 @@ def _block_gradients(per_block, gradient_bytes):
     keys = list(per_block)
     if gradient_bytes is None:
         return dict.fromkeys(keys, 0), dict.fromkeys(keys, 0), 0, 0
+    # The working buffers of a convolution's backward (`_eigen_workspace`)
+    # are alive at its moment too.
+    buffers = {key: figures.get("workspace", 0) for key, figures in per_block.items()}
+    after_buffers = {key: figures.get("after_workspace", 0) for key, figures in per_block.items()}
+    first = max((figures.get("before_workspace", 0) for figures in per_block.values()), default=0)
     if gradients_pile_up():
-        return dict.fromkeys(keys, 0), dict.fromkeys(keys, 0), 0, gradient_bytes
-    placed, grads, after, first = {}, {}, {}, 0
+        return buffers, after_buffers, first, gradient_bytes
+    placed, grads, after = {}, {}, {}
     for key, figures in per_block.items():
         mine = {n: b for n, b in figures.get("weights", {}).items() if n not in placed}
         placed.update(mine)
-        grads[key] = sum(mine.values()) + figures.get("largest", 0)
-        after[key] = sum(figures.get("after", {}).values())
+        grads[key] = sum(mine.values()) + figures.get("largest", 0) + buffers[key]
+        after[key] = sum(figures.get("after", {}).values()) + after_buffers[key]
         first += sum(figures.get("before", {}).values())
         placed.update(figures.get("after", {}))
         placed.update(figures.get("before", {}))

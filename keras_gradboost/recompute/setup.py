@@ -41,6 +41,7 @@ from keras_gradboost.recompute.choice import selective_blocks
 from keras_gradboost.recompute.estimates import MIB
 from keras_gradboost.recompute.estimates import BlockEstimate
 from keras_gradboost.recompute.estimates import RecomputePlan
+from keras_gradboost.recompute.estimates import eigen_convolution_kernels
 from keras_gradboost.recompute.estimates import estimate
 from keras_gradboost.recompute.estimates import gradients_pile_up
 from keras_gradboost.recompute.estimates import kept_bytes
@@ -299,6 +300,14 @@ class RecomputeSetup:
         self.pending = False
         if fits:
             return
+        temporary, layer = depthwise.xla_backward_temporary(model)
+        removable = (
+            f" The training peak includes ~{temporary / MIB:.1f} MiB that the XLA "
+            f"backward of the depthwise convolution {layer.name!r} allocates, "
+            'whatever is recomputed: compile(depthwise="native") removes it.'
+            if temporary
+            else ""
+        )
         if self.auto:
             plans = [c for c in found if c.chosen]
             lowest = min(c.bytes for c in plans) if plans else total
@@ -313,7 +322,8 @@ class RecomputeSetup:
                 + (f", the lowest plan's ~{lowest_peak / MIB:.1f} MiB" if plans else "")
                 + "): nothing is recomputed. "
                 "Lower the batch size (with accumulate_steps to keep the "
-                "effective batch) or use mixed precision to save memory.",
+                "effective batch) or use mixed precision to save memory."
+                + removable,
                 stacklevel=2,
             )
             return
@@ -324,7 +334,7 @@ class RecomputeSetup:
         )
         advice = (
             "Lower the batch size (with accumulate_steps to keep the effective "
-            "batch), use mixed precision, or raise the budget."
+            "batch), use mixed precision, or raise the budget." + removable
         )
         if best.chosen:
             warnings.warn(
@@ -386,14 +396,6 @@ class RecomputeSetup:
                     found.append(dataclasses.replace(c, layout=c.layout + offset))
                 elif c.peak < found[0].peak:  # ... at the finest family's figures
                     found[0] = dataclasses.replace(found[0], peak=c.peak)
-        # A temporary no plan removes (XLA's depthwise backward) is in every
-        # training peak: a budget below it cannot be met, and says so.
-        temporary, _ = depthwise.xla_backward_temporary(model)
-        if temporary:
-            found = [
-                c if c.peak is None else dataclasses.replace(c, peak=c.peak + temporary)
-                for c in found
-            ]
         return families[0][2], families, layouts, found
 
     def _plan(self, estimated, batch_size, model):
@@ -418,10 +420,8 @@ class RecomputeSetup:
             bytes_without=total,
             bytes_with=plan_bytes(total, per_block, sizes, self.chosen),
             gradient_bytes=gradients,
-            peak_bytes=plan_bytes(total, per_block, sizes, self.chosen, gradients)
-            + temporary,
-            peak_bytes_without=plan_bytes(total, per_block, sizes, (), gradients)
-            + temporary,
+            peak_bytes=plan_bytes(total, per_block, sizes, self.chosen, gradients),
+            peak_bytes_without=plan_bytes(total, per_block, sizes, (), gradients),
             gradients_pile_up=gradients_pile_up(),
             eigen_convolutions=_eigen_convolutions(model),
             xla_temporary_bytes=temporary,
@@ -471,10 +471,8 @@ class RecomputeSetup:
             # gets there.
             kept = kept_bytes(model, lambda v, _: self.forward(model, v), spec)
             plan.bytes_with = kept + selective_rebuild(per_block, self.chosen)
-            plan.peak_bytes = (
-                plan.bytes_with
-                + largest_gradients(per_block, plan.gradient_bytes)
-                + plan.xla_temporary_bytes
+            plan.peak_bytes = plan.bytes_with + largest_gradients(
+                per_block, plan.gradient_bytes
             )
         return plan
 
@@ -482,7 +480,7 @@ class RecomputeSetup:
 def _eigen_convolutions(model):
     """Whether the model's convolutions run on TensorFlow's Eigen kernels
     (a CPU with oneDNN off; see `RecomputePlan.eigen_convolutions`)."""
-    if hooks.onednn_enabled() is not False or tf.config.list_physical_devices("GPU"):
+    if not eigen_convolution_kernels():
         return False
     return any(
         "Conv" in type(layer).__name__

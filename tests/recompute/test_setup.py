@@ -187,13 +187,15 @@ def test_budget_candidates_are_autos_layers_or_every_segment():
 
 
 @pytest.mark.parametrize("onednn, has_conv, noted", [
-    (False, True, True),  # Eigen's convolution kernels: their buffers are not estimated
+    (False, True, True),  # Eigen's convolution kernels: their buffers are counted
     (True, True, False),
     (False, False, False),  # no convolution: nothing to say
 ])
-def test_the_plan_says_when_eigen_convolution_buffers_are_left_out(
-    monkeypatch, onednn, has_conv, noted
-):
+def test_the_plan_counts_eigen_convolution_buffers(monkeypatch, onednn, has_conv, noted):
+    """Where oneDNN is off, a Conv2D's backward allocates an im2col buffer
+    for as many images as fit 30 MiB: [6426, 6 * 6, 3 * 3 * 3] floats here
+    (its input, the model's, has no gradient: one buffer), which the
+    training peak counts and the plan says."""
     from keras_gradboost import hooks
 
     monkeypatch.setattr(hooks, "onednn_enabled", lambda: onednn)
@@ -205,4 +207,10 @@ def test_the_plan_says_when_eigen_convolution_buffers_are_left_out(
     model.compile(optimizer="sgd", loss="mse", recompute=["seq"])
     plan = model.recompute_plan(batch_size=4)
     assert plan.eigen_convolutions is noted
-    assert ("Eigen kernels" in str(plan)) is noted
+    assert ("Eigen convolution kernels" in str(plan)) is noted
+    monkeypatch.setattr(hooks, "onednn_enabled", lambda: True)
+    without = model.recompute_plan(batch_size=4)
+    buffer = 6426 * 36 * 27 * 4
+    added = plan.peak_bytes - without.peak_bytes
+    assert (buffer - 2 * 4 * 36 * 4 <= added <= buffer) if noted else added == 0
+    assert plan.bytes_with == without.bytes_with  # activations alone: unchanged
