@@ -29,6 +29,15 @@ def requested_peak(run):
         RuntimeError: the profiler recorded no memory events, or an event
             without its size.
     """
+    events = memory_events(run)
+    return _peak([(t, allocation, s.get("addr"), s.get("requested_bytes"))
+                  for t, allocation, s in events])
+
+
+def memory_events(run):
+    """Runs `run()` under the profiler; returns `(time, is_allocation,
+    stats)` per allocation and deallocation, in time order, `stats` by name
+    (`addr`, `requested_bytes`, `tf_op`, `region_type`, ...)."""
     with tempfile.TemporaryDirectory(prefix="requested_peak_") as logdir:
         tf.profiler.experimental.start(logdir)
         try:
@@ -39,12 +48,6 @@ def requested_peak(run):
         space = xplane_pb2.XSpace()
         with open(path, "rb") as f:
             space.ParseFromString(f.read())
-    return _peak(_memory_events(space))
-
-
-def _memory_events(space):
-    """`(time, is_allocation, address, requested bytes or None)` per
-    allocation and deallocation, in time order."""
     events = []
     for plane in space.planes:
         stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
@@ -54,23 +57,24 @@ def _memory_events(space):
                 kind = event_names.get(event.metadata_id)
                 if kind not in ("MemoryAllocation", "MemoryDeallocation"):
                     continue
-                stats = {
-                    stat_names.get(s.metadata_id): (
-                        s.uint64_value if s.HasField("uint64_value") else s.int64_value
-                    )
-                    for s in event.stats
-                }
+                stats = {stat_names.get(s.metadata_id): _value(s, stat_names) for s in event.stats}
                 time_ps = line.timestamp_ns * 1000 + event.offset_ps
-                events.append(
-                    (time_ps, kind == "MemoryAllocation", stats.get("addr"),
-                     stats.get("requested_bytes"))
-                )
+                events.append((time_ps, kind == "MemoryAllocation", stats))
     events.sort(key=lambda e: e[0])
     return events
 
 
+def _value(stat, names):
+    if stat.HasField("ref_value"):  # a string kept once in the plane
+        return names.get(stat.ref_value)
+    if stat.HasField("str_value"):
+        return stat.str_value
+    return stat.uint64_value if stat.HasField("uint64_value") else stat.int64_value
+
+
 def _peak(events):
-    """The peak level of `_memory_events`' events above the start. A buffer
+    """The peak level of `(time, is_allocation, address, requested bytes)`
+    memory events (`memory_events`) above the start. A buffer
     allocated during the run is freed by its own size; one from before it
     by the size its deallocation event carries."""
     if not events:

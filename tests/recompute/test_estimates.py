@@ -157,43 +157,6 @@ def test_outside_activations_are_placed_where_the_forward_makes_them():
     assert sum(size for name, size in sizes.items() if name not in inside) == 5 * one
 
 
-def _backprop_temporaries(run):
-    """The bytes of each temporary the convolution gradient kernels
-    allocate while `run()` runs (the TensorFlow profiler's memory events)."""
-    import glob
-    import tempfile
-
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    with tempfile.TemporaryDirectory() as logdir:
-        tf.profiler.experimental.start(logdir)
-        try:
-            run()
-        finally:
-            tf.profiler.experimental.stop()
-        (path,) = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
-        space = xplane_pb2.XSpace()
-        with open(path, "rb") as f:
-            space.ParseFromString(f.read())
-    found = []
-    for plane in space.planes:
-        names = {k: v.name for k, v in plane.stat_metadata.items()}
-        kinds = {k: v.name for k, v in plane.event_metadata.items()}
-        for line in plane.lines:
-            for event in line.events:
-                if kinds.get(event.metadata_id) != "MemoryAllocation":
-                    continue
-                stats = {}
-                for s in event.stats:
-                    value = (plane.stat_metadata[s.ref_value].name if s.HasField("ref_value")
-                             else s.str_value if s.HasField("str_value")
-                             else s.uint64_value if s.HasField("uint64_value") else s.int64_value)
-                    stats[names.get(s.metadata_id)] = value
-                if "Conv2DBackprop" in str(stats.get("tf_op")) and stats.get("region_type") == "temp":
-                    found.append(stats["requested_bytes"])
-    return sorted(found)
-
-
 @pytest.mark.skipif(not recompute.estimates.eigen_convolution_kernels(),
                     reason="TensorFlow's own convolution kernels run only where oneDNN is off")
 @pytest.mark.parametrize("shape, kernel, filters, input_has_gradient", [
@@ -202,7 +165,7 @@ def _backprop_temporaries(run):
     ((16, 32, 32, 3), 7, 64, False),  # a stem: no input gradient
 ])
 def test_the_convolution_workspace_is_what_tensorflows_kernels_allocate(
-        shape, kernel, filters, input_has_gradient):
+        shape, kernel, filters, input_has_gradient, requested_peak):
     """Where oneDNN is off, the estimate's working buffers of a Conv2D's
     backward (`_eigen_workspace`) are the temporaries TensorFlow's kernels
     allocate, byte for byte (its allocator's records)."""
@@ -221,7 +184,13 @@ def test_the_convolution_workspace_is_what_tensorflows_kernels_allocate(
         return tape.gradient(y, [x, w] if input_has_gradient else [w])
 
     step()
-    temporaries = _backprop_temporaries(lambda: [g.numpy() for g in step()])
+    events = requested_peak.memory_events(lambda: [g.numpy() for g in step()])
+    temporaries = [
+        stats["requested_bytes"]
+        for _, allocation, stats in events
+        if allocation and "Conv2DBackprop" in str(stats.get("tf_op"))
+        and stats.get("region_type") == "temp"
+    ]
     graph = tf.function(forward).get_concrete_function(x, w).graph
     (op,) = [op for op in graph.get_operations() if op.type == "Conv2D"]
     differentiable = {op.inputs[0].name} if input_has_gradient else set()
