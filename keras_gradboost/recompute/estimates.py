@@ -241,11 +241,12 @@ def _eigen_workspace(op, differentiable):
     """Bytes of the working buffers of the backward of the `Conv2D` `op` on
     TensorFlow's own CPU kernels, which run at once (MobileNetV2 at 64x64,
     batch 16, oneDNN off: both 23.9 MiB buffers of `block_2_project` alive
-    at the training peak): `Conv2DBackpropFilter`'s im2col buffer
+    at the training peak): when the kernel has a gradient (its name in
+    `differentiable`), `Conv2DBackpropFilter`'s im2col buffer
     `[shard, out_h * out_w, kh * kw * in_channels]`, `shard` the images
     whose matmul operands fit `_EIGEN_WORKING_SET`; and, when the input has
-    a gradient (its name in `differentiable`), `Conv2DBackpropInput`'s, of
-    the same shape or of one image (`_EIGEN_L2`). 0 for other ops."""
+    one, `Conv2DBackpropInput`'s, of the same shape or of one image
+    (`_EIGEN_L2`). 0 for other ops."""
     if op.type != "Conv2D" or op.get_attr("data_format") != b"NHWC":
         return 0
     if any(d != 1 for d in op.get_attr("dilations")):
@@ -258,7 +259,9 @@ def _eigen_workspace(op, differentiable):
     itemsize = op.outputs[0].dtype.size
     per_image = image * patch + image * filters + patch * filters
     shard = -(-(_EIGEN_WORKING_SET // itemsize) // per_image)
-    found = shard * image * patch * itemsize
+    found = 0
+    if op.inputs[1].name in differentiable:  # a frozen kernel has no gradient
+        found += shard * image * patch * itemsize
     if op.inputs[0].name in differentiable:
         one_at_a_time = output[0] == 1 or per_image // _intra_op_threads() >= (
             _EIGEN_L2 // itemsize
@@ -268,11 +271,21 @@ def _eigen_workspace(op, differentiable):
 
 
 def _intra_op_threads():
-    """The threads TensorFlow's CPU kernels share a batch among."""
+    """The threads TensorFlow's CPU kernels share a batch among: its
+    setting, else `TF_NUM_INTRAOP_THREADS`, else the CPUs this process may
+    run on (as TensorFlow chooses)."""
     configured = tf.config.threading.get_intra_op_parallelism_threads()
     if configured:
         return configured
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        configured = int(os.environ.get("TF_NUM_INTRAOP_THREADS", "0"))
+    except ValueError:
+        configured = 0
+    if configured > 0:
+        return configured
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def _differentiable(operations, trainable):
@@ -280,9 +293,9 @@ def _differentiable(operations, trainable):
     gradients are computed), in a graph's `operations` (in creation order)."""
     found = set()
     for op in operations:
-        if (op.type == "ReadVariableOp" and op.inputs and op.inputs[0].name in trainable) or any(
-            t.name in found for t in op.inputs
-        ):
+        # A variable's read, or a call that takes its handle (an XLA-compiled
+        # grouped convolution), or anything downstream of one.
+        if any(t.name in trainable or t.name in found for t in op.inputs):
             found.update(t.name for t in op.outputs if t.dtype.is_floating)
     return found
 
@@ -355,8 +368,9 @@ def estimate(model, forward, input_spec, keys, selective=False, owned=None):
         per_block[key]["own"] = set(_handles(graph, owned.get(key, ())))
     _place_outside_weights(per_block, probe.calls, forward_ops, trainable, workspace)
     _place_outside_activations(per_block, probe.calls, cached, operations)
-    for figures in per_block.values():
-        figures["workspace"] = max(figures["workspace"], anywhere)
+    for figures in per_block.values():  # a temporary not placed: at every moment
+        for field in ("workspace", "after_workspace", "before_workspace"):
+            figures[field] = max(figures[field], anywhere)
     sizes = {name: _bytes(t) for name, t in cached.items()}
     return total, per_block, sizes
 
@@ -373,7 +387,8 @@ def _workspaces(graph, forward_ops, trainable, model):
         was not found in the graph (counted at every moment).
     """
     found, anywhere = {}, 0
-    if eigen_convolution_kernels():
+    # A step compiled whole by XLA runs no TensorFlow kernels.
+    if eigen_convolution_kernels() and getattr(model, "jit_compile", False) is not True:
         differentiable = _differentiable(forward_ops, trainable)
         for op in forward_ops:
             size = _eigen_workspace(op, differentiable)

@@ -159,20 +159,23 @@ def test_outside_activations_are_placed_where_the_forward_makes_them():
 
 @pytest.mark.skipif(not recompute.estimates.eigen_convolution_kernels(),
                     reason="TensorFlow's own convolution kernels run only where oneDNN is off")
-@pytest.mark.parametrize("shape, kernel, filters, input_has_gradient", [
-    ((16, 16, 16, 256), 1, 64, True),  # ResNet50's conv2_block3_1_conv at 64x64
-    ((16, 16, 16, 64), 3, 64, True),  # a 3x3: the input's kernel takes one image at a time
-    ((16, 32, 32, 3), 7, 64, False),  # a stem: no input gradient
+@pytest.mark.parametrize("shape, kernel, filters, trained", [
+    ((16, 16, 16, 256), 1, 64, "both"),  # ResNet50's conv2_block3_1_conv at 64x64
+    ((16, 16, 16, 64), 3, 64, "both"),  # a 3x3: on 2 threads, the input's takes one image
+    ((16, 32, 32, 3), 7, 64, "kernel"),  # a stem: no input gradient
+    ((16, 16, 16, 256), 1, 64, "input"),  # a frozen kernel: no filter gradient
 ])
 def test_the_convolution_workspace_is_what_tensorflows_kernels_allocate(
-        shape, kernel, filters, input_has_gradient, requested_peak):
+        shape, kernel, filters, trained, requested_peak):
     """Where oneDNN is off, the estimate's working buffers of a Conv2D's
-    backward (`_eigen_workspace`) are the temporaries TensorFlow's kernels
-    allocate, byte for byte (its allocator's records)."""
+    backward (`_eigen_workspace`, with what has a gradient found as the
+    estimate finds it) are the temporaries TensorFlow's kernels allocate,
+    byte for byte (its allocator's records)."""
     from keras_gradboost.recompute import estimates
 
     x = tf.Variable(tf.random.normal(shape))
     w = tf.Variable(tf.random.normal((kernel, kernel, shape[-1], filters)))
+    variables = {"both": [x, w], "kernel": [w], "input": [x]}[trained]
 
     def forward(x, w):
         return tf.nn.conv2d(x, w, 1, "SAME")
@@ -181,7 +184,7 @@ def test_the_convolution_workspace_is_what_tensorflows_kernels_allocate(
     def step():
         with tf.GradientTape() as tape:
             y = forward(x, w)
-        return tape.gradient(y, [x, w] if input_has_gradient else [w])
+        return tape.gradient(y, variables)
 
     step()
     events = requested_peak.memory_events(lambda: [g.numpy() for g in step()])
@@ -191,8 +194,11 @@ def test_the_convolution_workspace_is_what_tensorflows_kernels_allocate(
         if allocation and "Conv2DBackprop" in str(stats.get("tf_op"))
         and stats.get("region_type") == "temp"
     ]
-    graph = tf.function(forward).get_concrete_function(x, w).graph
-    (op,) = [op for op in graph.get_operations() if op.type == "Conv2D"]
-    differentiable = {op.inputs[0].name} if input_has_gradient else set()
+    graph = tf.function(lambda: forward(x, w)).get_concrete_function().graph
+    operations = graph.get_operations()
+    handles = {id(v.handle) for v in variables}
+    trainable = {inside.name: 0 for outside, inside in graph.captures if id(outside) in handles}
+    differentiable = estimates._differentiable(operations, trainable)
+    (op,) = [op for op in operations if op.type == "Conv2D"]
     assert estimates._eigen_workspace(op, differentiable) == sum(temporaries)
-    assert len(temporaries) == (2 if input_has_gradient else 1)
+    assert len(temporaries) == (2 if trained == "both" else 1)
