@@ -171,8 +171,7 @@ def xla_backward_temporary(model):
     Returns:
         `(bytes, layer)`, or `(0, None)` when there is none.
     """
-    found = xla_backward_temporaries(model)
-    size, layer = max(((size, layer) for layer, size in found), key=lambda p: p[0], default=(0, None))
+    layer, size = max(xla_backward_temporaries(model), key=lambda found: found[1], default=(None, 0))
     return size, layer
 
 
