@@ -47,7 +47,8 @@ class Recompute(keras.layers.Wrapper):
     in any Keras model or custom training loop. A `Recompute` inside
     `layer` recomputes inside this one's replay (nested recompute: the
     inner block runs three times in a step, and this block's backward holds
-    its activations less the inner block's).
+    its activations less the inner block's), selectively if its policy is
+    `"selective"` (its kernel layers then run twice).
 
     Args:
         layer: the Keras layer (a block: a layer, `Sequential` or model).

@@ -127,7 +127,9 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
 
     def call(*args, **kwargs):
         if getattr(_LOCAL, "replay", None) is not None:  # inside a replay
-            return _recomputed_in_replay(fn, state, name, weights, nested)(*args, **kwargs)
+            return _recomputed_in_replay(fn, state, name, weights, nested, selective)(
+                *args, **kwargs
+            )
         flat = tf.nest.flatten((args, kwargs))
         positions = _tensor_positions(flat, name)
 
@@ -203,7 +205,7 @@ def _replaying(scope, weight_ids):
         _LOCAL.replay = previous
 
 
-def _recomputed_in_replay(fn, state, name, weights, nested):
+def _recomputed_in_replay(fn, state, name, weights, nested, selective=False):
     """`recomputed` for a block called inside another block's replay.
 
     There every variable the outer block reads is a tensor of the outer
@@ -213,7 +215,9 @@ def _recomputed_in_replay(fn, state, name, weights, nested):
     state is read from the outer scope here (as the forward saw it at this
     point), and what it updates goes back to that scope. Reading a weight
     of another layer of the outer block would lose that weight's gradient:
-    refused.
+    refused. A selective block (a `Recompute(policy="selective")` inside a
+    fully recomputed one) keeps its kernel layers' outputs from this run,
+    as at the top.
     """
 
     def call(*args, **kwargs):
@@ -233,6 +237,7 @@ def _recomputed_in_replay(fn, state, name, weights, nested):
         dtype = hooks.current_autocast()
         native = depthwise.current()
         structure = []
+        kept = selective_lib.Kept(name) if selective else None
 
         def scope(weight_tensors, state_values):
             return hooks.update_recording_scope(
@@ -242,7 +247,8 @@ def _recomputed_in_replay(fn, state, name, weights, nested):
         @tf.custom_gradient
         def forward(*tensors):
             a, k = rebuild(tensors[:count])
-            with hooks.stop_recording(), scope(tensors[count:], saved) as inner, _plain(), (
+            inside = _handling(kept.capture()) if kept else _plain()
+            with hooks.stop_recording(), scope(tensors[count:], saved) as inner, inside, (
                 _replaying(inner, outer_weights | own)  # a `Recompute` in it reads this scope
             ):
                 outputs = fn(*a, **k)
@@ -254,15 +260,18 @@ def _recomputed_in_replay(fn, state, name, weights, nested):
             def grad(*upstream, variables=None):
                 variables = list(variables or ())
                 inputs = _after(upstream, tensors[:count]) + list(tensors[count:])
+                substitute = kept.replay(_after(upstream, kept.tensors)) if kept else None
                 with tf.GradientTape() as tape:
                     tape.watch([t for t in inputs if t.dtype.is_floating])
                     a, k = rebuild(inputs[:count])
                     with scope(inputs[count:], _after_state(upstream, saved)) as replay, (
                         hooks.autocast(dtype)
-                    ), depthwise.running(native), _handling(nested), _replaying(
-                        replay, outer_weights | own
-                    ):
+                    ), depthwise.running(native), _handling(
+                        substitute if kept else nested
+                    ), _replaying(replay, outer_weights | own):
                         again = fn(*a, **k)
+                if kept:
+                    kept.check_replayed(substitute)
                 _refuse_unsaved_updates(replay.updated, others + saved, name)
                 grads = tape.gradient(
                     tf.nest.flatten(again),

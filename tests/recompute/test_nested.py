@@ -91,25 +91,28 @@ def test_the_inner_block_replays_inside_the_outer_replay(data):
 
 
 class _Wrapping(keras.layers.Layer):
-    """A `Recompute`d block and a Dense of its own."""
+    """A `Recompute`d block (of `policy`; `None`: the plain block) and a
+    Dense of its own."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, policy="full", **kwargs):
         super().__init__(**kwargs)
         block = ResBlock(name="inner", rate=0.3)
         block.build((None, WIDTH))
-        self.inner = recompute.Recompute(block)
+        self.inner = block if policy is None else recompute.Recompute(block, policy=policy)
         self.dense = keras.layers.Dense(WIDTH)
 
     def call(self, x, training=None):
         return self.dense(self.inner(x, training=training))
 
 
-def test_the_recompute_wrapper_nests(data):
-    """`Recompute` around a layer holding a `Recompute`d layer: the same
-    gradients as the plain layers (the inner weights' gradients pass through
-    the outer replay)."""
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_the_recompute_wrapper_nests(data, policy):
+    """`Recompute` around a layer holding a `Recompute`d layer (recomputed
+    fully or selectively inside the outer replay): the same gradients as
+    the plain layers (the inner weights' gradients pass through the outer
+    replay)."""
     keras.utils.set_random_seed(0)
-    outer = _Wrapping(name="wrapping")
+    outer = _Wrapping(policy, name="wrapping")
     wrapped = recompute.Recompute(outer)
     h = tf.constant(np.random.default_rng(0).normal(size=(16, WIDTH)), tf.float32)
     outer(h)
@@ -132,6 +135,31 @@ def test_the_recompute_wrapper_nests(data):
     for e, g, v in zip(expected, got, outer.trainable_variables):
         assert g is not None, v.path
         np.testing.assert_allclose(e, g, rtol=1e-5, atol=1e-6, err_msg=v.path)
+
+
+def test_a_selective_block_inside_a_full_replay_runs_no_matmul_again(data):
+    """A `Recompute(policy="selective")` inside a fully recomputed block
+    keeps its kernel outputs from the outer replay: its own replay runs
+    none of its matmuls again. Counted on the traced step's live backward
+    against no recompute: the outer replay runs the inner `up` and `down`
+    (the outer `dense`'s kernel gradient reads their result); a full inner
+    replay runs `up` once more (gelu's gradient and `down`'s read its
+    output), a selective one nothing."""
+    from keras_gradboost.recompute import estimates
+
+    matmuls = {}
+    for policy in (None, "full", "selective"):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((WIDTH,))
+        wrapping = _Wrapping(policy, name="wrapping")
+        wrapping(tf.zeros((16, WIDTH)))  # built by a call, as a user's layer is
+        h = (wrapping if policy is None else recompute.Recompute(wrapping))(inputs)
+        model = GradBoostModel(inputs, keras.layers.Dense(3, name="head")(h))
+        spec = tf.TensorSpec((16, WIDTH), tf.float32)
+        operations, _ = estimates.live_backward(model, lambda v, _: model(v, training=True), spec)
+        matmuls[policy] = sum(op.type in ("MatMul", "_FusedMatMul") for op in operations)
+    assert matmuls["full"] == matmuls[None] + 3, matmuls
+    assert matmuls["selective"] == matmuls[None] + 2, matmuls
 
 
 class _Tied(keras.layers.Layer):
