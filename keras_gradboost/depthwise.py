@@ -24,6 +24,7 @@ import keras
 import tensorflow as tf
 
 from keras_gradboost import hooks
+from keras_gradboost import precision
 from keras_gradboost import wrappers
 
 SETTINGS = (None, "native")
@@ -142,7 +143,7 @@ def xla_backward_temporaries(model):
     Returns:
         A list of `(layer, bytes)`.
     """
-    if tf.config.list_physical_devices("GPU"):
+    if precision.gpu_available():
         return []
     native = current()
     found = []

@@ -48,6 +48,7 @@ def cpu_has_native_bfloat16():
 
 
 def gpu_available():
+    """Whether TensorFlow sees a GPU (the one place this is asked)."""
     return bool(tf.config.list_physical_devices("GPU"))
 
 

@@ -14,6 +14,7 @@ import tensorflow as tf
 from keras_gradboost import depthwise
 from keras_gradboost import flops as flops_lib
 from keras_gradboost import hooks
+from keras_gradboost import precision
 
 MIB = 2**20
 
@@ -230,11 +231,14 @@ _EIGEN_WORKING_SET = 30 << 20
 _EIGEN_L2 = 256 << 10
 
 
-def eigen_convolution_kernels():
+def eigen_convolution_kernels(model=None):
     """Whether convolutions run on TensorFlow's own (Eigen) CPU kernels:
     no GPU, and oneDNN off (the default on CPUs without AVX-512;
-    `TF_ENABLE_ONEDNN_OPTS=1` turns it on)."""
-    return hooks.onednn_enabled() is False and not tf.config.list_physical_devices("GPU")
+    `TF_ENABLE_ONEDNN_OPTS=1` turns it on); and for `model`'s training
+    step, not compiled whole by XLA (`jit_compile=True` runs none of them)."""
+    if getattr(model, "jit_compile", False) is True:
+        return False
+    return hooks.onednn_enabled() is False and not precision.gpu_available()
 
 
 def _eigen_workspace(op, differentiable):
@@ -387,8 +391,7 @@ def _workspaces(graph, forward_ops, trainable, model):
         was not found in the graph (counted at every moment).
     """
     found, anywhere = {}, 0
-    # A step compiled whole by XLA runs no TensorFlow kernels.
-    if eigen_convolution_kernels() and getattr(model, "jit_compile", False) is not True:
+    if eigen_convolution_kernels(model):
         differentiable = _differentiable(forward_ops, trainable)
         for op in forward_ops:
             size = _eigen_workspace(op, differentiable)

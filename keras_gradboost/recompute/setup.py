@@ -480,7 +480,7 @@ class RecomputeSetup:
 def _eigen_convolutions(model):
     """Whether the model's convolutions run on TensorFlow's Eigen kernels
     (a CPU with oneDNN off; see `RecomputePlan.eigen_convolutions`)."""
-    if not eigen_convolution_kernels():
+    if not eigen_convolution_kernels(model):
         return False
     return any(
         "Conv" in type(layer).__name__

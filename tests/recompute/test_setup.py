@@ -186,16 +186,19 @@ def test_budget_candidates_are_autos_layers_or_every_segment():
     assert layers == [] and len(pieces) == len(cuts) + 1 and pieces[-1].last
 
 
-@pytest.mark.parametrize("onednn, has_conv, noted", [
-    (False, True, True),  # Eigen's convolution kernels: their buffers are counted
-    (True, True, False),
-    (False, False, False),  # no convolution: nothing to say
+@pytest.mark.parametrize("onednn, has_conv, jit_compile, noted", [
+    (False, True, False, True),  # Eigen's convolution kernels: their buffers are counted
+    (True, True, False, False),
+    (False, False, False, False),  # no convolution: nothing to say
+    (False, True, True, False),  # a step compiled whole by XLA runs none of them
 ])
-def test_the_plan_counts_eigen_convolution_buffers(monkeypatch, onednn, has_conv, noted):
+def test_the_plan_counts_eigen_convolution_buffers(
+    monkeypatch, onednn, has_conv, jit_compile, noted
+):
     """Where oneDNN is off, a Conv2D's backward allocates an im2col buffer
     for as many images as fit 30 MiB: [6426, 6 * 6, 3 * 3 * 3] floats here
     (its input, the model's, has no gradient: one buffer), which the
-    training peak counts and the plan says."""
+    training peak counts and the plan says; not under jit_compile=True."""
     from keras_gradboost import hooks
 
     monkeypatch.setattr(hooks, "onednn_enabled", lambda: onednn)
@@ -204,7 +207,7 @@ def test_the_plan_counts_eigen_convolution_buffers(monkeypatch, onednn, has_conv
     layer = keras.layers.Conv2D(4, 3, name="block") if has_conv else keras.layers.Dense(4, name="block")
     h = keras.Sequential([layer], name="seq")(inputs)
     model = GradBoostModel(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
-    model.compile(optimizer="sgd", loss="mse", recompute=["seq"])
+    model.compile(optimizer="sgd", loss="mse", recompute=["seq"], jit_compile=jit_compile)
     plan = model.recompute_plan(batch_size=4)
     assert plan.eigen_convolutions is noted
     assert ("Eigen convolution kernels" in str(plan)) is noted
@@ -214,3 +217,30 @@ def test_the_plan_counts_eigen_convolution_buffers(monkeypatch, onednn, has_conv
     added = plan.peak_bytes - without.peak_bytes
     assert (buffer - 2 * 4 * 36 * 4 <= added <= buffer) if noted else added == 0
     assert plan.bytes_with == without.bytes_with  # activations alone: unchanged
+
+
+@pytest.mark.filterwarnings("ignore:recompute=.*cannot remove the largest temporaries")
+def test_a_convolution_after_a_grouped_one_counts_its_inputs_buffer(monkeypatch):
+    """Keras runs a grouped convolution as an XLA-compiled call that takes
+    its kernel's handle: what comes after it has a gradient, so the next
+    Conv2D's backward allocates both Eigen buffers, its filter's and its
+    input's: [4965, 6 * 6, 3 * 3 * 4] floats each here (as many images as
+    fit 30 MiB). Counting gradients only from variable reads would miss
+    the input's."""
+    from keras_gradboost import hooks
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 4))
+    # No bias: its kernel is the only weight before `conv`.
+    grouped = keras.layers.Conv2D(4, 3, groups=4, padding="same", use_bias=False, name="grouped")
+    h = grouped(inputs)
+    h = keras.Sequential([keras.layers.Conv2D(4, 3, name="conv")], name="seq")(h)
+    model = GradBoostModel(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+    model.compile(optimizer="sgd", loss="mse", recompute=["seq"])
+    monkeypatch.setattr(hooks, "onednn_enabled", lambda: False)
+    plan = model.recompute_plan(batch_size=4)
+    monkeypatch.setattr(hooks, "onednn_enabled", lambda: True)
+    without = model.recompute_plan(batch_size=4)
+    buffer = 4965 * 36 * 36 * 4
+    added = plan.peak_bytes - without.peak_bytes
+    assert 2 * buffer - 4 * 8 * 8 * 4 * 4 <= added <= 2 * buffer, (added, buffer)
