@@ -52,7 +52,12 @@ class RecomputePlan:
 
     Attributes:
         setting: the `recompute` compile argument.
-        batch_size: the batch size the estimates are for (None: not estimated).
+        batch_size: the batch size the estimates are for (None: not
+            estimated). The estimates are for one copy of the training
+            step at that batch size: under a distribution strategy each
+            replica runs its own on its share of the batch, so replicas on
+            logical devices of one CPU, which share its memory, hold one
+            such peak each (working buffers and XLA temporaries included).
         blocks: `BlockEstimate` per candidate block.
         bytes_without: estimated activation bytes without recompute.
         bytes_with: estimated peak activation bytes with this plan (what is
