@@ -90,6 +90,22 @@ def test_epoch_remainder_is_applied_at_epoch_end_not_carried(regression_data):
     assert len(history.history["loss"]) == 2
 
 
+def test_an_epoch_ending_on_a_window_boundary_traces_no_flush(regression_data):
+    """Nothing pending at the epoch's end: no flush runs, and none is traced
+    (it traces the optimizer's update once more); a remainder still is."""
+    x, y = regression_data
+    ref = _large_batch_reference(x, y, keras.optimizers.Adam(0.01), [(0, 96)] * 2)
+    model = small_model(GradBoostModel)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", accumulate_steps=4)
+    model.fit(x[:96], y[:96], batch_size=24, epochs=2, shuffle=False, verbose=0)
+    assert model._gradboost.flush_function is None
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert max_weight_diff(model, ref) < TOL
+    model.fit(x[:104], y[:104], batch_size=24, epochs=1, shuffle=False, verbose=0)
+    assert model._gradboost.flush_function is not None
+    assert int(model.optimizer.iterations.numpy()) == 4
+
+
 def test_validation_and_checkpoint_see_the_flushed_remainder(regression_data, tmp_path):
     x, y = regression_data
     model = small_model(GradBoostModel)
