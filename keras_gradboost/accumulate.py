@@ -143,6 +143,11 @@ class GradientAccumulator:
         tf.cond(self.count > 0.0, add, overwrite)
         self.count.assign_add(n)
 
+    def pending(self, strategy):
+        """The micro-batches added since the last update, read on the host
+        (the first local replica's count: every replica counts the same)."""
+        return int(strategy.experimental_local_results(self.micro_step)[0].numpy())
+
     def tick(self):
         """Counts a micro-batch; returns whether an update is due."""
         return self.micro_step.assign_add(1) >= self.steps

@@ -101,14 +101,14 @@ def pending_micro_batches(model):
     acc = None if rt is None else rt.accumulator
     if acc is None:
         return 0
-    return int(_first(acc.micro_step, model.distribute_strategy))
+    return acc.pending(model.distribute_strategy)
 
 
 def _refuse_partial_window_of_several_workers(acc, strategy):
     """Each worker holds only its own replicas' part of a window's sums, and
     a save reads this worker's: a file of one worker's part would load as
     the whole window, wrong."""
-    pending = int(_first(acc.micro_step, strategy))
+    pending = acc.pending(strategy)
     if pending and cluster.is_multi_worker(strategy):
         raise ValueError(
             f"Cannot save a GradBoostModel in the middle of an accumulation "

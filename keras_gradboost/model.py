@@ -29,7 +29,6 @@ from keras_gradboost.plan import TrainPlan
 from keras_gradboost.state import StepFacts
 from keras_gradboost.step import CrossReplicaStep
 from keras_gradboost.step import flush_window
-from keras_gradboost.step import local_value
 
 
 class _Runtime:
@@ -1280,12 +1279,15 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         steps = [step for step in others if step.accumulator is not None]
         if rt.accumulator is not None and (rt.main_window_used or rt.loaded_window):
             steps.insert(0, self._cross_replica_step())
+        if not steps:
+            return
         strategy = self.distribute_strategy
         # A window closed on the epoch's last batch leaves nothing to flush,
         # nor a flush function to trace (the optimizer's update once more:
         # seconds on a large model). Every worker counts the same
-        # micro-batches, so all of them decide alike.
-        if not any(int(local_value(s.accumulator.micro_step, strategy).numpy()) for s in steps):
+        # micro-batches, so all of them decide alike. (Inside a user's
+        # tf.function the traced flush decides.)
+        if tf.executing_eagerly() and not any(s.accumulator.pending(strategy) for s in steps):
             return
         if rt.flush_function is None or rt.flush_steps != len(steps):
             rt.flush_steps = len(steps)

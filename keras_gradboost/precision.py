@@ -48,7 +48,8 @@ def cpu_has_native_bfloat16():
 
 
 def gpu_available():
-    """Whether TensorFlow sees a GPU (the one place this is asked)."""
+    """Whether TensorFlow sees a GPU (asked here by the precision rule, the
+    plan and the memory estimates)."""
     return bool(tf.config.list_physical_devices("GPU"))
 
 

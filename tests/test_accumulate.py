@@ -208,6 +208,23 @@ def test_train_on_batch_then_flush(regression_data):
     assert int(model.optimizer.iterations.numpy()) == 1
 
 
+def test_flush_inside_a_tf_function(regression_data):
+    """Traced, the flush cannot read the window on the host: its own traced
+    condition decides, pending or not."""
+    x, y = regression_data
+    ref = _large_batch_reference(x, y, keras.optimizers.SGD(0.1), [(0, 48)])
+    model = small_model(GradBoostModel)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=4)
+    model.train_on_batch(x[:32], y[:32])
+    model.train_on_batch(x[32:48], y[32:48])
+    flush = tf.function(model.flush_accumulated_gradients)
+    flush()
+    assert int(model.optimizer.iterations.numpy()) == 1
+    assert max_weight_diff(model, ref) < TOL
+    flush()  # nothing pending: no update
+    assert int(model.optimizer.iterations.numpy()) == 1
+
+
 def test_refuses_optimizer_gradient_accumulation_steps():
     model = small_model(GradBoostModel)
     with pytest.raises(ValueError) as info:

@@ -48,7 +48,9 @@ class Recompute(keras.layers.Wrapper):
     `layer` recomputes inside this one's replay (nested recompute: the
     inner block runs three times in a step, and this block's backward holds
     its activations less the inner block's), selectively if its policy is
-    `"selective"` (its kernel layers then run twice).
+    `"selective"`: its kernel layers then run twice, not three times, and
+    the outer backward holds their outputs from the outer replay until
+    the inner block's backward.
 
     Args:
         layer: the Keras layer (a block: a layer, `Sequential` or model).

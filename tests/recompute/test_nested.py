@@ -137,6 +137,26 @@ def test_the_recompute_wrapper_nests(data, policy):
         np.testing.assert_allclose(e, g, rtol=1e-5, atol=1e-6, err_msg=v.path)
 
 
+def _wrapping_model(policy):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    h = keras.layers.Dense(WIDTH, name="stem")(inputs)
+    h = _Wrapping(policy, name="wrapping")(h)
+    return GradBoostModel(inputs, keras.layers.Dense(3, name="head")(h))
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_selective_recompute_inside_a_chosen_block_equals_no_recompute(data, jit_compile):
+    """`compile(recompute=[...])` chooses the block holding a
+    `Recompute(policy="selective")`: weights, Dropout seeds and
+    BatchNormalization statistics after `fit` equal the plain layers'."""
+    x, y = data
+    plain, nested = _wrapping_model(None), _wrapping_model("selective")
+    train(plain, x, y, jit_compile=jit_compile)
+    train(nested, x, y, jit_compile=jit_compile, recompute=["wrapping"])
+    assert_same_state(plain, nested, atol=1e-5 if jit_compile else 1e-6)
+
+
 def test_a_selective_block_inside_a_full_replay_runs_no_matmul_again(data):
     """A `Recompute(policy="selective")` inside a fully recomputed block
     keeps its kernel outputs from the outer replay: its own replay runs

@@ -200,8 +200,10 @@ def test_the_plan_counts_eigen_convolution_buffers(
     (its input, the model's, has no gradient: one buffer), which the
     training peak counts and the plan says; not under jit_compile=True."""
     from keras_gradboost import hooks
+    from keras_gradboost import precision
 
     monkeypatch.setattr(hooks, "onednn_enabled", lambda: onednn)
+    monkeypatch.setattr(precision, "gpu_available", lambda: False)  # these kernels are a CPU's
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8, 8, 3))
     layer = keras.layers.Conv2D(4, 3, name="block") if has_conv else keras.layers.Dense(4, name="block")
@@ -228,6 +230,7 @@ def test_a_convolution_after_a_grouped_one_counts_its_inputs_buffer(monkeypatch)
     fit 30 MiB). Counting gradients only from variable reads would miss
     the input's."""
     from keras_gradboost import hooks
+    from keras_gradboost import precision
 
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8, 8, 4))
@@ -238,6 +241,7 @@ def test_a_convolution_after_a_grouped_one_counts_its_inputs_buffer(monkeypatch)
     model = GradBoostModel(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
     model.compile(optimizer="sgd", loss="mse", recompute=["seq"])
     monkeypatch.setattr(hooks, "onednn_enabled", lambda: False)
+    monkeypatch.setattr(precision, "gpu_available", lambda: False)  # these kernels are a CPU's
     plan = model.recompute_plan(batch_size=4)
     monkeypatch.setattr(hooks, "onednn_enabled", lambda: True)
     without = model.recompute_plan(batch_size=4)
