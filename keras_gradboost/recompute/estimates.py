@@ -492,8 +492,9 @@ def _place_outside_weights(per_block, calls, forward_ops, trainable, workspace=N
         figures["after"], figures["before"] = {}, {}
         figures["after_workspace"] = figures["before_workspace"] = 0
         inside |= set(figures["weights"])
+    workspace = workspace or {}
     position = {op.name: i for i, op in enumerate(forward_ops)} if workspace else {}
-    for name, size in (workspace or {}).items():
+    for name, size in workspace.items():
         index = position[name]
         if any(start <= index < end for start, end, _ in ranges) or not per_block:
             continue
@@ -697,6 +698,7 @@ def _block_figures(calls, operations, cached, trainable, selective=False, worksp
     `workspace` forward op names to their backward's working buffers."""
     inside, outputs, input_roots, flops, weights = set(), set(), {}, 0.0, {}
     largest, convolutions, made = 0, [], []
+    workspace = workspace or {}
     for start, end, inputs, outs in calls:
         outputs |= {_root(t).name for t in outs}
         for t in inputs:
@@ -704,7 +706,7 @@ def _block_figures(calls, operations, cached, trainable, selective=False, worksp
                 input_roots[_root(t).name] = _bytes(t)
                 largest = max(largest, _bytes(t))
         for op in operations[start:end]:
-            if (workspace or {}).get(op.name):
+            if workspace.get(op.name):
                 convolutions.append((len(made), workspace[op.name]))
             made.extend(t.name for t in op.outputs if t.name in cached)
             if not (selective and _kept_contraction(op)):

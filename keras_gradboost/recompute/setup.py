@@ -300,11 +300,11 @@ class RecomputeSetup:
         self.pending = False
         if fits:
             return
-        temporary, layer = depthwise.xla_backward_temporary(model)
+        temporary = self.plan.xla_temporary_bytes  # found by `_plan` above
         removable = (
             f" The training peak includes ~{temporary / MIB:.1f} MiB that the XLA "
-            f"backward of the depthwise convolution {layer.name!r} allocates, "
-            'whatever is recomputed: compile(depthwise="native") removes it.'
+            f"backward of the depthwise convolution {self.plan.xla_temporary_layer!r} "
+            'allocates, whatever is recomputed: compile(depthwise="native") removes it.'
             if temporary
             else ""
         )
