@@ -154,14 +154,14 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
 
             def grad(*upstream, variables=None):
                 variables = list(variables or ())
-                inputs = _after(upstream, tensors)
-                replay = kept.replay(_after(upstream, kept.tensors)) if kept else None
+                inputs = _after(upstream[:1], tensors)
+                replay = kept.replay(_after(upstream[:1], kept.tensors)) if kept else None
                 with tf.GradientTape() as tape:
                     tape.watch([t for t in inputs if t.dtype.is_floating])
                     tape.watch([t for _, t in held])
                     a, k = rebuild(inputs)
                     with hooks.update_recording_scope(
-                        _after_state(upstream, saved) + held
+                        _after_state(upstream[:1], saved) + held
                     ) as scope, hooks.autocast(dtype), depthwise.running(native), (
                         _handling(replay) if kept else _handling(nested)
                     ), _replaying(scope, [id(v) for v, _ in held]):
@@ -259,12 +259,17 @@ def _recomputed_in_replay(fn, state, name, weights, nested, selective=False):
 
             def grad(*upstream, variables=None):
                 variables = list(variables or ())
-                inputs = _after(upstream, tensors[:count]) + list(tensors[count:])
-                substitute = kept.replay(_after(upstream, kept.tensors)) if kept else None
+                # In the outer replay the upstream gradient can arrive before
+                # this block's forward there has finished: the replay waits
+                # for its outputs too, or both run at once and their
+                # activations are alive together.
+                gates = [upstream[0], *_tensors(outputs)]
+                inputs = _after(gates, tensors[:count]) + list(tensors[count:])
+                substitute = kept.replay(_after(gates, kept.tensors)) if kept else None
                 with tf.GradientTape() as tape:
                     tape.watch([t for t in inputs if t.dtype.is_floating])
                     a, k = rebuild(inputs[:count])
-                    with scope(inputs[count:], _after_state(upstream, saved)) as replay, (
+                    with scope(inputs[count:], _after_state(gates, saved)) as replay, (
                         hooks.autocast(dtype)
                     ), depthwise.running(native), _handling(
                         substitute if kept else nested
@@ -369,8 +374,9 @@ def _tensor_positions(flat, name):
     return positions
 
 
-def _after(upstream, tensors):
-    """`tensors`, made to depend on the upstream gradient's arrival.
+def _after(gates, tensors):
+    """`tensors`, made to depend on the arrival of the `gates` tensors (the
+    upstream gradient; in an outer replay also the block's forward outputs).
 
     Without the dependency, graph optimisers (and XLA, which ignores control
     dependencies) may run the recompute early or merge it with the forward,
@@ -380,8 +386,8 @@ def _after(upstream, tensors):
     common-subexpression pass merges with the forward's, and the masks (and
     what they gate) are then kept from the forward.
     """
-    first = tf.reshape(upstream[0], [-1])[:1]
-    flag = tf.cast(tf.reduce_max(first), tf.bool)
+    firsts = [tf.cast(tf.reshape(g, [-1])[:1], tf.float32) for g in gates]
+    flag = tf.cast(tf.reduce_max(tf.concat(firsts, 0)), tf.bool)
     zero = tf.where(tf.equal(flag, flag), 0.0, float("nan"))
     return [
         t + tf.cast(zero, t.dtype)
@@ -391,10 +397,18 @@ def _after(upstream, tensors):
     ]
 
 
-def _after_state(upstream, saved):
+def _after_state(gates, saved):
     """The saved state (`snapshot`), its values made to depend on the
-    upstream gradient's arrival (`_after`)."""
-    return list(zip([v for v, _ in saved], _after(upstream, [t for _, t in saved])))
+    arrival of `gates` (`_after`)."""
+    return list(zip([v for v, _ in saved], _after(gates, [t for _, t in saved])))
+
+
+def _tensors(structure):
+    """The numeric tensors in a nested structure (a block's outputs)."""
+    return [
+        t for t in tf.nest.flatten(structure)
+        if isinstance(t, tf.Tensor) and (t.dtype.is_floating or t.dtype.is_integer)
+    ]
 
 
 def _tied(gradient, value):
