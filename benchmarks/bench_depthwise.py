@@ -1,6 +1,9 @@
-"""`compile(depthwise="native")` against Keras' grouped convolution: step time
-and training memory of models whose depthwise convolutions are grouped
-`Conv2D`s (keras.applications ConvNeXt).
+"""The kernel choices against Keras' own kernels: step time and training
+memory. `--setting depthwise=native` (the default): `compile(depthwise=
+"native")` against Keras' grouped convolution, on models whose depthwise
+convolutions are grouped `Conv2D`s (keras.applications ConvNeXt).
+`--setting pointwise=matmul`: `compile(pointwise="matmul")` against the
+1x1 convolutions (MobileNetV2, EfficientNetB0, ResNet50).
 
 Step time: in one process per model, pairs of back-to-back `fit`s of
 `--steps` steps (Keras' path, then native, in alternating order;
@@ -13,6 +16,8 @@ recompute), one process per configuration, `--memory-rounds` rounds: the
 peak of the timed steps above the level before them.
 
     python benchmarks/bench_depthwise.py [--models ConvNeXtTiny] [--rounds 8]
+    python benchmarks/bench_depthwise.py --setting pointwise=matmul \
+        --models MobileNetV2,EfficientNetB0
 """
 
 import argparse
@@ -47,7 +52,7 @@ def time_worker(args):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
-                          depthwise=setting)
+                          **{option: setting})
         return model
 
     rng = np.random.default_rng(0)
@@ -57,28 +62,31 @@ def time_worker(args):
     options.autotune.enabled = False
     ds = (tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch, drop_remainder=True)
           .repeat().with_options(options))
+    option, value = args.setting.split("=")
     keras_path = build(None)
+    label = f'{option}="{value}" / Keras\' path'
     pairs = {
         "A/A: Keras' path / itself": [((keras_path, []), (build(None), []))],
-        'depthwise="native" / Keras\' path': [((keras_path, []), (build("native"), []))],
+        label: [((keras_path, []), (build(value), []))],
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         times = paired(pairs, ds, args.steps, args.rounds)
-    layers = len(pairs['depthwise="native" / Keras\' path'][0][1][0].train_plan.depthwise_layers)
+    layers = len(getattr(pairs[label][0][1][0].train_plan, f"{option}_layers"))
     for label, pair_times in times.items():
         value, (low, high) = ratio(pair_times)
         a = 1000 * statistics.median(t[0] for t in pair_times)
         b = 1000 * statistics.median(t[1] for t in pair_times)
         print(f"  {label:<36} {value:6.3f}x [95% CI {low:.3f}-{high:.3f}; "
               f"{a:.0f} vs {b:.0f} ms/step]")
-    print(f"  layers run natively: {layers}")
+    print(f"  layers run by the other kernel: {layers}")
 
 
 def memory(name, setting, args):
     command = [sys.executable, os.path.join(HERE, "bench_recompute.py"), "--worker", "baseline",
                "--app", name, "--batch", str(args.batch), "--pixels", str(args.pixels),
-               "--steps", "2", "--reps", "2"] + (["--depthwise", setting] if setting else [])
+               "--steps", "2", "--reps", "2"] + (
+                   [f"--{args.setting.split('=')[0]}", setting] if setting else [])
     out = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     for line in reversed(out.stdout.splitlines()):
         if line.startswith("{"):
@@ -94,35 +102,40 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--pixels", type=int, default=64)
+    parser.add_argument("--setting", default="depthwise=native",
+                        choices=["depthwise=native", "pointwise=matmul"])
     parser.add_argument("--time-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.time_worker:
         return time_worker(args)
     mib = 2**20
-    print(f"depthwise=\"native\" against Keras' grouped convolution: keras.applications, "
+    option, value = args.setting.split("=")
+    print(f"{option}=\"{value}\" against Keras' own kernels: keras.applications, "
           f"weights=None, {args.pixels}x{args.pixels}, batch {args.batch}, Adam, float32, "
           f"no XLA; {os.cpu_count()} CPUs.")
     for name in args.models.split(","):
         print(f"{name}: step time, {args.rounds} paired rounds of {args.steps}-step fits")
         command = [sys.executable, __file__, "--time-worker", name, "--rounds", str(args.rounds),
                    "--steps", str(args.steps), "--batch", str(args.batch),
-                   "--pixels", str(args.pixels)]
+                   "--pixels", str(args.pixels), "--setting", args.setting]
         out = subprocess.run(command, capture_output=True, text=True, timeout=3600, cwd=HERE)
         lines = [line for line in out.stdout.splitlines() if line.startswith("  ")]
         print("\n".join(lines) or f"  fails: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
-        peaks = {None: [], "native": []}
+        if args.memory_rounds < 1:
+            continue
+        peaks = {None: [], value: []}
         for r in range(args.memory_rounds):
-            for setting in ((None, "native") if r % 2 == 0 else ("native", None)):
+            for setting in ((None, value) if r % 2 == 0 else (value, None)):
                 peaks[setting].append(memory(name, setting, args))
         errors = [p["error"] for runs in peaks.values() for p in runs if "error" in p]
         if errors:
             print(f"  memory fails: {errors[0]}")
             continue
         keras_peak = statistics.median(p["train_bytes"] for p in peaks[None])
-        native_peak = statistics.median(p["train_bytes"] for p in peaks["native"])
+        other_peak = statistics.median(p["train_bytes"] for p in peaks[value])
         print(f"  training peak ({args.memory_rounds} processes each): Keras' path "
-              f"{keras_peak / mib:.0f} MiB, native {native_peak / mib:.0f} MiB, "
-              f"{native_peak / keras_peak:.2f}x")
+              f"{keras_peak / mib:.0f} MiB, {value} {other_peak / mib:.0f} MiB, "
+              f"{other_peak / keras_peak:.2f}x")
 
 
 if __name__ == "__main__":

@@ -102,6 +102,8 @@ def worker(args):
             kwargs["recompute"] = recompute
         if args.depthwise:
             kwargs["depthwise"] = args.depthwise
+        if args.pointwise:
+            kwargs["pointwise"] = args.pointwise
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.compile(
@@ -259,7 +261,7 @@ def estimates(args):
     else:
         model = zoo.residual_mlp(blocks=args.blocks, width=args.width)
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(),
-                  recompute="auto", depthwise=args.depthwise)
+                  recompute="auto", depthwise=args.depthwise, pointwise=args.pointwise)
     plan = model.recompute_plan(batch_size=args.batch)
     if plan.bytes_without is None:  # inputs of unknown length: estimated at fit
         x, y = training_data(args)
@@ -282,7 +284,8 @@ def run(config, args):
         "--pixels", str(args.pixels),
     ] + (["--jit"] if args.jit else []) + (["--app", args.app] if args.app else []) + (
         ["--hub", args.hub] if args.hub else []) + (
-        ["--depthwise", args.depthwise] if args.depthwise else [])
+        ["--depthwise", args.depthwise] if args.depthwise else []) + (
+        ["--pointwise", args.pointwise] if args.pointwise else [])
     out = subprocess.run(command, capture_output=True, text=True, timeout=1200)
     for line in reversed(out.stdout.splitlines()):
         if line.startswith("{"):
@@ -311,6 +314,8 @@ def main():
     parser.add_argument("--jit", action="store_true", help="jit_compile=True (XLA)")
     parser.add_argument("--depthwise", choices=["native"],
                         help='compile(depthwise="native") in every configuration')
+    parser.add_argument("--pointwise", choices=["matmul"],
+                        help='compile(pointwise="matmul") in every configuration')
     parser.add_argument("--time", action="store_true",
                         help="with --models: step time only, paired in one process")
     parser.add_argument("--time-worker", help=argparse.SUPPRESS)
@@ -402,7 +407,8 @@ def time_model(args):
         command = [sys.executable, __file__, "--time-worker", name, "--rounds",
                    str(args.rounds), "--steps", str(args.steps),
                    "--pixels", str(args.pixels)] + (["--jit"] if args.jit else []) + (
-                   ["--depthwise", args.depthwise] if args.depthwise else [])
+                   ["--depthwise", args.depthwise] if args.depthwise else []) + (
+                   ["--pointwise", args.pointwise] if args.pointwise else [])
         out = subprocess.run(command, capture_output=True, text=True, timeout=3600)
         lines = [line for line in out.stdout.splitlines() if line.startswith("  ")]
         print(f"{name}:")
@@ -434,6 +440,7 @@ def time_worker(args):
                 jit_compile=args.jit,
                 recompute=recompute,
                 depthwise=args.depthwise,
+                pointwise=args.pointwise,
             )
         return model
 

@@ -129,7 +129,7 @@ def collect(rt, strategy):
             holds micro-batches (only this worker's part of it is here).
     """
     state = {}
-    _warn_unsaved(rt)
+    _warn_unsaved(rt, strategy)
     if rt.accumulator is not None:
         _refuse_partial_window_of_several_workers(rt.accumulator, strategy)
     if rt.facts is not None:
@@ -158,10 +158,10 @@ def collect(rt, strategy):
     return state
 
 
-def _warn_unsaved(rt):
+def _warn_unsaved(rt, strategy):
     """Names what `minimize()` keeps for other optimizers: not saved yet."""
     others = [state for state in rt.other_states.values() if any(state)]
-    pending = [acc for acc, _ in others if acc is not None and int(acc.micro_step.numpy())]
+    pending = [acc for acc, _ in others if acc is not None and acc.pending(strategy)]
     scaled = [scaler for _, scaler in others if scaler is not None and scaler.dynamic]
     if pending or scaled:
         warnings.warn(

@@ -4,6 +4,7 @@ import dataclasses
 import numbers
 
 from keras_gradboost import depthwise
+from keras_gradboost import pointwise
 
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16", "auto", "measure")
 LOSS_SCALES = ("auto", "dynamic")
@@ -48,6 +49,9 @@ class GradBoostConfig:
             `"native"` (a `Conv2D` whose groups equal its input channels
             runs TensorFlow's depthwise kernel; see `depthwise`). Defaults
             to `None`.
+        pointwise: `None` (1x1 convolutions run as Keras runs them) or
+            `"matmul"` (a `Conv2D` with a 1x1 kernel runs as a matrix
+            product; see `pointwise`). Defaults to `None`.
 
     Raises:
         TypeError: if an argument has the wrong type.
@@ -61,10 +65,12 @@ class GradBoostConfig:
     recompute_check: bool = False
     accumulate_check: bool = False
     depthwise: object = None
+    pointwise: object = None
 
     def __post_init__(self):
         object.__setattr__(self, "recompute", _recompute_setting(self.recompute))
         depthwise.check_setting(self.depthwise)
+        pointwise.check_setting(self.pointwise)
         if not isinstance(self.recompute_check, bool):
             raise _invalid(
                 "recompute_check", self.recompute_check, "True or False", TypeError

@@ -13,22 +13,19 @@ as long as with `tf.nn.depthwise_conv2d` computing the same convolution
 
 The native kernel sums in another order: values equal Keras' to float
 rounding, not bit for bit, so it is opt-in. Layers it cannot serve
-(channels_first, unequal strides, a stride with a dilation) run as Keras
-runs them; `eligible` says why.
+(channels_first, unequal strides, a stride with a dilation, a class with a
+`convolution_op` of its own) run as Keras runs them; `eligible` says why.
 """
-
-import contextlib
-import threading
 
 import keras
 import tensorflow as tf
 
 from keras_gradboost import hooks
+from keras_gradboost import kernel_choice
 from keras_gradboost import precision
 from keras_gradboost import wrappers
 
 SETTINGS = (None, "native")
-_LOCAL = threading.local()  # per thread: MirroredStrategy traces replicas in threads
 
 
 def check_setting(value):
@@ -53,6 +50,8 @@ def eligible(layer):
     """
     if not isinstance(layer, keras.layers.Conv2D) or layer.groups == 1:
         return False, "not a grouped Conv2D"
+    if type(layer).convolution_op is not keras.layers.Conv2D.convolution_op:
+        return False, "its class overrides convolution_op"  # its own, kept
     if layer.built and layer.kernel.shape[-2] != 1:
         return False, "its groups are not its input channels"
     if layer.data_format != "channels_last":
@@ -76,7 +75,7 @@ def candidates(model):
 
 class _Native:
     """A `convolution_op` wrapper: the native depthwise kernel inside
-    `running(...)` for this layer, Keras' own convolution elsewhere (the
+    `kernel_choice.running(...)` for this layer, Keras' own convolution elsewhere (the
     layer may also belong to the un-boosted model)."""
 
     def __init__(self, layer):
@@ -86,7 +85,7 @@ class _Native:
         layer = self.layer
         channels = inputs.shape[-1]
         if (
-            id(layer) not in getattr(_LOCAL, "layer_ids", ())
+            id(layer) not in kernel_choice.current()
             or len(inputs.shape) != 4
             or channels != layer.groups  # an unbuilt layer's groups < channels
         ):
@@ -105,11 +104,11 @@ class _Native:
 
 
 def apply(layers):
-    """Marks `layers` (from `candidates`) to run natively inside `running`
-    (idempotent; the marks do nothing outside it).
+    """Marks `layers` (from `candidates`) to run natively inside
+    `kernel_choice.running` (idempotent; the marks do nothing outside it).
 
     Returns:
-        A frozenset of their ids, for `running`.
+        A frozenset of their ids, for `kernel_choice.running`.
     """
     for layer in layers:
         if not any(isinstance(p.around, _Native) for p in wrappers.patches(layer, "convolution_op")):
@@ -135,9 +134,9 @@ def xla_backward_temporaries(model):
     groups = input channels = filters) on a CPU: about
     `XLA_DENSE_FILTER_COPIES` float32 copies of a dense `(k..., C, C)`
     filter (ConvNeXtTiny's last stage: ~220 MiB; measured for `Conv2D`,
-    channels_last; the others assumed alike). Layers running natively here
-    (`current()`) have none, and neither has a GPU (cuDNN runs grouped
-    convolutions). A layer not yet built is skipped (the estimates trace
+    channels_last; the others assumed alike). Layers running natively
+    here (`kernel_choice.current()`) have none, and neither has a GPU
+    (cuDNN runs grouped convolutions). A layer not yet built is skipped (the estimates trace
     the model first, which builds it).
 
     Returns:
@@ -145,7 +144,7 @@ def xla_backward_temporaries(model):
     """
     if precision.gpu_available():
         return []
-    native = current()
+    native = kernel_choice.current()
     found = []
     for layer in hooks.flatten_layers(model, include_self=False):
         if (
@@ -174,20 +173,3 @@ def xla_backward_temporary(model):
     """
     layer, size = max(xla_backward_temporaries(model), key=lambda found: found[1], default=(None, 0))
     return size, layer
-
-
-def current():
-    """The ids `running` has made native here (a recompute's backward
-    replays its block with them, as its forward ran)."""
-    return getattr(_LOCAL, "layer_ids", frozenset())
-
-
-@contextlib.contextmanager
-def running(layer_ids):
-    """Inside, the marked layers whose ids are in `layer_ids` run natively."""
-    previous = getattr(_LOCAL, "layer_ids", frozenset())
-    _LOCAL.layer_ids = previous | layer_ids
-    try:
-        yield
-    finally:
-        _LOCAL.layer_ids = previous

@@ -16,6 +16,8 @@ from keras_gradboost import jit_measure
 from keras_gradboost import precision as precision_lib
 from keras_gradboost import precision_measure
 from keras_gradboost import depthwise as depthwise_lib
+from keras_gradboost import kernel_choice
+from keras_gradboost import pointwise as pointwise_lib
 from keras_gradboost import recompute as recompute_lib
 from keras_gradboost import wrappers
 from keras_gradboost.accumulate import GradientAccumulator
@@ -103,8 +105,9 @@ class _Runtime:
         # Why XLA is off although jit_compile=True or "measure" asked for
         # it: the plan's reason, or one found while training.
         self.xla_blocked = plan.xla_blocked if plan else None
-        # Ids of the layers `compile(depthwise="native")` runs natively.
-        self.depthwise_ids = frozenset()
+        # Ids of the layers that run another kernel than Keras' own
+        # (`compile(depthwise="native")`, `compile(pointwise="matmul")`).
+        self.kernel_ids = frozenset()
 
     @property
     def config(self):
@@ -168,15 +171,16 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         self._gradboost = _Runtime()
 
     def __call__(self, *args, **kwargs):
-        with self._native_depthwise():
+        with self._chosen_kernels():
             return super().__call__(*args, **kwargs)
 
-    def _native_depthwise(self):
-        """The context in which the layers `compile(depthwise="native")`
-        chose run TensorFlow's depthwise kernel: every call of the model,
-        and the recompute's own forwards (segments, estimates, checks)."""
+    def _chosen_kernels(self):
+        """The context in which the layers `compile(depthwise="native")` and
+        `compile(pointwise="matmul")` chose run their other kernel: every
+        call of the model, and the recompute's own forwards (segments,
+        estimates, checks)."""
         runtime = getattr(self, "_gradboost", None)  # None while Keras builds it
-        return depthwise_lib.running(runtime.depthwise_ids if runtime else frozenset())
+        return kernel_choice.running(runtime.kernel_ids if runtime else frozenset())
 
     # ------------------------------------------------------------------ compile
 
@@ -190,6 +194,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         recompute_check=False,
         accumulate_check=False,
         depthwise=None,
+        pointwise=None,
         **kwargs,
     ):
         """Configures the model for training, with the gradboost options.
@@ -318,6 +323,17 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 unequal strides, a stride with a dilation) run as Keras runs
                 them; with none to serve, a warning. See
                 `train_plan.depthwise_layers`. Defaults to `None`.
+            pointwise: `None` or `"matmul"`. `"matmul"` runs each `Conv2D`
+                with a 1x1 kernel (one group, no dilation, channels_last)
+                as a matrix product, in every forward of this model. Where
+                oneDNN is off (TensorFlow's default on CPUs without
+                AVX-512), TensorFlow's convolution backward copies the
+                input of each into two working buffers (up to ~30 MiB
+                each), which recompute cannot remove; a matmul's backward
+                needs none. Values equal Keras' to float rounding, not bit
+                for bit. With no such layer, a warning. See
+                `train_plan.pointwise_layers` and `pointwise`. Defaults to
+                `None`.
 
         Raises:
             TypeError: if a gradboost argument or `jit_compile` has the wrong
@@ -337,6 +353,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             recompute_check=recompute_check,
             accumulate_check=accumulate_check,
             depthwise=depthwise,
+            pointwise=pointwise,
         )
         plan = TrainPlan.build(config, self, _bind_compile_args(args, kwargs))
         self._apply_plan(plan)
@@ -374,7 +391,9 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             )
         if plan.recompute is not None:
             plan.recompute.apply()
-        rt.depthwise_ids = depthwise_lib.apply(plan.depthwise_layers)
+        rt.kernel_ids = depthwise_lib.apply(plan.depthwise_layers) | pointwise_lib.apply(
+            plan.pointwise_layers
+        )
         with self.distribute_strategy.scope():
             rt.facts = StepFacts()
             if plan.loss_scale is not None:
@@ -496,7 +515,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         setup = self._gradboost.recompute
         if setup is None:
             return recompute_lib.RecomputePlan(setting=None)
-        with self._native_depthwise():
+        with self._chosen_kernels():
             return setup.report(self, batch_size)
 
     @property
@@ -842,7 +861,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         local = [as_local_batch(b, self.distribute_strategy) for b in batches]
         if rt.recompute_check_pending:
             rt.recompute_check_pending = False
-            with self._native_depthwise():
+            with self._chosen_kernels():
                 rt.recompute.check(self, local[0])
         if rt.accumulate_check_pending:
             self._accumulate_check(local)
@@ -1253,7 +1272,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         (the budget's choice, the input spec); outside any tape."""
         setup = self._gradboost.recompute
         if setup is not None:
-            with self._native_depthwise():
+            with self._chosen_kernels():
                 setup.prepare(self, x)
 
     def _training_forward(self, x):
@@ -1261,7 +1280,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         blocks, if any). Call `_prepare_forward(x)` first."""
         setup = self._gradboost.recompute
         if setup is not None:
-            with self._native_depthwise():
+            with self._chosen_kernels():
                 return setup.forward(self, x)
         if hooks.call_has_training_arg(self):
             return self(x, training=True)

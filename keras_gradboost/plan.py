@@ -26,6 +26,7 @@ import keras
 import tensorflow as tf
 
 from keras_gradboost import depthwise
+from keras_gradboost import pointwise
 from keras_gradboost import hooks
 from keras_gradboost import precision as precision_lib
 from keras_gradboost.accumulate import EXACT_REDUCTIONS
@@ -83,6 +84,9 @@ class TrainPlan:
         depthwise_layers: the grouped `Conv2D` layers that
             `depthwise="native"` runs on TensorFlow's depthwise kernel
             (`depthwise.candidates`); `()` otherwise.
+        pointwise_layers: the 1x1 `Conv2D` layers that `pointwise="matmul"`
+            runs as matrix products (`pointwise.candidates`); `()`
+            otherwise.
         warnings: the messages `compile()` gives once the plan is applied
             (soft problems: XLA blocked, float16 on a CPU, accumulation that
             cannot equal the large batch).
@@ -101,6 +105,7 @@ class TrainPlan:
     auto_scale_loss: bool = False
     recompute: object = None
     depthwise_layers: tuple = ()
+    pointwise_layers: tuple = ()
     warnings: tuple = ()
 
     @classmethod
@@ -194,6 +199,15 @@ class TrainPlan:
                     "dilation). DepthwiseConv2D layers already run TensorFlow's "
                     "depthwise kernel."
                 )
+        pointwise_layers = ()
+        if config.pointwise == "matmul":
+            pointwise_layers = tuple(pointwise.candidates(model))
+            if not pointwise_layers:
+                notes.append(
+                    'pointwise="matmul" changes nothing: model '
+                    f"{model.name!r} has no Conv2D with a 1x1 kernel, one group, "
+                    "no dilation and channels_last data."
+                )
         return cls(
             config=config,
             keras_kwargs=types.MappingProxyType(kwargs),
@@ -208,6 +222,7 @@ class TrainPlan:
             auto_scale_loss=auto_scale_loss,
             recompute=recompute,
             depthwise_layers=depthwise_layers,
+            pointwise_layers=pointwise_layers,
             warnings=tuple(notes),
         )
 

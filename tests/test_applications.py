@@ -81,12 +81,18 @@ def max_diff(a, b):
 # DenseNet121 and EfficientNetB0 take 1-2 minutes more of CI, and their
 # recompute is the same mechanism (ResNet50's a flat graph cut into
 # segments, as MobileNetV2's).
-@pytest.mark.parametrize("name", ["MobileNetV2", "ConvNeXtTiny"])
-def test_boosted_with_recompute_trains_like_plain_keras(name):
+@pytest.mark.parametrize(
+    "name, extra",
+    [("MobileNetV2", {}), ("MobileNetV2", {"pointwise": "matmul"}), ("ConvNeXtTiny", {})],
+    ids=["MobileNetV2", "MobileNetV2-pointwise", "ConvNeXtTiny"],
+)
+def test_boosted_with_recompute_trains_like_plain_keras(name, extra):
     """boost() with recompute="auto" against the unboosted model: the same
     weights and moving statistics after each of two steps (recompute re-runs
     the forward of each block in the backward pass, with the batch's own
-    statistics and the moving ones updated once).
+    statistics and the moving ones updated once). Also with MobileNetV2's
+    34 1x1 convolutions run as matmuls (`pointwise="matmul"`), in the
+    forward and in the replays.
 
     Step by step, each from the same weights: at 32x32 and 4 images a batch
     these models are ill-conditioned (the last BatchNormalizations normalise
@@ -95,7 +101,9 @@ def test_boosted_with_recompute_trains_like_plain_keras(name):
     that, not recompute."""
     x, y = images()
     plain = compile_model(application(name))
-    boosted = compile_model(kgb.boost(application(name)), recompute="auto")
+    boosted = compile_model(kgb.boost(application(name)), recompute="auto", **extra)
+    if extra:
+        assert len(boosted.train_plan.pointwise_layers) == 34
     for step in range(N // BATCH):
         rows = slice(step * BATCH, (step + 1) * BATCH)
         plain.set_weights(boosted.get_weights())

@@ -70,9 +70,10 @@ def test_to_dict_round_trips():
         "recompute_check": False,
         "accumulate_check": False,
         "depthwise": None,
+        "pointwise": None,
     }
     assert GradBoostConfig(**config.to_dict()) == config
-    native = GradBoostConfig(depthwise="native")
+    native = GradBoostConfig(depthwise="native", pointwise="matmul")
     assert GradBoostConfig(**native.to_dict()) == native
     config = GradBoostConfig(recompute=["a", "b*"], recompute_check=True)
     assert config.recompute == ("a", "b*")

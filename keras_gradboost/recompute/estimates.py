@@ -167,7 +167,8 @@ class RecomputePlan:
                 "TensorFlow's Eigen convolution kernels (oneDNN is off on this "
                 "CPU; TF_ENABLE_ONEDNN_OPTS=1 turns it on, and needs less "
                 "memory): up to ~30 MiB per Conv2D's backward, for its filter "
-                "and again for its input"
+                "and again for its input (none for a 1x1 Conv2D that "
+                'compile(pointwise="matmul") runs as a matmul)'
             )
         if self.measured_peak_bytes is not None:
             lines.append(

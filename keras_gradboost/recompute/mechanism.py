@@ -23,7 +23,7 @@ import threading
 
 import tensorflow as tf
 
-from keras_gradboost import depthwise
+from keras_gradboost import kernel_choice
 from keras_gradboost import hooks
 from keras_gradboost import wrappers
 from keras_gradboost.recompute import selective as selective_lib
@@ -142,7 +142,7 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
         dtype = hooks.current_autocast()
         structure = []
         kept = selective_lib.Kept(name) if selective else None
-        native = depthwise.current()  # the replay runs the kernels the forward ran
+        native = kernel_choice.current()  # the replay runs the kernels the forward ran
 
         @tf.custom_gradient
         def forward(*tensors):
@@ -162,7 +162,7 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
                     a, k = rebuild(inputs)
                     with hooks.update_recording_scope(
                         _after_state(upstream[:1], saved) + held
-                    ) as scope, hooks.autocast(dtype), depthwise.running(native), (
+                    ) as scope, hooks.autocast(dtype), kernel_choice.running(native), (
                         _handling(replay) if kept else _handling(nested)
                     ), _replaying(scope, [id(v) for v, _ in held]):
                         again = fn(*a, **k)
@@ -172,11 +172,12 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
                 # A weight's gradient is its held value's; a variable read
                 # outside `weights` is differentiated as it is.
                 sources = [by_variable.get(id(v), v) for v in variables]
-                grads = tape.gradient(
-                    tf.nest.flatten(again),
-                    list(inputs) + sources,
-                    output_gradients=list(upstream),
-                )
+                with _differentiating_replay():
+                    grads = tape.gradient(
+                        tf.nest.flatten(again),
+                        list(inputs) + sources,
+                        output_gradients=list(upstream),
+                    )
                 weight_grads = [
                     _tied(g, source) if source is not v else g
                     for g, source, v in zip(grads[len(inputs) :], sources, variables)
@@ -203,6 +204,46 @@ def _replaying(scope, weight_ids):
         yield
     finally:
         _LOCAL.replay = previous
+
+
+@contextlib.contextmanager
+def _differentiating_replay():
+    """Around a replay's `tape.gradient`: the graph's operations made so far
+    (the replay's forward among them) come before its backward, and a
+    nested block's gradient, called inside, tells which of its readers
+    belong to the backward by their position (`_read_by_backward`)."""
+    graph = tf.compat.v1.get_default_graph()
+    previous = getattr(_LOCAL, "backward_from", None)
+    _LOCAL.backward_from = (graph, len(graph.get_operations()))
+    try:
+        yield
+    finally:
+        _LOCAL.backward_from = previous
+
+
+def _read_by_backward(tensors):
+    """Whether the backward made so far reads `tensors` (a nested block's
+    outputs in the outer replay), directly or through the replay's forward:
+    only then does that forward run at all (a block at the end of its outer
+    block, followed by a residual add, needs none of its values there; its
+    own replay rebuilds them). True where it cannot tell (eagerly, outside
+    a replay's gradient)."""
+    found = getattr(_LOCAL, "backward_from", None)
+    graph = tf.compat.v1.get_default_graph()
+    if found is None or found[0] is not graph or tf.executing_eagerly():
+        return True
+    start = found[1]
+    position = {op.name: i for i, op in enumerate(graph.get_operations())}
+    seen, pending = set(), list(tensors)
+    while pending:
+        for op in pending.pop().consumers():
+            if op.name in seen:
+                continue
+            seen.add(op.name)
+            if position.get(op.name, start) >= start:
+                return True
+            pending.extend(op.outputs)
+    return False
 
 
 def _recomputed_in_replay(fn, state, name, weights, nested, selective=False):
@@ -235,7 +276,7 @@ def _recomputed_in_replay(fn, state, name, weights, nested, selective=False):
             weight_values = [tf.convert_to_tensor(v.value) for v in weights]
         saved = snapshot(state)  # as the forward saw it here
         dtype = hooks.current_autocast()
-        native = depthwise.current()
+        native = kernel_choice.current()
         structure = []
         kept = selective_lib.Kept(name) if selective else None
 
@@ -260,10 +301,12 @@ def _recomputed_in_replay(fn, state, name, weights, nested, selective=False):
             def grad(*upstream, variables=None):
                 variables = list(variables or ())
                 # In the outer replay the upstream gradient can arrive before
-                # this block's forward there has finished: the replay waits
-                # for its outputs too, or both run at once and their
-                # activations are alive together.
-                gates = [upstream[0], *_tensors(outputs)]
+                # this block's forward there has finished: where that forward
+                # runs, the replay waits for its outputs too, or both run at
+                # once and their activations are alive together.
+                gates = [upstream[0]]
+                if _read_by_backward(_tensors(outputs)):
+                    gates += _tensors(outputs)
                 inputs = _after(gates, tensors[:count]) + list(tensors[count:])
                 substitute = kept.replay(_after(gates, kept.tensors)) if kept else None
                 with tf.GradientTape() as tape:
@@ -271,18 +314,19 @@ def _recomputed_in_replay(fn, state, name, weights, nested, selective=False):
                     a, k = rebuild(inputs[:count])
                     with scope(inputs[count:], _after_state(gates, saved)) as replay, (
                         hooks.autocast(dtype)
-                    ), depthwise.running(native), _handling(
+                    ), kernel_choice.running(native), _handling(
                         substitute if kept else nested
                     ), _replaying(replay, outer_weights | own):
                         again = fn(*a, **k)
                 if kept:
                     kept.check_replayed(substitute)
                 _refuse_unsaved_updates(replay.updated, others + saved, name)
-                grads = tape.gradient(
-                    tf.nest.flatten(again),
-                    inputs + variables,
-                    output_gradients=list(upstream),
-                )
+                with _differentiating_replay():
+                    grads = tape.gradient(
+                        tf.nest.flatten(again),
+                        inputs + variables,
+                        output_gradients=list(upstream),
+                    )
                 return grads[: len(inputs)], grads[len(inputs) :]
 
             return tf.nest.flatten(outputs), grad

@@ -29,7 +29,7 @@ import threading
 import keras
 import tensorflow as tf
 
-from keras_gradboost import depthwise
+from keras_gradboost import kernel_choice
 from keras_gradboost import hooks
 
 # The layers whose outputs are kept: each multiplies by a kernel (the FLOPs
@@ -194,7 +194,7 @@ def _substituted(layer, call, kept, args, kwargs):
     with hooks.autocast(None):  # the replay's values (the held weights), as stored
         values = [tf.convert_to_tensor(v.value) for v in weights]
     dtype = hooks.current_autocast()
-    native = depthwise.current()  # the gradient's call runs the forward's kernel
+    native = kernel_choice.current()  # the gradient's call runs the forward's kernel
     count = len(positions)
 
     @tf.custom_gradient
@@ -209,7 +209,7 @@ def _substituted(layer, call, kept, args, kwargs):
                 a, k = tf.nest.pack_sequence_as((args, kwargs), rebuilt)
                 with keras.StatelessScope(
                     state_mapping=list(zip(weights, held))
-                ), hooks.autocast(dtype), depthwise.running(native):
+                ), hooks.autocast(dtype), kernel_choice.running(native):
                     again, _ = _linear_call(layer, call, a, k)
             return tape.gradient(again, inputs + held, output_gradients=upstream)
 

@@ -226,6 +226,45 @@ def test_an_inner_replay_waits_for_the_inner_forward_in_the_outer_replay():
     assert first in _ancestors(second) or second in _ancestors(first)
 
 
+class _Tail(keras.layers.Layer):
+    """A Dense of its own, then a (`Recompute`d, with `policy`) block last:
+    what follows it in the outer replay (nothing) reads none of its values."""
+
+    def __init__(self, policy="full", **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(WIDTH)
+        block = ResBlock(name="inner", rate=0.3)
+        block.build((None, WIDTH))
+        self.inner = block if policy is None else recompute.Recompute(block, policy=policy)
+
+    def call(self, x, training=None):
+        return self.inner(self.dense(x), training=training)
+
+
+def test_an_inner_block_last_in_its_outer_block_runs_once_in_its_replay():
+    """The replay of an inner block waits for its forward in the outer
+    replay only where the backward reads that forward: at the end of the
+    outer block nothing does, TensorFlow prunes it, and the inner block's
+    own replay is its only run there. Live matmuls of the traced step's
+    backward: as many as without the inner recompute (9; waiting for the
+    forward always made it 11, the inner `up` and `down` once more)."""
+    from keras_gradboost.recompute import estimates
+
+    matmuls = {}
+    for policy in (None, "full"):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((WIDTH,))
+        tail = _Tail(policy, name="tail")
+        tail(tf.zeros((16, WIDTH)))
+        model = GradBoostModel(
+            inputs, keras.layers.Dense(3, name="head")(recompute.Recompute(tail)(inputs))
+        )
+        spec = tf.TensorSpec((16, WIDTH), tf.float32)
+        operations, _ = estimates.live_backward(model, lambda v, _: model(v, training=True), spec)
+        matmuls[policy] = sum(op.type in ("MatMul", "_FusedMatMul") for op in operations)
+    assert matmuls["full"] == matmuls[None] == 9, matmuls
+
+
 class _Tied(keras.layers.Layer):
     """Reads a weight of another layer, untracked (a tied projection)."""
 
