@@ -193,15 +193,16 @@ class TrainPlan:
             depthwise_layers = _chosen_layers(
                 depthwise.candidates(model), 'depthwise="native"', model, notes,
                 "no Conv2D whose groups equal its input channels (channels_last, "
-                "equal strides, no stride with a dilation). DepthwiseConv2D "
-                "layers already run TensorFlow's depthwise kernel.",
+                "equal strides, no stride with a dilation, Keras' own "
+                "convolution_op). DepthwiseConv2D layers already run "
+                "TensorFlow's depthwise kernel.",
             )
         pointwise_layers = ()
         if config.pointwise == "matmul":
             pointwise_layers = _chosen_layers(
                 pointwise.candidates(model), 'pointwise="matmul"', model, notes,
-                "no Conv2D with a 1x1 kernel, one group, no dilation and "
-                "channels_last data.",
+                "no Conv2D with a 1x1 kernel, one group, no dilation, "
+                "channels_last data and Keras' own convolution_op.",
             )
         return cls(
             config=config,

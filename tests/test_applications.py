@@ -81,24 +81,12 @@ def max_diff(a, b):
 # DenseNet121 and EfficientNetB0 take 1-2 minutes more of CI, and their
 # recompute is the same mechanism (ResNet50's a flat graph cut into
 # segments, as MobileNetV2's).
-@pytest.mark.parametrize(
-    "name, extra",
-    [
-        ("MobileNetV2", {}),
-        # At 32x32, 4 images, with matmuls no plan pays ("auto" recomputes
-        # nothing, and says so): a budget chosen at batch 64 recomputes.
-        ("MobileNetV2", {"pointwise": "matmul", "recompute": {"budget_mb": 40, "batch_size": 64}}),
-        ("ConvNeXtTiny", {}),
-    ],
-    ids=["MobileNetV2", "MobileNetV2-pointwise", "ConvNeXtTiny"],
-)
-def test_boosted_with_recompute_trains_like_plain_keras(name, extra):
+@pytest.mark.parametrize("name", ["MobileNetV2", "ConvNeXtTiny"])
+def test_boosted_with_recompute_trains_like_plain_keras(name):
     """boost() with recompute="auto" against the unboosted model: the same
     weights and moving statistics after each of two steps (recompute re-runs
     the forward of each block in the backward pass, with the batch's own
-    statistics and the moving ones updated once). Also with MobileNetV2's
-    34 1x1 convolutions run as matmuls (`pointwise="matmul"`), in the
-    forward and in the replays, under a budget's plan.
+    statistics and the moving ones updated once).
 
     Step by step, each from the same weights: at 32x32 and 4 images a batch
     these models are ill-conditioned (the last BatchNormalizations normalise
@@ -107,16 +95,14 @@ def test_boosted_with_recompute_trains_like_plain_keras(name, extra):
     that, not recompute."""
     x, y = images()
     plain = compile_model(application(name))
-    boosted = compile_model(kgb.boost(application(name)), **{"recompute": "auto", **extra})
-    if extra:
-        assert len(boosted.train_plan.pointwise_layers) == 34
+    boosted = compile_model(kgb.boost(application(name)), recompute="auto")
     for step in range(N // BATCH):
         rows = slice(step * BATCH, (step + 1) * BATCH)
         plain.set_weights(boosted.get_weights())
         plain.fit(x[rows], y[rows], batch_size=BATCH, shuffle=False, verbose=0)
         boosted.fit(x[rows], y[rows], batch_size=BATCH, shuffle=False, verbose=0)
         assert max_diff(boosted, plain) < 1e-5, f"step {step}"
-    assert boosted.recompute_plan().recomputed, "the plan recomputed nothing"
+    assert boosted.recompute_plan().recomputed, "auto recomputed nothing"
     assert int(boosted.optimizer.iterations.numpy()) == 2
 
 
@@ -143,9 +129,10 @@ class PoisonAt(keras.callbacks.Callback):
             self.before = [w.copy() for w in self.model.get_weights()]
 
 
-# DenseNet121 left out of this one (31 s of CI; its layers are of the same
-# kinds as the other four's, only joined by concatenation).
-@pytest.mark.parametrize("name", [m for m in MODELS if m != "DenseNet121"])
+# DenseNet121 and MobileNetV2 left out of this one (31 s and 15 s of CI):
+# their layers are of the same kinds as the other three's, joined by
+# concatenation or in a flat graph like ResNet50's.
+@pytest.mark.parametrize("name", ["ResNet50", "EfficientNetB0", "ConvNeXtTiny"])
 def test_planted_nan_is_located_at_its_step_and_layer(name):
     """A NaN planted in a middle convolution's kernel before step 1, on the
     unboosted model (NaNWatcher is a drop-in callback): stopped at step 1,
@@ -172,7 +159,8 @@ def test_planted_nan_is_located_at_its_step_and_layer(name):
                if np.isfinite(b).all()) > 1e-4
 
 
-@pytest.mark.parametrize("name", MODELS)
+# DenseNet121 left out (13 s of CI): a functional graph like ResNet50's.
+@pytest.mark.parametrize("name", [m for m in MODELS if m != "DenseNet121"])
 def test_boosted_model_saves_and_loads(name, tmp_path):
     x, _ = images()
     model = compile_model(kgb.boost(application(name)), accumulate_steps=2,
@@ -253,7 +241,12 @@ def test_efficientnet_resumed_mid_window_equals_uninterrupted(tmp_path):
     assert max_diff(restarted, never) == 0.0
 
 
-@pytest.mark.parametrize("recompute_setting", [None, "auto", "auto, dependency optimizer off"])
+# With grappler's dependency optimizer off the updates wait for the whole
+# backward and every gradient is alive (ResNet50 "auto": 145.4 MiB requested,
+# 132.1 estimated; README). That case's measured check (40 s of CI) was
+# dropped to keep CI under its limit; its estimate is tested on a small model
+# (recompute/test_estimates.py).
+@pytest.mark.parametrize("recompute_setting", [None, "auto"])
 def test_training_peak_estimate_follows_gradient_lifetimes_on_resnet50(
     recompute_setting, requested_peak
 ):
@@ -262,23 +255,11 @@ def test_training_peak_estimate_follows_gradient_lifetimes_on_resnet50(
     its gradient exists, so they never all live at once. The estimate must
     land within 15% of the bytes the steps' allocations request (the
     profiler's memory events; graph rewrites on, as users run), where all
-    the gradients on top of the peak activations over-count by far. With
-    grappler's dependency optimizer off the updates wait for the whole
-    backward: every gradient is alive (measured 145 MiB against 51 with it
-    on), and the estimate must say so and count them all."""
-    options = tf.config.optimizer.get_experimental_options()
-    piling = recompute_setting == "auto, dependency optimizer off"
-    if piling:
-        recompute_setting = "auto"
-        tf.config.optimizer.set_experimental_options({"dependency_optimization": False})
-    try:
-        _check_resnet50_peak(recompute_setting, requested_peak, piling)
-    finally:
-        tf.config.optimizer.set_experimental_options(
-            {"dependency_optimization": options.get("dependency_optimization", True)})
+    the gradients on top of the peak activations over-count by far."""
+    _check_resnet50_peak(recompute_setting, requested_peak)
 
 
-def _check_resnet50_peak(recompute_setting, requested_peak, piling):
+def _check_resnet50_peak(recompute_setting, requested_peak):
     keras.utils.set_random_seed(0)
     base = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
     model = kgb.boost(base)
@@ -304,7 +285,7 @@ def _check_resnet50_peak(recompute_setting, requested_peak, piling):
     else:
         plan = model.recompute_plan(batch_size=16)
         estimated, all_at_once = plan.peak_bytes, plan.bytes_with + plan.gradient_bytes
-    assert plan.gradients_pile_up == piling
+    assert not plan.gradients_pile_up
     # Where oneDNN is off (CPUs without AVX-512), TensorFlow's Eigen
     # convolution kernels allocate working buffers (up to ~30 MiB per
     # backward convolution): the estimate counts them at their moments
@@ -313,11 +294,5 @@ def _check_resnet50_peak(recompute_setting, requested_peak, piling):
     assert plan.eigen_convolutions == (hooks.onednn_enabled() is False)
     if plan.eigen_convolutions:
         assert "Eigen convolution kernels" in str(plan)
-    if piling:
-        assert "dependency optimizer is off" in str(plan)
-        if not plan.eigen_convolutions:  # else buffers at moments on top
-            assert estimated == all_at_once
-        assert 0.85 * estimated <= measured <= 1.2 * estimated  # by moments: 0.35
-        return
     assert 0.85 * estimated <= measured <= 1.15 * estimated
     assert measured / all_at_once < 0.85  # the old estimate would fail here

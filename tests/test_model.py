@@ -137,22 +137,6 @@ def test_boost_shares_weights_and_trains_the_original(regression_data, build):
     np.testing.assert_allclose(boosted.predict(x, verbose=0), original.predict(x, verbose=0))
 
 
-def test_boost_keras_application():
-    base = keras.applications.MobileNetV3Small(
-        input_shape=(32, 32, 3), weights=None, classes=4, include_preprocessing=False
-    )
-    boosted = boost(base)
-    assert boosted.layers == base.layers[: len(boosted.layers)]
-    assert len(boosted.weights) == len(base.weights)
-    boosted.compile(optimizer="sgd", loss="categorical_crossentropy", accumulate_steps=2)
-    x = np.random.default_rng(0).normal(size=(8, 32, 32, 3)).astype("float32")
-    y = keras.utils.to_categorical(np.arange(8) % 4, 4)
-    before = [w.copy() for w in base.get_weights()]
-    boosted.fit(x, y, batch_size=4, verbose=0)
-    assert int(boosted.optimizer.iterations.numpy()) == 1
-    assert any(np.abs(a - b).max() > 0 for a, b in zip(before, base.get_weights()))
-
-
 def test_boost_rejects_non_models():
     with pytest.raises(TypeError, match=r"argument `model`.*Dense"):
         boost(keras.layers.Dense(2))

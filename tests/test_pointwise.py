@@ -138,6 +138,37 @@ def test_matmul_equals_keras_values_and_gradients():
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_a_real_architecture_trains_like_keras():
+    """keras.applications.MobileNetV3Small (1x1 convolutions in its inverted
+    residuals and squeeze-and-excite blocks, hard-swish), boosted with
+    `pointwise="matmul"` and accumulation: its weights after a window of 2
+    micro-batches equal those with the convolutions. boost() shares the
+    given model's layers and weights."""
+
+    def step(setting):
+        keras.utils.set_random_seed(1)
+        base = keras.applications.MobileNetV3Small(
+            input_shape=(32, 32, 3), weights=None, classes=4, include_preprocessing=False
+        )
+        model = kgb.boost(base)
+        assert model.layers == base.layers[: len(model.layers)]
+        assert len(model.weights) == len(base.weights)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="categorical_crossentropy",
+                      accumulate_steps=2, pointwise=setting)
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(8, 32, 32, 3)).astype("float32")
+        model.fit(x, keras.utils.to_categorical(np.arange(8) % 4, 4), batch_size=4, verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == 1
+        return model, [w.numpy() for w in base.weights]
+
+    model, got = step("matmul")
+    assert len(model.train_plan.pointwise_layers) > 20
+    _, want = step(None)
+    moved = max(float(np.max(np.abs(a))) for a in want)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * moved)
+
+
 def _fit_weights(pointwise_setting, seed=0, **compile_kwargs):
     model = kgb.boost(pointwise_net(seed))
     model.compile(

@@ -227,20 +227,21 @@ def _read_by_backward(tensors):
     only then does that forward run at all (a block at the end of its outer
     block, followed by a residual add, needs none of its values there; its
     own replay rebuilds them). True where it cannot tell (eagerly, outside
-    a replay's gradient)."""
+    a replay's gradient), and where a reader is a partial gradient that
+    TensorFlow prunes later: then that forward runs for nothing (compute,
+    not memory or values)."""
     found = getattr(_LOCAL, "backward_from", None)
     graph = tf.compat.v1.get_default_graph()
     if found is None or found[0] is not graph or tf.executing_eagerly():
         return True
-    start = found[1]
-    position = {op.name: i for i, op in enumerate(graph.get_operations())}
+    backward = set(graph.get_operations()[found[1] :])
     seen, pending = set(), list(tensors)
     while pending:
         for op in pending.pop().consumers():
-            if op.name in seen:
+            if op in seen:
                 continue
-            seen.add(op.name)
-            if position.get(op.name, start) >= start:
+            seen.add(op)
+            if op in backward:
                 return True
             pending.extend(op.outputs)
     return False
@@ -307,6 +308,8 @@ def _recomputed_in_replay(fn, state, name, weights, nested, selective=False):
                 gates = [upstream[0]]
                 if _read_by_backward(_tensors(outputs)):
                     gates += _tensors(outputs)
+                if kept:  # its replay reads them: that forward runs anyway
+                    gates += kept.tensors
                 inputs = _after(gates, tensors[:count]) + list(tensors[count:])
                 substitute = kept.replay(_after(gates, kept.tensors)) if kept else None
                 with tf.GradientTape() as tape:
