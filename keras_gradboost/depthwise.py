@@ -47,8 +47,8 @@ def eligible(layer):
     """
     if not isinstance(layer, keras.layers.Conv2D) or layer.groups == 1:
         return False, "not a grouped Conv2D"
-    if type(layer).convolution_op is not keras.layers.Conv2D.convolution_op:
-        return False, "its class overrides convolution_op"  # its own, kept
+    if kernel_choice.keeps_own_convolution(layer):
+        return False, "its class overrides convolution_op"
     if layer.built and layer.kernel.shape[-2] != 1:
         return False, "its groups are not its input channels"
     if layer.data_format != "channels_last":
@@ -68,8 +68,8 @@ def candidates(model):
 
 class _Native:
     """A `convolution_op` wrapper: the native depthwise kernel inside
-    `kernel_choice.running(...)` for this layer, Keras' own convolution elsewhere (the
-    layer may also belong to the un-boosted model)."""
+    `kernel_choice.running(...)` for this layer, Keras' own convolution
+    elsewhere (the layer may also belong to the un-boosted model)."""
 
     def __init__(self, layer):
         self.layer = layer
@@ -126,8 +126,8 @@ def xla_backward_temporaries(model):
     filter (ConvNeXtTiny's last stage: ~220 MiB; measured for `Conv2D`,
     channels_last; the others assumed alike). Layers running natively
     here (`kernel_choice.current()`) have none, and neither has a GPU
-    (cuDNN runs grouped convolutions). A layer not yet built is skipped (the estimates trace
-    the model first, which builds it).
+    (cuDNN runs grouped convolutions). A layer not yet built is skipped
+    (the estimates trace the model first, which builds it).
 
     Returns:
         A list of `(layer, bytes)`.

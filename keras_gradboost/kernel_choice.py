@@ -12,6 +12,8 @@ Per thread: MirroredStrategy traces its replicas in threads of their own.
 import contextlib
 import threading
 
+import keras
+
 from keras_gradboost import hooks
 from keras_gradboost import wrappers
 
@@ -31,6 +33,12 @@ def check_setting(name, value, accepted, expected):
         f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
         f"Expected {expected}."
     )
+
+
+def keeps_own_convolution(layer):
+    """Whether `layer`'s class defines a `convolution_op` of its own (a
+    weight-standardised convolution, say): neither option replaces it."""
+    return type(layer).convolution_op is not keras.layers.Conv2D.convolution_op
 
 
 def eligible_layers(model, eligible):

@@ -43,8 +43,8 @@ def eligible(layer):
     """
     if not isinstance(layer, keras.layers.Conv2D):
         return False, "not a Conv2D"
-    if type(layer).convolution_op is not keras.layers.Conv2D.convolution_op:
-        return False, "its class overrides convolution_op"  # its own, kept
+    if kernel_choice.keeps_own_convolution(layer):
+        return False, "its class overrides convolution_op"
     if tuple(layer.kernel_size) != (1, 1):
         return False, f"kernel size {tuple(layer.kernel_size)}"
     if layer.groups != 1:

@@ -306,8 +306,9 @@ def _recomputed_in_replay(fn, state, name, weights, nested, selective=False):
                 # runs, the replay waits for its outputs too, or both run at
                 # once and their activations are alive together.
                 gates = [upstream[0]]
-                if _read_by_backward(_tensors(outputs)):
-                    gates += _tensors(outputs)
+                produced = _tensors(outputs)
+                if _read_by_backward(produced):
+                    gates += produced
                 if kept:  # its replay reads them: that forward runs anyway
                     gates += kept.tensors
                 inputs = _after(gates, tensors[:count]) + list(tensors[count:])
