@@ -97,6 +97,12 @@ def test_compare_end_to_end(tmp_path, capsys, monkeypatch):
     assert rows == saved["rows"]
 
 
+def _no_matmul_peak(monkeypatch):
+    """No peak subprocess (a TensorFlow import, ~5 s of CI) where the test
+    is about the rows; test_compare_end_to_end checks the peak."""
+    monkeypatch.setattr(compare_lib, "run_peaks", lambda rows, progress=None: None)
+
+
 def _tiny_saved_model(path, compiled):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((5,))
@@ -108,7 +114,8 @@ def _tiny_saved_model(path, compiled):
     return path
 
 
-def test_saved_model_with_data(tmp_path, capsys):
+def test_saved_model_with_data(tmp_path, capsys, monkeypatch):
+    _no_matmul_peak(monkeypatch)
     model_path = _tiny_saved_model(str(tmp_path / "tiny.keras"), compiled=True)
     data_path = tmp_path / "data.npz"
     rng = np.random.default_rng(0)
@@ -125,7 +132,8 @@ def test_saved_model_with_data(tmp_path, capsys):
     assert math.isfinite(row["final_loss"])
 
 
-def test_saved_model_without_loss_or_data_and_a_failed_row(tmp_path, capsys):
+def test_saved_model_without_loss_or_data_and_a_failed_row(tmp_path, capsys, monkeypatch):
+    _no_matmul_peak(monkeypatch)
     model_path = _tiny_saved_model(str(tmp_path / "plain.keras"), compiled=False)
     code, out, err, rows = _run(
         ["compare", "--model", model_path, "--steps", "2", "--batch-size", "4",

@@ -21,16 +21,21 @@ from recompute.models import train
 # ----------------------------------------------------------------- exactness
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
+_SETTINGS = [
+    "auto",
+    ["res_*"],
+    ["res_1"],
+    {"policy": "selective"},  # kernel layers' outputs kept, the rest replayed
+    {"policy": "selective", "blocks": ["res_1"]},
+]
+
+
+# Every setting without XLA; under XLA a full and a selective one (each XLA
+# case costs CI ~10 s; tests/test_interactions.py meets XLA with lists,
+# nested and selective recompute too).
 @pytest.mark.parametrize(
-    "setting",
-    [
-        "auto",
-        ["res_*"],
-        ["res_1"],
-        {"policy": "selective"},  # kernel layers' outputs kept, the rest replayed
-        {"policy": "selective", "blocks": ["res_1"]},
-    ],
+    "setting, jit_compile",
+    [(s, False) for s in _SETTINGS] + [(_SETTINGS[0], True), (_SETTINGS[4], True)],
 )
 def test_weights_and_statistics_equal_no_recompute(data, jit_compile, setting):
     x, y = data
