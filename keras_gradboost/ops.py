@@ -19,7 +19,8 @@ Inside a traced function (`tf.function`, Keras' `fit`) each op's forward and
 backward run as one fused XLA kernel each, so the guards cost no extra pass
 over the tensor; eagerly they run as plain TensorFlow ops. (`safe_divide`
 with `eps=0` runs TensorFlow's `divide_no_nan` kernels instead: as few passes
-as the naive division.)
+as the naive division; so does `safe_sqrt`'s backward, where XLA's CPU
+kernel was slower than TensorFlow's.)
 
 `log1pexp`, `safe_sqrt` and `safe_log` take one tensor, so they serve as Keras
 activations (`Dense(8, activation=kgb.ops.log1pexp)`); they are registered
@@ -250,10 +251,11 @@ def _sqrt_forward(x):
     return tf.sqrt(tf.nn.relu(x))
 
 
-@_kernel
 def _sqrt_grad(upstream, y):
-    positive = y > 0  # where x > 0
-    return tf.where(positive, 0.5 * upstream / tf.where(positive, y, tf.ones_like(y)), 0)
+    # 0 where y == 0 (x <= 0). TensorFlow's own kernels, not one XLA kernel:
+    # XLA's CPU kernel for this division ran 1.4x the naive SqrtGrad on a
+    # 4096 x 4096 tensor, these two 1.02x (benchmarks/bench_ops.py).
+    return tf.math.divide_no_nan(0.5 * upstream, y)
 
 
 @tf.custom_gradient

@@ -214,7 +214,8 @@ def test_in_a_traced_function_forward_and_backward_are_fused_kernels(name):
     """The guards cost extra passes unless fused: in a graph, the op's
     forward and its backward are each one XLA-compiled function call.
     (safe_divide with eps=0 is TensorFlow's `divide_no_nan` kernel, as few
-    passes as the naive division: not fused.)"""
+    passes as the naive division: not fused; so is safe_sqrt's backward,
+    where XLA's CPU kernel was the slower.)"""
     if name == "safe_divide eps":
         op, inputs = (lambda a, b: ops.safe_divide(a, b, eps=1e-6)), CASES["safe_divide"][2]
     else:
@@ -225,7 +226,11 @@ def test_in_a_traced_function_forward_and_backward_are_fused_kernels(name):
         o for o in graph.get_operations()
         if "PartitionedCall" in o.type and o.get_attr("_XlaMustCompile")
     ]
-    assert len(compiled) >= 2, [o.type for o in graph.get_operations()]
+    types = [o.type for o in graph.get_operations()]
+    if name == "safe_sqrt":  # the forward fused; the backward divide_no_nan
+        assert len(compiled) == 1 and "DivNoNan" in types, types
+        return
+    assert len(compiled) >= 2, types
 
 
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
