@@ -106,8 +106,9 @@ FAILURES = {
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
 @pytest.mark.parametrize("name", FAILURES)
 def test_finite_where_the_naive_composite_is_not(name, traced):
-    """Eagerly the guards run as plain ops; in a traced function each op's
-    forward and backward run as one fused XLA kernel: both are checked."""
+    """Eagerly the guards run as plain ops; in a traced function as fused
+    XLA kernels (see test_in_a_traced_function_forward_and_backward_are_fused_kernels
+    for which): both are checked."""
     op, naive, inputs, values, grads = FAILURES[name]
     inputs = [tf.constant(x, tf.float32) for x in inputs]
     theirs, their_grads = value_and_grad(naive, *inputs)
@@ -119,6 +120,17 @@ def test_finite_where_the_naive_composite_is_not(name, traced):
     for g, expected in zip(our_grads, grads):
         assert bool(tf.reduce_all(tf.math.is_finite(g)))
         np.testing.assert_allclose(g, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_safe_sqrt_gradient_is_zero_at_and_below_zero_and_nan_at_nan(traced):
+    """The guard covers x <= 0 only: a NaN input gives a NaN gradient, as
+    the naive sqrt does (NaNWatcher then sees it)."""
+    x = tf.constant([-1.0, 0.0, np.nan, 4.0])
+    run = tf.function(value_and_grad) if traced else value_and_grad
+    values, (grad,) = run(ops.safe_sqrt, x)
+    np.testing.assert_array_equal(values.numpy(), [0.0, 0.0, np.nan, 2.0])
+    np.testing.assert_array_equal(grad.numpy(), [0.0, 0.0, np.nan, 0.25])
 
 
 def test_tf_reduce_logsumexp_gives_nan_gradients_on_a_row_of_minus_inf():
@@ -214,8 +226,8 @@ def test_in_a_traced_function_forward_and_backward_are_fused_kernels(name):
     """The guards cost extra passes unless fused: in a graph, the op's
     forward and its backward are each one XLA-compiled function call.
     (safe_divide with eps=0 is TensorFlow's `divide_no_nan` kernel, as few
-    passes as the naive division: not fused; so is safe_sqrt's backward,
-    where XLA's CPU kernel was the slower.)"""
+    passes as the naive division: not fused; nor is safe_sqrt's backward,
+    two TensorFlow kernels, on a CPU faster than XLA's one.)"""
     if name == "safe_divide eps":
         op, inputs = (lambda a, b: ops.safe_divide(a, b, eps=1e-6)), CASES["safe_divide"][2]
     else:

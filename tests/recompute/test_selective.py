@@ -20,8 +20,9 @@ SELECTIVE = {"policy": "selective"}
 
 
 # Weights, Dropout seeds and BatchNormalization statistics equal no
-# recompute's, with and without XLA: test_mechanism's
-# test_weights_and_statistics_equal_no_recompute, with the selective settings.
+# recompute's: test_mechanism's test_weights_and_statistics_equal_no_recompute,
+# with the selective settings (under XLA the one limited to a block; the
+# whole-model policy under XLA in a cell of tests/test_interactions.py).
 
 
 @pytest.mark.filterwarnings("ignore:accumulate_steps=3. the BatchNormalization")
