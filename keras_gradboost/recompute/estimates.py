@@ -797,26 +797,47 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
     held, inside = _nested_moments(per_block, parent, chosen)
     top = {key: per_block[key] for key in per_block if parent[key] is None}
     kept_inside = {key: 0 if key in chosen else held[key] for key in top}
-    outside = max(0, kept - sum(kept_inside.values()))
+    outside_at = _outside(per_block, max(0, kept - sum(kept_inside.values())))
+    worst, unplaced = _backward_peak(top, kept_inside, inside, outside_at, gradient_bytes)
+    return sum(extra.values()) + worst + unplaced
 
-    def outside_at(key):  # made outside every block until `key`'s end: alive then
+
+def _outside(per_block, outside):
+    """`outside_at(key)`: the bytes made outside every block (of `outside`
+    in all) until `key`'s end, alive then; all of them for None."""
+
+    def outside_at(key):
         if key is None:
             return outside
         return min(outside, per_block[key].get("outside_before", outside))
 
+    return outside_at
+
+
+def _backward_peak(top, held, moment, outside_at, gradient_bytes):
+    """The largest moment of the backward (`plan_bytes`) over the top-level
+    blocks `top` (their figures, in the forward's order): at the end of the
+    forward, each block holds `held[key]`; when the backward is inside a
+    block, that block has `moment[key]` alive, with the blocks before it
+    holding theirs and the gradients of that moment (`_block_gradients`).
+
+    Returns:
+        `(worst, unplaced)`: bytes, and those of the gradients not placed
+        (alive throughout).
+    """
     keys = list(top)
     grads, after, first, unplaced = _block_gradients(top, gradient_bytes)
     worst = max(
-        outside + sum(kept_inside.values()),  # the end of the forward
+        outside_at(None) + sum(held.values()),  # the end of the forward
         outside_at(keys[0] if keys else None) + first,
     )
     before = 0
     for i, key in enumerate(keys):
-        worst = max(worst, outside_at(key) + before + inside[key] + grads[key])
-        before += kept_inside[key]
+        worst = max(worst, outside_at(key) + before + moment[key] + grads[key])
+        before += held[key]
         following = keys[i + 1] if i + 1 < len(keys) else None
         worst = max(worst, outside_at(following) + before + after[key])
-    return sum(extra.values()) + worst + unplaced
+    return worst, unplaced
 
 
 def _chosen_ancestor(key, parent, chosen):
@@ -907,46 +928,48 @@ def gradients_pile_up():
     )
 
 
-def largest_gradients(per_block, gradient_bytes):
-    """The gradients alive at the worst moment of the backward, without
-    knowing which moment that is (a selective plan's peak): the largest
-    block's weights' gradients plus those of the weights outside every
-    block (`plan_bytes`)."""
-    grads, after, first, unplaced = _block_gradients(per_block, gradient_bytes)
-    return max([*grads.values(), *after.values(), first], default=0) + unplaced
+def selective_plan_bytes(total, per_block, chosen, kept, gradient_bytes=None):
+    """Estimated peak bytes of a selective plan (with `gradient_bytes`, the
+    training peak), by the moments of `plan_bytes`.
 
+    A chosen block holds its kernel layers' outputs (`kernel_cached`) until
+    the backward reaches it; there its replay rebuilds the rest, so at its
+    moment it has all its activations alive, as without recompute. The
+    other blocks hold what they hold without recompute. Its moment comes
+    after the backward of the blocks after it: their gradients and what
+    they held are gone by then (a sum of each largest figure, the replay's
+    and the gradients', read 1.39x the measured peak on ConvNeXtTiny, whose
+    largest weight gradients come at the first blocks of the backward and
+    its largest replays at the last).
 
-def selective_rebuild(per_block, chosen):
-    """Estimated bytes a selective plan's replays add to what its step keeps.
-
-    The backward meets the blocks last to first (`per_block`'s order is the
-    forward's, as in `plan_bytes`). A replay rebuilds at most its block's
-    activations less what the step keeps anyway: its kernel layers'
-    outputs (`kernel_cached`). By then, assuming the backward of the blocks
-    after it has finished, those blocks have freed what the step kept of
-    them: all their activations if they are not recomputed, their kernel
-    layers' outputs if they are. So a replay adds what it rebuilds less what
-    those later blocks freed, if that is positive; the largest of these is
-    the estimate. (The later recomputed blocks' inputs are not subtracted.)
-    With the block the backward meets first left out, as "auto" does, alike
-    blocks add nothing.
+    `kept`, the bytes the selective step's own trace keeps for its backward
+    (`kept_bytes`), can exceed what the figures say it keeps (a kernel
+    layer's output the figures count as rebuilt, a block's input kept for
+    its replay): the excess is alive throughout.
 
     Args:
-        per_block: the blocks' figures, as `estimate` returns them.
+        total: bytes of all cached activations without recompute
+            (`estimate`).
+        per_block: the blocks' figures, in the forward's order.
         chosen: the keys of the recomputed blocks.
+        kept: `kept_bytes` of the selective step.
+        gradient_bytes: bytes of all the trainable variables' gradients, or
+            None for the activations alone.
 
     Returns:
         An int, bytes.
     """
-    added, freed = 0, 0
-    for key in reversed(list(per_block)):
-        figures = per_block[key]
-        if figures.get("parent") is not None:
-            continue  # selective recompute does not nest: its activations are its parent's
-        kernel = figures.get("kernel_cached", 0)
-        if key in chosen:
-            added = max(added, figures["cached"] - kernel - freed)
-            freed += kernel  # what it kept, freed after its backward
-        else:
-            freed += figures["cached"]
-    return added
+    parent = {key: per_block[key].get("parent") for key in per_block}
+    held, moment = _nested_moments(per_block, parent, ())
+    top = {key: per_block[key] for key in per_block if parent[key] is None}
+    chosen = set(chosen) & set(top)  # selective recompute does not nest
+    kept_top = {
+        key: per_block[key].get("kernel_cached", 0) if key in chosen else held[key]
+        for key in top
+    }
+    outside = max(0, total - sum(held[key] for key in top))
+    figured = outside + sum(kept_top.values())
+    worst, unplaced = _backward_peak(
+        top, kept_top, moment, _outside(per_block, outside), gradient_bytes
+    )
+    return worst + unplaced + max(0, kept - figured)

@@ -45,9 +45,8 @@ from keras_gradboost.recompute.estimates import eigen_convolution_kernels
 from keras_gradboost.recompute.estimates import estimate
 from keras_gradboost.recompute.estimates import gradients_pile_up
 from keras_gradboost.recompute.estimates import kept_bytes
-from keras_gradboost.recompute.estimates import largest_gradients
 from keras_gradboost.recompute.estimates import plan_bytes
-from keras_gradboost.recompute.estimates import selective_rebuild
+from keras_gradboost.recompute.estimates import selective_plan_bytes
 from keras_gradboost.recompute.estimates import tied_inner_blocks
 
 # "auto" recomputes only where its best plan is estimated to save at least
@@ -463,16 +462,15 @@ class RecomputeSetup:
                 ],
             )
         estimated = self._estimate(model, spec)
-        _, per_block, _ = estimated
+        total, per_block, _ = estimated
         plan = self._plan(estimated, batch_size, model)
         if self.selective:
-            # What the selective step keeps, from its own trace, plus what a
-            # replay rebuilds beyond what the backward has freed when it
-            # gets there.
+            # The moments of the backward, with what the selective step's
+            # own trace keeps.
             kept = kept_bytes(model, lambda v, _: self.forward(model, v), spec)
-            plan.bytes_with = kept + selective_rebuild(per_block, self.chosen)
-            plan.peak_bytes = plan.bytes_with + largest_gradients(
-                per_block, plan.gradient_bytes
+            plan.bytes_with = selective_plan_bytes(total, per_block, self.chosen, kept)
+            plan.peak_bytes = selective_plan_bytes(
+                total, per_block, self.chosen, kept, plan.gradient_bytes
             )
         return plan
 

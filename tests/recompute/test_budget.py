@@ -303,8 +303,11 @@ def test_the_training_peak_counts_each_blocks_gradients_at_its_moment(chosen, he
     assert recompute.plan_bytes(35, figures, sizes, chosen, gradients) == peak
     # Without the gradients: the activations alone, as before.
     assert recompute.plan_bytes(35, figures, sizes, chosen) == (15 if chosen else 35)
-    # A selective plan's share: the largest moment's gradients, and the rest.
-    assert recompute.largest_gradients(figures, gradients) == max(23, head) + 2
+    # A selective plan with nothing chosen: the same moments.
+    selective = {k: {**f, "kernel_cached": 4} for k, f in figures.items()}
+    assert recompute.selective_plan_bytes(35, selective, (), 0, gradients) == (
+        recompute.plan_bytes(35, figures, sizes, (), gradients)
+    )
 
 
 def test_groups_of_cover_every_fine_segment_once():
