@@ -42,8 +42,8 @@ from keras_gradboost.recompute.estimates import MIB
 from keras_gradboost.recompute.estimates import BlockEstimate
 from keras_gradboost.recompute.estimates import RecomputePlan
 from keras_gradboost.recompute.estimates import estimate
-from keras_gradboost.recompute.estimates import selective_plan_bytes
 from keras_gradboost.recompute.estimates import plan_bytes
+from keras_gradboost.recompute.estimates import selective_plan_bytes
 from keras_gradboost.recompute.mechanism import active
 from keras_gradboost.recompute.mechanism import is_marked
 from keras_gradboost.recompute.mechanism import mark

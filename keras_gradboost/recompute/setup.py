@@ -465,8 +465,9 @@ class RecomputeSetup:
         total, per_block, _ = estimated
         plan = self._plan(estimated, batch_size, model)
         if self.selective:
-            # The moments of the backward, with what the selective step's
-            # own trace keeps.
+            # The moments of the backward from the per-block figures; the
+            # step's own trace catches what they miss (kernel outputs
+            # counted as rebuilt, inputs kept for the replays).
             kept = kept_bytes(model, lambda v, _: self.forward(model, v), spec)
             plan.bytes_with = selective_plan_bytes(total, per_block, self.chosen, kept)
             plan.peak_bytes = selective_plan_bytes(

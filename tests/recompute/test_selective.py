@@ -235,12 +235,14 @@ def test_a_chosen_block_holds_its_kernel_outputs_until_its_replay():
     # forward (20 * 3 + 60) is the peak; the replays add nothing.
     assert _selective_peak([("a", True, 60, 20, 0), ("b", True, 60, 20, 0),
                             ("c", True, 60, 20, 0), ("d", False, 60, 20, 0)]) == 120
-    # A larger block first: at its replay, the later blocks are gone.
-    rows = [("a", True, 100, 20, 0), ("b", True, 60, 20, 0), ("c", False, 60, 0, 0)]
-    assert _selective_peak(rows) == 100
+    # A larger block first: at its replay (120) the later blocks are gone;
+    # the end of the forward holds 20 + 20 + 60.
+    rows = [("a", True, 120, 20, 0), ("b", True, 60, 20, 0), ("c", False, 60, 0, 0)]
+    assert _selective_peak(rows) == 120
     # The selective step's own trace keeps 30 more than the figures say
-    # (outputs the figures count as rebuilt): alive throughout.
-    assert _selective_peak(rows, kept=130) == 130
+    # (outputs the figures count as rebuilt): alive throughout, at the
+    # replay too.
+    assert _selective_peak(rows, kept=130) == 150
     # Nothing chosen: no recompute's peak, the whole forward.
     assert _selective_peak([("a", False, 60, 20, 0), ("b", False, 40, 10, 0)]) == 100
 
