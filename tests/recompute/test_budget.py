@@ -271,19 +271,22 @@ def test_activations_outside_the_blocks_count_only_at_moments_after_them(chosen,
 
 
 @pytest.mark.parametrize(
-    "chosen, head, peak",
+    "chosen, head, peak, selective_peak",
     [
         # Blocks 0, 1 rebuilt, 2 kept: at block 2's moment its 10 bytes,
         # its weights' 20 and its largest tensor's 3: 33, on top of the 5
-        # held by no block and the 2 of gradients never placed.
-        ((0, 1), 5, 5 + 33 + 2),
+        # held by no block and the 2 of gradients never placed. Selective:
+        # blocks 0, 1 hold their kernel outputs (4 each) then.
+        ((0, 1), 5, 5 + 33 + 2, 5 + 8 + 33 + 2),
         # Nothing recomputed: blocks 0, 1 kept (20) at block 2's moment.
-        ((), 5, 5 + 20 + 33 + 2),
-        # A head of 50: its moment comes first, with block 2 kept (10).
-        ((0, 1), 50, 5 + 10 + 50 + 2),
+        ((), 5, 5 + 20 + 33 + 2, 5 + 20 + 33 + 2),
+        # A head of 50: its moment comes first, with block 2 kept (10);
+        # selective, with blocks 0, 1's kernel outputs too.
+        ((0, 1), 50, 5 + 10 + 50 + 2, 5 + 8 + 10 + 50 + 2),
     ],
 )
-def test_the_training_peak_counts_each_blocks_gradients_at_its_moment(chosen, head, peak):
+def test_the_training_peak_counts_each_blocks_gradients_at_its_moment(
+        chosen, head, peak, selective_peak):
     grappler(False)  # the default set-up (the fixture restores it)
     # As above, and weights: block 0 reads 4 bytes, block 1 6, block 2 20,
     # a head after block 2 reads `head`, a stem before block 0 reads 7 (its
@@ -303,11 +306,11 @@ def test_the_training_peak_counts_each_blocks_gradients_at_its_moment(chosen, he
     assert recompute.plan_bytes(35, figures, sizes, chosen, gradients) == peak
     # Without the gradients: the activations alone, as before.
     assert recompute.plan_bytes(35, figures, sizes, chosen) == (15 if chosen else 35)
-    # A selective plan with nothing chosen: the same moments.
+    # The same blocks chosen by the selective policy, 4 bytes of each
+    # block's 10 being kernel layers' outputs: the same moments.
     selective = {k: {**f, "kernel_cached": 4} for k, f in figures.items()}
-    assert recompute.selective_plan_bytes(35, selective, (), 0, gradients) == (
-        recompute.plan_bytes(35, figures, sizes, (), gradients)
-    )
+    assert recompute.selective_plan_bytes(35, selective, chosen, 0, gradients) == (
+        selective_peak)
 
 
 def test_groups_of_cover_every_fine_segment_once():
