@@ -253,9 +253,10 @@ def _sqrt_forward(x):
 
 def _sqrt_grad(upstream, y):
     # 0 where y == 0 (x <= 0; NaN where x is NaN, as the naive one).
-    # TensorFlow's own two kernels, not one XLA kernel: measured on a CPU,
-    # forward + backward on a 4096 x 4096 tensor took 1.47x the naive sqrt
-    # with XLA's, 0.97x with these (benchmarks/bench_ops.py).
+    # TensorFlow's own two kernels, not one XLA kernel: forward + backward
+    # on a 4096 x 4096 tensor took 1.47x the naive sqrt with XLA's, 0.97x
+    # with these on an AVX2 CPU; 1.29x and 1.23x on an AVX-512 one, where
+    # the naive SqrtGrad's single pass stays ahead (benchmarks/bench_ops.py).
     return tf.math.divide_no_nan(0.5 * upstream, y)
 
 

@@ -188,6 +188,16 @@ def load_benchmark(name):
 
 
 @pytest.fixture
+def no_matmul_peak(monkeypatch):
+    """`keras-gradboost compare` without its matmul-peak subprocess (a
+    TensorFlow import, ~5 s of CI), for tests about the rows;
+    test_cli.py's test_compare_end_to_end checks the peak."""
+    from keras_gradboost import compare
+
+    monkeypatch.setattr(compare, "run_peaks", lambda rows, progress=None: None)
+
+
+@pytest.fixture
 def requested_peak():
     """`benchmarks/requested_peak.py`: the peak of the bytes a run's
     allocations request (the TensorFlow profiler's memory events)."""

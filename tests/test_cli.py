@@ -97,12 +97,6 @@ def test_compare_end_to_end(tmp_path, capsys, monkeypatch):
     assert rows == saved["rows"]
 
 
-def _no_matmul_peak(monkeypatch):
-    """No peak subprocess (a TensorFlow import, ~5 s of CI) where the test
-    is about the rows; test_compare_end_to_end checks the peak."""
-    monkeypatch.setattr(compare_lib, "run_peaks", lambda rows, progress=None: None)
-
-
 def _tiny_saved_model(path, compiled):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((5,))
@@ -114,8 +108,7 @@ def _tiny_saved_model(path, compiled):
     return path
 
 
-def test_saved_model_with_data(tmp_path, capsys, monkeypatch):
-    _no_matmul_peak(monkeypatch)
+def test_saved_model_with_data(tmp_path, capsys, no_matmul_peak):
     model_path = _tiny_saved_model(str(tmp_path / "tiny.keras"), compiled=True)
     data_path = tmp_path / "data.npz"
     rng = np.random.default_rng(0)
@@ -132,8 +125,7 @@ def test_saved_model_with_data(tmp_path, capsys, monkeypatch):
     assert math.isfinite(row["final_loss"])
 
 
-def test_saved_model_without_loss_or_data_and_a_failed_row(tmp_path, capsys, monkeypatch):
-    _no_matmul_peak(monkeypatch)
+def test_saved_model_without_loss_or_data_and_a_failed_row(tmp_path, capsys, no_matmul_peak):
     model_path = _tiny_saved_model(str(tmp_path / "plain.keras"), compiled=False)
     code, out, err, rows = _run(
         ["compare", "--model", model_path, "--steps", "2", "--batch-size", "4",
@@ -190,9 +182,7 @@ def test_exit_status_depends_on_the_baseline(monkeypatch, capsys, configs, faile
         assert "1.25x" in _row_line(out, "jit_compile")  # 10 ms / 8 ms
 
 
-def test_compare_repeat_end_to_end(tmp_path, capsys, monkeypatch):
-    # The peak's subprocess is test_compare_end_to_end's: not again here.
-    monkeypatch.setattr(compare_lib, "run_peaks", lambda rows, progress=None: None)
+def test_compare_repeat_end_to_end(tmp_path, capsys, no_matmul_peak):
     out_json = tmp_path / "rows.json"
     code, out, err, rows = _run(
         [

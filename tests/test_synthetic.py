@@ -8,7 +8,6 @@ import pytest
 
 import keras
 from keras_gradboost import cli
-from keras_gradboost import compare as compare_lib
 from keras_gradboost import synthetic
 
 
@@ -40,11 +39,9 @@ def test_each_input_gets_its_own_array_with_ids_in_range():
     assert notes == []
 
 
-def test_compare_trains_a_saved_two_input_model(tmp_path, capsys, monkeypatch):
+def test_compare_trains_a_saved_two_input_model(tmp_path, capsys, no_matmul_peak):
     """End to end: before, every row failed (the inputs stacked into one
     tensor)."""
-    # No matmul peak subprocess (test_cli.py's end-to-end test checks it).
-    monkeypatch.setattr(compare_lib, "run_peaks", lambda rows, progress=None: None)
     path = str(tmp_path / "two.keras")
     two_inputs().save(path)
     code = cli.main(["compare", "--model", path, "--steps", "3", "--batch-size", "8",
