@@ -114,6 +114,30 @@ def test_bert_selective_recompute_with_dropout_equals_no_recompute():
     assert max_diff(selective, compile_model(kgb.boost(bert_with_head()))) > 1e-3
 
 
+def test_bert_backbone_recomputed_whole_leaves_its_unread_pooler_alone():
+    # The head reads the sequence output; the backbone's pooled output (its
+    # `pooled_dense`) reaches no loss. Recomputing the whole backbone gave
+    # `pooled_dense` zero gradients, which AdamW's weight decay applied
+    # (and recompute_check blamed the replay); Keras gives it none.
+    x, y, weights = padded_batch()
+    fits = {}
+    for name, setting in (("plain", None), ("recomputed", ["bert_backbone*"])):
+        model = kgb.boost(bert_with_head())
+        model.compile(optimizer=keras.optimizers.AdamW(0.05, weight_decay=0.5),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      recompute=setting, recompute_check=setting is not None)
+        backbone = next(l for l in model.layers if isinstance(l, keras_hub.models.BertBackbone))
+        pooler = [w.numpy() for w in backbone.get_layer("pooled_dense").weights]
+        with pytest.warns(UserWarning, match="pooled_dense"):  # no gradient
+            model.fit(x, y, sample_weight=weights, batch_size=8, epochs=1, shuffle=False,
+                      verbose=0)
+        fits[name] = model
+    assert fits["recomputed"].recompute_plan().recomputed == [backbone.name]
+    for a, b in zip(pooler, backbone.get_layer("pooled_dense").weights):
+        np.testing.assert_array_equal(a, b.numpy())
+    assert max_diff(fits["recomputed"], fits["plain"]) < 1e-6
+
+
 @pytest.mark.parametrize("setting", ["auto", {"policy": "selective"}])
 def test_gpt2_recompute_equals_no_recompute(setting):
     x, y, weights = padded_batch(segments=False)

@@ -173,10 +173,8 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
                 # outside `weights` is differentiated as it is.
                 sources = [by_variable.get(id(v), v) for v in variables]
                 with _differentiating_replay():
-                    grads = tape.gradient(
-                        tf.nest.flatten(again),
-                        list(inputs) + sources,
-                        output_gradients=list(upstream),
+                    grads = _differentiate(
+                        tape, tf.nest.flatten(again), list(inputs) + sources, upstream
                     )
                 weight_grads = [
                     _tied(g, source) if source is not v else g
@@ -326,10 +324,8 @@ def _recomputed_in_replay(fn, state, name, weights, nested, selective=False):
                     kept.check_replayed(substitute)
                 _refuse_unsaved_updates(replay.updated, others + saved, name)
                 with _differentiating_replay():
-                    grads = tape.gradient(
-                        tf.nest.flatten(again),
-                        inputs + variables,
-                        output_gradients=list(upstream),
+                    grads = _differentiate(
+                        tape, tf.nest.flatten(again), inputs + variables, upstream
                     )
                 return grads[: len(inputs)], grads[len(inputs) :]
 
@@ -420,6 +416,26 @@ def _tensor_positions(flat, name):
                 "would lose. Recompute a block with dense inputs instead."
             )
     return positions
+
+
+def _differentiate(tape, outputs, sources, upstream):
+    """The gradients of a replay's `outputs` with respect to `sources`,
+    from the outputs a gradient reached.
+
+    An output no gradient reached (a backbone's pooled output the head does
+    not read) gets zeros from the tape (`hooks.tape_zero_fill`). Differentiated with
+    them, the weights only that output depends on would get zero gradients
+    where the run without recompute gives them none (`None`): the optimizer
+    would then apply an update it skips without recompute (AdamW's weight
+    decay, a momentum step). Left out, they stay `None`; the values are the
+    same (those outputs contribute zero).
+    """
+    reached = [(o, u) for o, u in zip(outputs, upstream) if not hooks.tape_zero_fill(u)]
+    if not reached:
+        return [None] * len(sources)
+    return tape.gradient(
+        [o for o, _ in reached], sources, output_gradients=[u for _, u in reached]
+    )
 
 
 def _after(gates, tensors):

@@ -48,6 +48,54 @@ def test_weights_and_statistics_equal_no_recompute(data, jit_compile, setting):
     np.testing.assert_allclose(h_plain["loss"], h_rc["loss"], rtol=1e-6)
 
 
+def _two_headed(seed=0):
+    """A head over a block (a functional model) with two outputs, of which
+    only the first reaches the loss (a backbone's pooled output a head
+    ignores); the second comes from a nested block of its own."""
+    keras.utils.set_random_seed(seed)
+    i = keras.Input((5,))
+    h = keras.layers.Dense(8, activation="gelu", name="shared")(i)
+    used = keras.layers.Dense(3, name="used")(h)
+    side_in = keras.Input((8,))
+    side = keras.Model(side_in, keras.layers.Dense(3, name="unused")(side_in), name="side")
+    block = keras.Model(i, [used, side(h)], name="block")
+    j = keras.Input((5,))
+    return boost(keras.Model(j, keras.layers.Dense(2, name="head")(block(j)[0])))
+
+
+@pytest.mark.parametrize("setting, run_eagerly", [
+    (["block"], False),
+    (["block"], True),
+    ({"policy": "selective", "blocks": ["block"]}, False),
+    (["block", "side"], False),  # the unread output's own block, nested
+])
+def test_weights_no_gradient_reaches_get_none_as_without_recompute(data, setting, run_eagerly):
+    """The replay gets zeros for the output nothing reads; differentiated
+    with them, the weights only that output depends on got zero gradients,
+    and AdamW's weight decay moved them, where without recompute Keras
+    skips them (no gradient)."""
+    x, y = data
+    y = y[:, 0].astype("int32") % 2
+    models = {}
+    for name, rc in (("plain", None), ("recomputed", setting)):
+        model = _two_headed()
+        model.compile(
+            optimizer=keras.optimizers.AdamW(0.1, weight_decay=0.5),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            recompute=rc, run_eagerly=run_eagerly,
+        )
+        before = model.get_layer("block").get_layer("side").get_weights()
+        with pytest.warns(UserWarning, match="Gradients do not exist for variables"):
+            model.fit(x, y, batch_size=len(x) // 2, epochs=1, verbose=0)
+        models[name] = model
+    assert models["recomputed"].recompute_plan().recomputed
+    after = models["recomputed"].get_layer("block").get_layer("side").get_weights()
+    for a, b in zip(before, after):  # Keras' reference: never updated
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(models["plain"].get_weights(), models["recomputed"].get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 def _gradients(model, x, y, forward):
     with tf.GradientTape() as tape:
         loss = keras.losses.mean_squared_error(y, forward(x))
