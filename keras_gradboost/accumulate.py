@@ -56,6 +56,32 @@ def reduces_like_keras(loss):
     )
 
 
+def repeats_change_update(optimizer):
+    """Why `optimizer`'s update from a sparse gradient (a `tf.IndexedSlices`,
+    an Embedding's: a slice per token, a row repeated where its token
+    repeats) differs from its update from the same gradient with each
+    row's repeats summed, which is all an accumulation window keeps; or
+    None when both are the same.
+
+    Keras' optimizers transform the slices one by one: Adam's second moment
+    gets the sum of the repeats' squares, not the square of their sum (the
+    latter is Adam on the summed gradient, as on a dense one), and clipping
+    measures or clips each repeat. Plain SGD, momentum and weight decay are
+    linear in the gradient: repeats or their sum give the same update.
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
+    for clip in ("clipnorm", "clipvalue", "global_clipnorm"):
+        if getattr(inner, clip, None):
+            return f"its {clip} clips each repeated row's slice separately"
+    if type(inner) is keras.optimizers.SGD:
+        return None
+    return (
+        f"{type(inner).__name__}'s update is not linear in the gradient: "
+        "Keras transforms each repeated row's slice separately (Adam: the "
+        "sum of the repeats' squares; summed first: the square of their sum)"
+    )
+
+
 def loss_normaliser(y_pred, n):
     """What Keras divides a batch's loss by (reduction
     `"sum_over_batch_size"`): the `n` samples, or the valid entries of the

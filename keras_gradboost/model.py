@@ -23,6 +23,7 @@ from keras_gradboost import wrappers
 from keras_gradboost.accumulate import GradientAccumulator
 from keras_gradboost.accumulate import overwrites_with_gradient
 from keras_gradboost.accumulate import reduces_like_keras
+from keras_gradboost.accumulate import repeats_change_update
 from keras_gradboost.accumulate import loss_normaliser
 from keras_gradboost.accumulate import sample_count
 from keras_gradboost.locate import as_local_batch
@@ -102,6 +103,7 @@ class _Runtime:
         self.main_window_used = False
         self.loaded_window = False
         self.warned_inexact_mask = False
+        self.warned_sparse_repeats = False
         # Why XLA is off although jit_compile=True or "measure" asked for
         # it: the plan's reason, or one found while training.
         self.xla_blocked = plan.xla_blocked if plan else None
@@ -975,6 +977,8 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         rt.facts.none_gradient_variables = tuple(
             v.path for v, g in zip(variables, grads) if g is None
         )
+        if rt.config.accumulate_steps > 1:
+            self._warn_sparse_repeats(grads, variables, self.optimizer)
         if self._weights_gradients():
             factor = weight if rt.scaler is None else weight / rt.scaler.scale
             # A value, not a gradient: Keras neither unscales nor weights it.
@@ -1017,6 +1021,32 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             )
             return n
         return count
+
+    def _warn_sparse_repeats(self, grads, variables, optimizer):
+        """Warns (once) when an accumulation window cannot give Keras'
+        large-batch update: a sparse gradient (an Embedding's) and an
+        optimizer whose update depends on how its rows repeat
+        (`accumulate.repeats_change_update`)."""
+        rt = self._gradboost
+        sparse = [v.path for v, g in zip(variables, grads) if isinstance(g, tf.IndexedSlices)]
+        reason = repeats_change_update(optimizer) if sparse else None
+        if reason is None or rt.warned_sparse_repeats:
+            return
+        rt.warned_sparse_repeats = True
+        names = ", ".join(repr(p) for p in sparse[:3]) + (
+            f" and {len(sparse) - 3} more" if len(sparse) > 3 else ""
+        )
+        warnings.warn(
+            f"accumulate_steps={rt.config.accumulate_steps}: the gradient of "
+            f"{names} is sparse (a slice per token, a row repeated where its "
+            f"token repeats) and {reason}. An accumulation window keeps each "
+            "row's sum, not its repeats, so the update differs from one "
+            "large-batch step (it is the update of the summed gradient, as "
+            "for a dense one). With SGD (momentum and weight decay allowed, "
+            "no clipping) the two are equal; accumulate_check compares "
+            "gradients, which are equal, not updates.",
+            stacklevel=3,
+        )
 
     def _warn_inexact_mask(self, reason):
         rt = self._gradboost
@@ -1203,6 +1233,8 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         weight = count * replicas if accumulator is not None else tf.constant(1.0)
         seed = weight if scaler is None else scaler.scale
         grads = tape.gradient(loss, variables, output_gradients=tf.cast(seed, loss.dtype))
+        if accumulator is not None:
+            self._warn_sparse_repeats(grads, variables, optimizer)
         if scaler is not None:
             factor = weight / scaler.scale
             grads = [None if g is None else g * tf.cast(factor, g.dtype) for g in grads]

@@ -9,6 +9,7 @@ from conftest import max_weight_diff
 from conftest import small_model
 from keras_gradboost import GradBoostModel
 from keras_gradboost.accumulate import accumulate
+from keras_gradboost.accumulate import repeats_change_update
 
 TOL = 2e-6  # float32 round-off on weights of magnitude ~1
 
@@ -259,3 +260,50 @@ def test_non_default_loss_reduction_warns():
             loss=keras.losses.MeanSquaredError(reduction="sum"),
             accumulate_steps=2,
         )
+
+
+_OPTIMIZERS = {
+    "SGD": lambda: keras.optimizers.SGD(0.1),
+    "SGD, momentum, weight decay": lambda: keras.optimizers.SGD(
+        0.1, momentum=0.9, nesterov=True, weight_decay=0.1),
+    "SGD, clipnorm": lambda: keras.optimizers.SGD(0.1, clipnorm=0.5),
+    "SGD, global_clipnorm": lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.5),
+    "SGD, clipvalue": lambda: keras.optimizers.SGD(0.1, clipvalue=0.3),
+    "Adam": lambda: keras.optimizers.Adam(0.1),
+    "AdamW": lambda: keras.optimizers.AdamW(0.1),
+    "RMSprop": lambda: keras.optimizers.RMSprop(0.1),
+    "Adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "LossScaleOptimizer(SGD)": lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=1.0),
+    "LossScaleOptimizer(Adam)": lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(0.1), initial_scale=1.0),
+}
+
+
+@pytest.mark.parametrize("name", list(_OPTIMIZERS))
+def test_repeats_change_update_says_when_keras_updates_differ(name):
+    """The reference: Keras' own update, two steps, from an Embedding's
+    sparse gradient with a repeated row, against the same gradient summed
+    per row (what an accumulation window keeps)."""
+    ids = tf.constant([0, 0, 2, 0])
+    upstream = tf.constant([[1.0, 2.0], [-1.0, 1.5], [3.0, 3.0], [0.5, -4.0]])
+    results = []
+    for densify in (False, True):
+        embedding = keras.layers.Embedding(3, 2)
+        embedding.build((None,))
+        embedding.embeddings.assign(np.ones((3, 2), "float32"))
+        optimizer = _OPTIMIZERS[name]()
+        for _ in range(2):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(embedding(ids) * upstream)
+            (grad,) = tape.gradient(loss, [embedding.embeddings])
+            assert isinstance(grad, tf.IndexedSlices)
+            if densify:
+                grad = tf.convert_to_tensor(grad)
+            optimizer.apply_gradients([(grad, embedding.embeddings)])
+        results.append(embedding.embeddings.numpy())
+    equal = np.allclose(results[0], results[1], atol=1e-6)
+    reason = repeats_change_update(_OPTIMIZERS[name]())
+    assert (reason is None) == equal, (reason, results)
+    if reason is not None:
+        assert "clip" in reason or name.split("(")[-1].rstrip(")") in reason

@@ -6,6 +6,8 @@ planted fault at a known step, the model before saving.
 (keras.applications models are in test_model.py and test_checkpoint.py.)
 """
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -87,6 +89,33 @@ def test_bert_accumulation_with_padding_equals_the_large_batch():
     per_batch.fit(x, y, sample_weight=weights, batch_size=4, epochs=1, shuffle=False,
                   verbose=0)
     assert max_diff(per_batch, large) > 1e-3
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd_momentum"])
+def test_bert_accumulation_with_adam_warns_that_embedding_repeats_change_the_update(optimizer):
+    # The embeddings' gradients are sparse: a slice per token, repeated
+    # tokens repeated. Keras' AdamW squares each repeat in the large batch;
+    # the window keeps per-row sums, so no accumulation equals that step.
+    x, y, weights = padded_batch()
+    def fitted(**kwargs):
+        make = (lambda: keras.optimizers.AdamW(0.01)) if optimizer == "adamw" else (
+            lambda: keras.optimizers.SGD(0.5, momentum=0.9, weight_decay=0.01))
+        model = kgb.boost(bert_with_head())
+        model.compile(optimizer=make(), **kwargs,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, sample_weight=weights, epochs=2, shuffle=False, verbose=0,
+                  batch_size=N // 4 if kwargs else N)
+        return model
+    large = fitted()
+    if optimizer == "adamw":
+        with pytest.warns(UserWarning, match="'token_embedding/embeddings'.*AdamW"):
+            accumulated = fitted(accumulate_steps=4)
+        assert max_diff(accumulated, large) > 1e-4  # the warning is due
+    else:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*sparse")
+            accumulated = fitted(accumulate_steps=4)
+        assert max_diff(accumulated, large) < 1e-5
 
 
 def test_bert_accumulate_check_passes():
