@@ -18,7 +18,10 @@ def differing(variables, want, got, rtol):
 
     A None on one side only differs by inf. A difference below
     `rtol * ROUND_OFF_SHARE` of the largest gradient magnitude over all the
-    variables (or 1e-12) is round-off and never counts.
+    variables, or below the gradients' machine epsilon times it (or 1e-12),
+    is round-off and never counts: a gradient that is zero in exact
+    arithmetic cancels terms as large as the largest gradient, each rounded
+    to that epsilon.
 
     Args:
         variables: the variables, for their paths.
@@ -34,7 +37,7 @@ def differing(variables, want, got, rtol):
         (float(np.max(np.abs(a), initial=0.0)) for a in want if a is not None),
         default=0.0,
     )
-    floor = max(1e-12, rtol * ROUND_OFF_SHARE * scale)
+    floor = max(1e-12, rtol * ROUND_OFF_SHARE * scale, _epsilon(want) * scale)
     found = []
     for variable, a, b in zip(variables, want, got):
         if (a is None) != (b is None):
@@ -47,3 +50,12 @@ def differing(variables, want, got, rtol):
         if not np.isfinite(difference) or difference > allowed:
             found.append((variable.path, difference))
     return sorted(found, key=lambda pair: -pair[1])
+
+
+def _epsilon(arrays):
+    """The machine epsilon of the least precise float array (0: none)."""
+    return max(
+        (float(np.finfo(a.dtype).eps) for a in arrays
+         if a is not None and np.issubdtype(a.dtype, np.floating)),
+        default=0.0,
+    )

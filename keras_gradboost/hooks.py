@@ -6,6 +6,7 @@ of them against the installed Keras, so an upgrade that moves one fails loudly
 in one named test instead of somewhere deep inside a training step.
 """
 
+import contextlib
 import sys
 
 import keras
@@ -474,6 +475,66 @@ def symbolic_build(model, batch):
     model._symbolic_build(data_batch=batch)
 
 
+def call_context_values():
+    """The arguments Keras' current layer-call context passes down to the
+    layers called inside it (`training`, and any other call-context
+    argument), as a dict; None outside a layer call. Keras keeps the context
+    in its private global state (`current_call_ctx`, a `CallContext`)."""
+    from keras.src.backend.common import global_state
+
+    context = global_state.get_global_attribute("current_call_ctx")
+    if context is None:
+        return None
+    return {k: v for k, v in vars(context).items() if k != "entry_layer"}
+
+
+@contextlib.contextmanager
+def call_context(values):
+    """Runs its body inside a Keras layer-call context holding `values`
+    (from `call_context_values`; None: no context), as a layer's call does:
+    the layers called in the body take their `training` from it. Outside
+    any layer call (a replay run while the tape differentiates), each layer
+    would start a context of its own, with `training` unset (Dropout off,
+    BatchNormalization on its moving statistics)."""
+    from keras.src.backend.common import global_state
+    from keras.src.layers.layer import CallContext
+
+    previous = global_state.get_global_attribute("current_call_ctx")
+    context = None
+    if values is not None:
+        context = CallContext(entry_layer=None)  # no layer's exit resets it
+        for name, value in values.items():
+            context.set_value(name, value)
+    global_state.set_global_attribute("current_call_ctx", context)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("current_call_ctx", previous)
+
+
+def check_call_context():
+    """Checks `call_context_values` and `call_context` against Keras: a
+    layer's call sees `training=True` from its caller's context, and a
+    Dropout called inside `call_context` drops as it would in that call."""
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            seen.append(call_context_values())
+            return x
+
+    Probe()(tf.ones((1, 2)), training=True)
+    assert seen[-1] is not None and seen[-1].get("training") is True, seen
+    assert call_context_values() is None
+    drop = keras.layers.Dropout(0.5, seed=1)
+    x = tf.ones((1, 64))
+    assert np.all(drop(x).numpy() == 1.0)  # no context: inference
+    with call_context({"training": True}):
+        assert call_context_values() == {"training": True}
+        assert np.any(drop(x).numpy() == 0.0)
+    assert call_context_values() is None
+
+
 def tape_zero_fill(gradient):
     """Whether `gradient`, an upstream gradient a `tf.custom_gradient`
     function received, is the zeros TensorFlow's tape passes for an output
@@ -649,6 +710,7 @@ def check():
     check_multi_worker_trainer()
     check_coordination()
     check_tape_zero_fill()
+    check_call_context()
     assert initial_epoch(model) is None
     set_initial_epoch(model, 2)
     assert model._initial_epoch == 2 and initial_epoch(model) == 2

@@ -21,6 +21,20 @@ def test_round_off_on_a_gradient_that_is_zero_in_exact_arithmetic_does_not_diffe
     assert gradient_diff.differing(variables("emb", "key/bias"), want, got, 1e-4) == []
 
 
+def test_round_off_within_float32_epsilon_of_the_largest_gradient_does_not_differ():
+    # Measured on a keras-hub ViT (width 16) with one Dense recomputed: an
+    # attention key's bias (zero in exact arithmetic) 5.1e-9 apart, beside
+    # gradients of ~0.3; float32's epsilon times 0.3 is 3.6e-8. In float64
+    # the same difference is far above round-off, and differs.
+    want = [np.array([0.3, -0.1], "float32"), np.array([2e-9, 1e-9], "float32")]
+    got = [np.array([0.3, -0.1], "float32"), np.array([-3.1e-9, 1e-9], "float32")]
+    assert gradient_diff.differing(variables("mlp", "key/bias"), want, got, 1e-5) == []
+    want64 = [a.astype("float64") for a in want]
+    got64 = [a.astype("float64") for a in got]
+    found = gradient_diff.differing(variables("mlp", "key/bias"), want64, got64, 1e-5)
+    assert [path for path, _ in found] == ["key/bias"]
+
+
 def test_a_real_difference_on_a_small_gradient_still_differs():
     # 1e-6 off a gradient of 1e-5 (10%) is far above round-off of the
     # largest gradient (1.0) and is found, with the None-on-one-side case.

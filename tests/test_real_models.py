@@ -167,6 +167,53 @@ def test_bert_backbone_recomputed_whole_leaves_its_unread_pooler_alone():
     assert max_diff(fits["recomputed"], fits["plain"]) < 1e-6
 
 
+def _vit_with_head(dropout=0.1):
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.ViTBackbone(
+        image_shape=(16, 16, 3), patch_size=4, num_layers=2, num_heads=2, hidden_dim=16,
+        mlp_dim=32, dropout_rate=dropout, attention_dropout=dropout,
+    )
+    tokens = keras.layers.Dense(3, name="head")(backbone(backbone.input))
+    return keras.Model(backbone.input, tokens)
+
+
+def _deberta_with_head(dropout=0.1):
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.DebertaV3Backbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=T, dropout=dropout,
+    )
+    tokens = keras.layers.Dense(3, name="head")(backbone(backbone.input))
+    return keras.Model(backbone.input, tokens)
+
+
+@pytest.mark.parametrize("name", ["vit", "deberta_v3"])
+def test_backbones_whose_layers_inherit_training_recompute_exactly(name):
+    # keras-hub's ViT MLP calls its Dropout without `training` (twice), as
+    # DeBERTa-v3's attention does: they take it from Keras' call context,
+    # which the replay (run while the tape differentiates) lacked: Dropout
+    # was off there, and "auto" moved the weights 0.016 (ViT) and 0.002
+    # (DeBERTa) away from no recompute, silently.
+    rng = np.random.default_rng(0)
+    if name == "vit":
+        make, x = _vit_with_head, rng.normal(size=(8, 16, 16, 3)).astype("float32")
+        y = rng.integers(0, 3, size=(8, 17))
+    else:
+        make, (x, _, _) = _deberta_with_head, padded_batch(segments=False)
+        x = {k: v[:8] for k, v in x.items()}
+        y = rng.integers(0, 3, size=(8, T))
+    fits = {}
+    for setting, dropout in ((None, 0.1), ("auto", 0.1), (None, 0.0)):
+        model = compile_model(kgb.boost(make(dropout)), recompute=setting)
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        fits[setting, dropout] = model
+    assert fits["auto", 0.1].recompute_plan().recomputed
+    assert max_diff(fits["auto", 0.1], fits[None, 0.1]) < 1e-6
+    # The control: their dropout is on in training (a replay without it
+    # lands elsewhere).
+    assert max_diff(fits[None, 0.1], fits[None, 0.0]) > 1e-3
+
+
 @pytest.mark.parametrize("setting", ["auto", {"policy": "selective"}])
 def test_gpt2_recompute_equals_no_recompute(setting):
     x, y, weights = padded_batch(segments=False)

@@ -137,6 +137,9 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
 
         saved = snapshot(state)  # as the forward finds it, before it updates it
         held = snapshot(weights)  # the weights as the forward reads them
+        # What the block's layers inherit from their caller (`training`): the
+        # replay runs outside any layer call, so it sets the same.
+        context = hooks.call_context_values()
         with hooks.autocast(None):  # the tf.Variables behind them, as read
             by_variable = {id(v.value): t for v, t in held}
         dtype = hooks.current_autocast()
@@ -164,7 +167,9 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
                         _after_state(upstream[:1], saved) + held
                     ) as scope, hooks.autocast(dtype), kernel_choice.running(native), (
                         _handling(replay) if kept else _handling(nested)
-                    ), _replaying(scope, [id(v) for v, _ in held]):
+                    ), _replaying(scope, [id(v) for v, _ in held]), hooks.call_context(
+                        context
+                    ):
                         again = fn(*a, **k)
                 if kept:
                     kept.check_replayed(replay)
@@ -274,6 +279,7 @@ def _recomputed_in_replay(fn, state, name, weights, nested, selective=False):
         with hooks.autocast(None):
             weight_values = [tf.convert_to_tensor(v.value) for v in weights]
         saved = snapshot(state)  # as the forward saw it here
+        context = hooks.call_context_values()  # the outer replay's, as here
         dtype = hooks.current_autocast()
         native = kernel_choice.current()
         structure = []
@@ -318,7 +324,7 @@ def _recomputed_in_replay(fn, state, name, weights, nested, selective=False):
                         hooks.autocast(dtype)
                     ), kernel_choice.running(native), _handling(
                         substitute if kept else nested
-                    ), _replaying(replay, outer_weights | own):
+                    ), _replaying(replay, outer_weights | own), hooks.call_context(context):
                         again = fn(*a, **k)
                 if kept:
                     kept.check_replayed(substitute)

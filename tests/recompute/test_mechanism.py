@@ -96,6 +96,41 @@ def test_weights_no_gradient_reaches_get_none_as_without_recompute(data, setting
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+class _InheritsTraining(keras.layers.Layer):
+    """A block whose `call` takes no `training`: its Dropout (called twice,
+    as keras-hub's ViT MLP does) and BatchNormalization take it from the
+    caller's Keras call context."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up, self.down = keras.layers.Dense(16), keras.layers.Dense(WIDTH)
+        self.drop = keras.layers.Dropout(0.5, seed=4)
+        self.norm = keras.layers.BatchNormalization()
+
+    def call(self, x):
+        return self.drop(self.down(self.norm(self.drop(self.up(x)))))
+
+
+def _inheriting_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    i = keras.Input((5,))
+    h = _InheritsTraining(name="block")(keras.layers.Dense(WIDTH, name="pre")(i))
+    return boost(keras.Model(i, keras.layers.Dense(3, name="head")(h)))
+
+
+@pytest.mark.parametrize("setting", [["block"], {"policy": "selective", "blocks": ["block"]}])
+def test_a_block_whose_layers_inherit_training_replays_in_training_mode(data, setting):
+    """The replay runs while the tape differentiates, outside any layer
+    call: without the forward's call context its Dropout was off and its
+    BatchNormalization normalised with the moving statistics."""
+    x, y = data
+    plain, recomputed = _inheriting_model(), _inheriting_model()
+    train(plain, x, y)
+    train(recomputed, x, y, recompute=setting)
+    assert recomputed.recompute_plan().recomputed == ["block"]
+    assert_same_state(plain, recomputed)
+
+
 def _gradients(model, x, y, forward):
     with tf.GradientTape() as tape:
         loss = keras.losses.mean_squared_error(y, forward(x))
