@@ -135,6 +135,8 @@ CHILD_TIMEOUT_S = 3600
 # The matmul timed for the machine's peak (see `run_peaks`).
 PEAK_SIZE = 2048
 PEAK_TIMEOUT_S = 600
+# Seed of each row's process: its model's initial weights, Dropout seeds.
+MODEL_SEED = 0
 # Seed of the per-round shuffles of `run_rounds` (the same orders each run).
 ROUND_SEED = 0
 # Row fields reduced to their median over the rounds by `aggregate`.
@@ -456,6 +458,10 @@ def build(spec):
     samples = spec["batch_size"] * min(spec["steps"], 16)
     notes = []
     name = spec["model"]
+    # The same initial weights and Dropout seeds in every row's process (a
+    # saved model's seed generators are drawn anew when it loads): rows of
+    # exact features (recompute) then end at the baseline's loss.
+    keras.utils.set_random_seed(MODEL_SEED)
     if name in BUILTIN_MODELS:
         model = getattr(zoo, name)(**BUILTIN_SIZES.get(name, {}))
         if name == "cnn":
