@@ -30,10 +30,11 @@ class NoisyBlock(keras.layers.Layer):
 
     def call(self, x):
         h = self.dense(x)
-        return h * tf.random.uniform(tf.shape(h), 0.5, 1.5)
+        return h * tf.cast(tf.random.uniform(tf.shape(h), 0.5, 1.5), h.dtype)
 
 
-def test_recompute_check_names_the_block_that_desyncs(data):
+@pytest.mark.parametrize("precision", [None, "mixed_bfloat16"])
+def test_recompute_check_names_the_block_that_desyncs(data, precision):
     x, y = data
     keras.utils.set_random_seed(0)
     inputs = keras.Input((5,))
@@ -42,7 +43,7 @@ def test_recompute_check_names_the_block_that_desyncs(data):
     model = GradBoostModel(inputs, keras.layers.Dense(3)(h))
     # Named: "auto" would leave out the block the backward meets first.
     model.compile(optimizer="sgd", loss="mse", recompute=["good", "noisy"],
-                  recompute_check=True)
+                  recompute_check=True, precision=precision)
     before = model.get_weights()
     with pytest.raises(RecomputeCheckError, match="block 'noisy'") as info:
         model.fit(x, y, batch_size=16, verbose=0)
