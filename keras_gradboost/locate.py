@@ -27,7 +27,10 @@ class Finding:
 
     Attributes:
         phase: "forward", "loss", "backward", or None if the replay was finite.
-        layer: the name of the producing layer, or None.
+        layer: the name of the producing layer (its path, e.g.
+            `"encoder/block_1/mlp/dense_1"`, where another layer of the model
+            has the same name, as each block of a keras-hub backbone does),
+            or None.
         variables: paths of trainable variables with non-finite gradients.
         detail: one sentence saying what was seen.
         advice: which `kgb.ops` the producing layer could use, from the
@@ -135,10 +138,21 @@ def locate_nonfinite(model, data):
     if finding.layer is not None:
         # Traced once more, now that the recording wrappers are gone.
         for layer, inputs, _ in records:
-            if layer.name == finding.layer:
+            if _label(layer, records) == finding.layer:
                 finding.advice = layer_advice(layer, inputs)
                 break
     return finding
+
+
+def _label(layer, records):
+    """How a finding names `layer`: its name, or its path (Keras'
+    `layer.path`, from the outermost layer that holds it) where another
+    layer of the replay has the same name; keras-hub backbones name the
+    layers of every block alike (`dense_1` in each transformer block)."""
+    namesakes = {id(other) for other, _, _ in records if other.name == layer.name}
+    if len(namesakes) > 1 and getattr(layer, "path", None):
+        return layer.path
+    return layer.name
 
 
 def _has_a_loss(model):
@@ -180,17 +194,17 @@ def _forward_finding(records, y_pred):
         if _finite(inputs):
             return Finding(
                 "forward",
-                layer.name,
-                detail=f"layer '{layer.name}' produced a non-finite output "
-                "from finite inputs",
+                _label(layer, records),
+                detail=f"layer '{_label(layer, records)}' produced a "
+                "non-finite output from finite inputs",
             )
         first_bad = first_bad or layer
     if first_bad is not None:
         return Finding(
             "forward",
             None,
-            detail=f"a non-finite value reached layer '{first_bad.name}' from "
-            "its input: the data, or an operation that is not a layer",
+            detail=f"a non-finite value reached layer '{_label(first_bad, records)}' "
+            "from its input: the data, or an operation that is not a layer",
         )
     if not _finite(_floats(y_pred)):
         return Finding(
@@ -227,10 +241,10 @@ def _backward_finding(model, records, loss, tape):
         if not any(c is not layer and c in inner for c in candidates):
             return Finding(
                 "backward",
-                layer.name,
+                _label(layer, records),
                 bad_vars,
                 detail=f"the gradient turned non-finite inside layer "
-                f"'{layer.name}' (its output gradient is finite)",
+                f"'{_label(layer, records)}' (its output gradient is finite)",
             )
     if bad_vars:
         return Finding("backward", None, bad_vars, detail="non-finite variable gradients")

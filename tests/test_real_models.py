@@ -271,6 +271,38 @@ def test_gpt2_planted_nan_is_located_at_its_step():
     assert max_diff(model, reference) < 1e-6  # the weights before step 2
 
 
+class _PoisonAt(keras.callbacks.Callback):
+    """Sets one entry of `variable` to NaN before batch `step`."""
+
+    def __init__(self, variable, step):
+        super().__init__()
+        self.variable, self.step = variable, step
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.step:
+            value = self.variable.numpy()
+            value.flat[0] = np.nan
+            self.variable.assign(value)
+
+
+@pytest.mark.parametrize("recompute", [None, "auto"])
+def test_vit_planted_nan_names_the_layer_by_its_path(recompute):
+    # Every transformer block of a keras-hub ViT has a `dense_1`: the name
+    # alone does not say which. The planted NaN is in the second block's.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 16, 16, 3)).astype("float32")
+    y = rng.integers(0, 3, size=(12, 17))
+    model = compile_model(kgb.boost(_vit_with_head()), recompute=recompute)
+    kernel = next(v for v in model.trainable_variables
+                  if v.path == "vit_encoder/transformer_block_1/mlp/dense_1/kernel")
+    watcher = kgb.callbacks.NaNWatcher(action="stop", verbose=0)
+    with pytest.raises(kgb.callbacks.NonFiniteError):
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[_PoisonAt(kernel, 1), watcher])
+    assert [(e.step, e.phase, e.layer) for e in watcher.events] == [
+        (1, "forward", "vit_encoder/transformer_block_1/mlp/dense_1")]
+
+
 def test_boosted_bert_save_and_load_round_trip(tmp_path):
     x, y, weights = padded_batch()
     model = compile_model(kgb.boost(bert_with_head()), accumulate_steps=2)
