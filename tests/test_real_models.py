@@ -158,9 +158,13 @@ def test_bert_backbone_recomputed_whole_leaves_its_unread_pooler_alone():
                       recompute=setting, recompute_check=setting is not None)
         backbone = next(l for l in model.layers if isinstance(l, keras_hub.models.BertBackbone))
         pooler = [w.numpy() for w in backbone.get_layer("pooled_dense").weights]
+        auditor = kgb.callbacks.GradientAuditor(verbose=0)
         with pytest.warns(UserWarning, match="pooled_dense"):  # no gradient
             model.fit(x, y, sample_weight=weights, batch_size=8, epochs=1, shuffle=False,
-                      verbose=0)
+                      verbose=0, callbacks=[auditor])
+        # GradientAuditor sees the same (with zeros it saw a gradient).
+        assert sorted(m.variable for m in auditor.missing) == [
+            "pooled_dense/bias", "pooled_dense/kernel"]
         fits[name] = model
     assert fits["recomputed"].recompute_plan().recomputed == [backbone.name]
     for a, b in zip(pooler, backbone.get_layer("pooled_dense").weights):
