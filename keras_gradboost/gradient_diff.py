@@ -18,10 +18,11 @@ def differing(variables, want, got, rtol):
 
     A None on one side only differs by inf. A difference below
     `rtol * ROUND_OFF_SHARE` of the largest gradient magnitude over all the
-    variables, or below the gradients' machine epsilon times it (or 1e-12),
-    is round-off and never counts: a gradient that is zero in exact
-    arithmetic cancels terms as large as the largest gradient, each rounded
-    to that epsilon.
+    variables (or 1e-12) is round-off and never counts. Nor, for a gradient
+    no larger than the gradients' machine epsilon times that magnitude, is
+    a difference below that: such a gradient is round-off itself (zero in
+    exact arithmetic, it cancels terms as large as the largest gradient,
+    each rounded to that epsilon).
 
     Args:
         variables: the variables, for their paths.
@@ -37,7 +38,8 @@ def differing(variables, want, got, rtol):
         (float(np.max(np.abs(a), initial=0.0)) for a in want if a is not None),
         default=0.0,
     )
-    floor = max(1e-12, rtol * ROUND_OFF_SHARE * scale, _epsilon(want) * scale)
+    floor = max(1e-12, rtol * ROUND_OFF_SHARE * scale)
+    round_off = _epsilon(want) * scale
     found = []
     for variable, a, b in zip(variables, want, got):
         if (a is None) != (b is None):
@@ -46,7 +48,10 @@ def differing(variables, want, got, rtol):
         if a is None:
             continue
         difference = float(np.max(np.abs(a - b), initial=0.0))
-        allowed = rtol * float(np.max(np.abs(a), initial=0.0)) + floor
+        magnitude = float(np.max(np.abs(a), initial=0.0))
+        allowed = rtol * magnitude + floor
+        if magnitude <= round_off:  # round-off itself: zero in exact arithmetic
+            allowed = max(allowed, round_off)
         if not np.isfinite(difference) or difference > allowed:
             found.append((variable.path, difference))
     return sorted(found, key=lambda pair: -pair[1])
@@ -54,8 +59,12 @@ def differing(variables, want, got, rtol):
 
 def _epsilon(arrays):
     """The machine epsilon of the least precise float array (0: none)."""
-    return max(
-        (float(np.finfo(a.dtype).eps) for a in arrays
-         if a is not None and np.issubdtype(a.dtype, np.floating)),
-        default=0.0,
-    )
+    found = 0.0
+    for a in arrays:
+        if a is None:
+            continue
+        if a.dtype.name == "bfloat16":  # ml_dtypes' type: NumPy has no finfo for it
+            found = max(found, 2.0**-7)
+        elif np.issubdtype(a.dtype, np.floating):
+            found = max(found, float(np.finfo(a.dtype).eps))
+    return found

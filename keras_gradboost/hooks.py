@@ -535,62 +535,6 @@ def check_call_context():
     assert call_context_values() is None
 
 
-def tape_zero_fill(gradient):
-    """Whether `gradient`, an upstream gradient a `tf.custom_gradient`
-    function received, is the zeros TensorFlow's tape passes for an output
-    no gradient reached (`backprop._zeros` and the tape's `zeros_like`): in
-    a traced step a constant zero, a `Fill` of one, or a `ZerosLike` (shape
-    not fully known); eagerly an all-zero tensor (the tape's is cached only
-    when small, so nothing else marks it; a host sync).
-
-    A gradient that is zero by definition (the output reaches the loss only
-    through `tf.sign`, whose gradient is `zeros_like`) looks the same."""
-    if gradient is None:
-        return True
-    if not isinstance(gradient, tf.Tensor):
-        return False
-    if tf.executing_eagerly():
-        return not bool(tf.reduce_any(tf.not_equal(gradient, 0)))
-    op = gradient.op
-    if op.type == "ZerosLike":
-        return True
-    if op.type == "Fill":
-        value = tf.get_static_value(op.inputs[1])
-    elif op.type == "Const":
-        value = tf.get_static_value(gradient)
-    else:
-        return False
-    return value is not None and not np.any(value)
-
-
-def check_tape_zero_fill():
-    """Checks `tape_zero_fill` against the tape: in a traced function and
-    eagerly, the upstream gradient of an output nothing reads is one, of
-    the output that is read is not."""
-    for size in (3, 2000):  # a constant, a Fill (over 1000 elements)
-        received = []
-
-        @tf.custom_gradient
-        def pair(x):
-            def grad(used, unused):
-                received.append((tape_zero_fill(used), tape_zero_fill(unused)))
-                return used
-
-            return [x * 2.0, x * 3.0], grad
-
-        def step(x):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                used, _ = pair(x)
-            return tape.gradient(used, x)
-
-        step(tf.ones((size,)))
-        tf.function(step)(tf.ones((size,)))
-        unknown = tf.function(step, input_signature=[tf.TensorSpec([None])])
-        unknown(tf.ones((size,)))  # a ZerosLike
-        assert received == [(False, True)] * 3, (size, received)
-
-
 def _eager_context():
     from tensorflow.python.eager import context
 
@@ -709,7 +653,6 @@ def check():
     assert callable(_print_msg)
     check_multi_worker_trainer()
     check_coordination()
-    check_tape_zero_fill()
     check_call_context()
     assert initial_epoch(model) is None
     set_initial_epoch(model, 2)

@@ -33,6 +33,12 @@ def test_round_off_within_float32_epsilon_of_the_largest_gradient_does_not_diffe
     got64 = [a.astype("float64") for a in got]
     found = gradient_diff.differing(variables("mlp", "key/bias"), want64, got64, 1e-5)
     assert [path for path, _ in found] == ["key/bias"]
+    # A gradient above round-off keeps its relative tolerance: 12% off a
+    # gradient of 1e-6 (well above epsilon x 0.3) is found in float32 too.
+    want = [np.array([0.3], "float32"), np.array([1e-6], "float32")]
+    got = [np.array([0.3], "float32"), np.array([1.12e-6], "float32")]
+    found = gradient_diff.differing(variables("mlp", "small"), want, got, 1e-5)
+    assert [path for path, _ in found] == ["small"]
 
 
 def test_a_real_difference_on_a_small_gradient_still_differs():

@@ -59,7 +59,9 @@ def check(model, setup, batch, rtol=None):
 @contextlib.contextmanager
 def _graph_rewrites_off():
     """Grappler off while the check's functions are made and run (a
-    process-wide option, set back after). Grappler fuses ops (a MatMul with
+    process-wide option, set back after; the check runs before the first
+    training step, and a function another thread first calls meanwhile
+    would run without grappler too). Grappler fuses ops (a MatMul with
     its BiasAdd and activation) only where the backward does not need what
     is between them, so the graphs with and without a recompute round
     differently: about 1e-8 in float32 and 0.4% in bfloat16, which a small

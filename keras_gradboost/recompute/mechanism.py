@@ -157,14 +157,18 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
 
             def grad(*upstream, variables=None):
                 variables = list(variables or ())
-                inputs = _after(upstream[:1], tensors)
-                replay = kept.replay(_after(upstream[:1], kept.tensors)) if kept else None
+                arrived = reached.take(upstream)
+                if not arrived:  # no output reaches the loss: no gradients
+                    return [None] * len(tensors), [None] * len(variables)
+                first = [arrived[0][1]]
+                inputs = _after(first, tensors)
+                replay = kept.replay(_after(first, kept.tensors)) if kept else None
                 with tf.GradientTape() as tape:
                     tape.watch([t for t in inputs if t.dtype.is_floating])
                     tape.watch([t for _, t in held])
                     a, k = rebuild(inputs)
                     with hooks.update_recording_scope(
-                        _after_state(upstream[:1], saved) + held
+                        _after_state(first, saved) + held
                     ) as scope, hooks.autocast(dtype), kernel_choice.running(native), (
                         _handling(replay) if kept else _handling(nested)
                     ), _replaying(scope, [id(v) for v, _ in held]), hooks.call_context(
@@ -179,7 +183,8 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
                 sources = [by_variable.get(id(v), v) for v in variables]
                 with _differentiating_replay():
                     grads = _differentiate(
-                        tape, tf.nest.flatten(again), list(inputs) + sources, upstream
+                        tape, tf.nest.flatten(again), list(inputs) + sources, arrived,
+                        len(upstream), name,
                     )
                 weight_grads = [
                     _tied(g, source) if source is not v else g
@@ -189,7 +194,8 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
 
             return tf.nest.flatten(outputs), grad
 
-        flat_outputs = forward(*[flat[i] for i in positions])
+        reached = _Reached()
+        flat_outputs = reached.marked(forward(*[flat[i] for i in positions]))
         return tf.nest.pack_sequence_as(structure[0], flat_outputs)
 
     return call
@@ -305,11 +311,14 @@ def _recomputed_in_replay(fn, state, name, weights, nested, selective=False):
 
             def grad(*upstream, variables=None):
                 variables = list(variables or ())
+                arrived = reached.take(upstream)
+                if not arrived:  # no output reaches the loss: no gradients
+                    return [None] * len(tensors), [None] * len(variables)
                 # In the outer replay the upstream gradient can arrive before
                 # this block's forward there has finished: where that forward
                 # runs, the replay waits for its outputs too, or both run at
                 # once and their activations are alive together.
-                gates = [upstream[0]]
+                gates = [arrived[0][1]]
                 produced = _tensors(outputs)
                 if _read_by_backward(produced):
                     gates += produced
@@ -331,13 +340,15 @@ def _recomputed_in_replay(fn, state, name, weights, nested, selective=False):
                 _refuse_unsaved_updates(replay.updated, others + saved, name)
                 with _differentiating_replay():
                     grads = _differentiate(
-                        tape, tf.nest.flatten(again), inputs + variables, upstream
+                        tape, tf.nest.flatten(again), inputs + variables, arrived,
+                        len(upstream), name,
                     )
                 return grads[: len(inputs)], grads[len(inputs) :]
 
             return tf.nest.flatten(outputs), grad
 
-        flat_outputs = forward(*[flat[i] for i in positions], *weight_values)
+        reached = _Reached()
+        flat_outputs = reached.marked(forward(*[flat[i] for i in positions], *weight_values))
         return tf.nest.pack_sequence_as(structure[0], flat_outputs)
 
     return call
@@ -424,24 +435,77 @@ def _tensor_positions(flat, name):
     return positions
 
 
-def _differentiate(tape, outputs, sources, upstream):
-    """The gradients of a replay's `outputs` with respect to `sources`,
-    from the outputs a gradient reached.
+class _Reached:
+    """Which outputs of one recomputed block call a gradient reaches, as the
+    tape itself finds them.
 
-    An output no gradient reached (a backbone's pooled output the head does
-    not read) gets zeros from the tape (`hooks.tape_zero_fill`). Differentiated with
+    Each float output passes through an identity whose gradient marks it.
+    The tape calls a gradient function only on a path from the loss (an
+    output nothing reads, or one behind `stop_gradient`, is on none), and
+    calls the marks' before the block's own, which takes them. A zero that
+    does reach it (an output read only through `tf.sign`, a loss weight of
+    0) is a gradient, as without recompute.
+    """
+
+    def __init__(self):
+        self.marks = []
+
+    def marked(self, outputs):
+        """`outputs` (a flat list), each float one behind its mark."""
+        self.marks = [False] * len(outputs)
+        return [self._mark(t, i) for i, t in enumerate(outputs)]
+
+    def _mark(self, tensor, index):
+        if not (isinstance(tensor, tf.Tensor) and tensor.dtype.is_floating):
+            return tensor
+
+        @tf.custom_gradient
+        def mark(t):
+            def grad(upstream):
+                self.marks[index] = True
+                return upstream
+
+            return tf.identity(t), grad
+
+        return mark(tensor)
+
+    def take(self, upstream):
+        """`(index, upstream gradient)` of the outputs reached since the
+        last take (the marks are cleared: a second differentiation of the
+        same forward marks again)."""
+        arrived = [(i, u) for i, u in enumerate(upstream) if self.marks[i]]
+        self.marks = [False] * len(self.marks)
+        return arrived
+
+
+def _differentiate(tape, outputs, sources, arrived, expected, name):
+    """The gradients of a replay's `outputs` with respect to `sources`,
+    from the outputs a gradient reached (`arrived`, from `_Reached.take`).
+
+    TensorFlow's tape passes zeros for an output no gradient reached (a
+    backbone's pooled output the head does not read). Differentiated with
     them, the weights only that output depends on would get zero gradients
     where the run without recompute gives them none (`None`): the optimizer
     would then apply an update it skips without recompute (AdamW's weight
     decay, a momentum step). Left out, they stay `None`; the values are the
     same (those outputs contribute zero).
+
+    Raises:
+        RuntimeError: the replay returned another number of tensors than
+            the forward (`expected`).
     """
-    reached = [(o, u) for o, u in zip(outputs, upstream) if not hooks.tape_zero_fill(u)]
-    if not reached:
-        return [None] * len(sources)
-    return tape.gradient(
-        [o for o, _ in reached], sources, output_gradients=[u for _, u in reached]
-    )
+    if len(outputs) != expected:
+        raise RuntimeError(
+            f"Recompute of block {name!r}: its replay returned {len(outputs)} "
+            f"tensors, its forward {expected}. The block's call must return the "
+            "same structure both times; leave it out of `recompute`."
+        )
+    if len(arrived) == len(outputs):
+        targets, gradients = outputs, [u for _, u in arrived]
+    else:
+        targets = [outputs[i] for i, _ in arrived]
+        gradients = [u for _, u in arrived]
+    return tape.gradient(targets, sources, output_gradients=gradients)
 
 
 def _after(gates, tensors):

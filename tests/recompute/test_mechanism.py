@@ -96,19 +96,76 @@ def test_weights_no_gradient_reaches_get_none_as_without_recompute(data, setting
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+def _zero_reached(kind, seed=0):
+    """A block with two outputs whose second does reach the loss, with a
+    gradient of zero: through a loss weight of 0, or through `sign` (whose
+    gradient is zero). Keras gives its weights zero gradients, not None."""
+    keras.utils.set_random_seed(seed)
+    i = keras.Input((5,))
+    h = keras.layers.Dense(8, name="shared")(i)
+    block = keras.Model(
+        i, [keras.layers.Dense(3, name="used")(h), keras.layers.Dense(3, name="zeroed")(h)],
+        name="block",
+    )
+    j = keras.Input((5,))
+    used, zeroed = block(j)
+    head = keras.layers.Dense(3, name="head")(used)
+    if kind == "sign":
+        return boost(keras.Model(j, head + keras.ops.sign(zeroed)))
+    return boost(keras.Model(j, [head, zeroed]))
+
+
+@pytest.mark.parametrize("kind, run_eagerly", [
+    ("loss_weight_zero", False), ("loss_weight_zero", True), ("sign", False),
+])
+def test_weights_a_zero_gradient_reaches_get_it_as_without_recompute(data, kind, run_eagerly):
+    """The other side of the test above: a zero that reaches the block is a
+    gradient (AdamW's weight decay applies to its weights), not an output
+    nothing reads."""
+    x, y = data
+    targets = [y, y] if kind == "loss_weight_zero" else y
+    loss_weights = [1.0, 0.0] if kind == "loss_weight_zero" else None
+    models = {}
+    for name, rc in (("plain", None), ("recomputed", ["block"])):
+        model = _zero_reached(kind)
+        loss = ["mse", "mse"] if loss_weights else "mse"
+        model.compile(optimizer=keras.optimizers.AdamW(0.1, weight_decay=0.5), loss=loss,
+                      loss_weights=loss_weights, recompute=rc, run_eagerly=run_eagerly)
+        before = model.get_layer("block").get_layer("zeroed").get_weights()
+        model.fit(x, targets, batch_size=len(x) // 2, epochs=1, verbose=0)
+        models[name] = model
+    assert models["recomputed"].recompute_plan().recomputed == ["block"]
+    after = models["plain"].get_layer("block").get_layer("zeroed").get_weights()
+    assert np.abs(after[0] - before[0]).max() > 1e-3  # Keras decays them
+    for a, b in zip(models["plain"].get_weights(), models["recomputed"].get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+class _DropTwice(keras.layers.Layer):
+    """`call(x)` without `training`: its Dropout, called twice (as
+    keras-hub's ViT MLP does), takes it from the caller's call context."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(16)
+        self.drop = keras.layers.Dropout(0.5, seed=4)
+
+    def call(self, x):
+        return self.drop(self.dense(self.drop(x)))
+
+
 class _InheritsTraining(keras.layers.Layer):
-    """A block whose `call` takes no `training`: its Dropout (called twice,
-    as keras-hub's ViT MLP does) and BatchNormalization take it from the
-    caller's Keras call context."""
+    """A block whose `call` takes no `training`: its layers (a
+    `_DropTwice`, a BatchNormalization) take it from the caller."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.up, self.down = keras.layers.Dense(16), keras.layers.Dense(WIDTH)
-        self.drop = keras.layers.Dropout(0.5, seed=4)
+        self.inner = _DropTwice(name="inner")
         self.norm = keras.layers.BatchNormalization()
 
     def call(self, x):
-        return self.drop(self.down(self.norm(self.drop(self.up(x)))))
+        return self.down(self.norm(self.inner(self.up(x))))
 
 
 def _inheriting_model(seed=0):
@@ -118,7 +175,11 @@ def _inheriting_model(seed=0):
     return boost(keras.Model(i, keras.layers.Dense(3, name="head")(h)))
 
 
-@pytest.mark.parametrize("setting", [["block"], {"policy": "selective", "blocks": ["block"]}])
+@pytest.mark.parametrize("setting", [
+    ["block"],
+    {"policy": "selective", "blocks": ["block"]},
+    ["block", "inner"],  # nested: the inner replay inside the outer one's
+])
 def test_a_block_whose_layers_inherit_training_replays_in_training_mode(data, setting):
     """The replay runs while the tape differentiates, outside any layer
     call: without the forward's call context its Dropout was off and its
@@ -127,7 +188,8 @@ def test_a_block_whose_layers_inherit_training_replays_in_training_mode(data, se
     plain, recomputed = _inheriting_model(), _inheriting_model()
     train(plain, x, y)
     train(recomputed, x, y, recompute=setting)
-    assert recomputed.recompute_plan().recomputed == ["block"]
+    assert recomputed.recompute_plan().recomputed == (
+        ["block"] if "inner" not in setting else ["block", "block/inner"])
     assert_same_state(plain, recomputed)
 
 
