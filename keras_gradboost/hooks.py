@@ -504,7 +504,7 @@ def call_context(values):
     if values is not None:
         context = CallContext(entry_layer=None)  # no layer's exit resets it
         for name, value in values.items():
-            context.set_value(name, value)
+            setattr(context, name, value)  # Keras 3.8 has no `set_value`
     global_state.set_global_attribute("current_call_ctx", context)
     try:
         yield
@@ -523,7 +523,15 @@ def check_call_context():
             seen.append(call_context_values())
             return x
 
-    Probe()(tf.ones((1, 2)), training=True)
+    class Caller(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.probe = Probe()
+
+        def call(self, x, training=None):
+            return self.probe(x)
+
+    Caller()(tf.ones((1, 2)), training=True)
     assert seen[-1] is not None and seen[-1].get("training") is True, seen
     assert call_context_values() is None
     drop = keras.layers.Dropout(0.5, seed=1)
