@@ -56,6 +56,24 @@ from keras_gradboost.recompute.estimates import tied_inner_blocks
 MIN_AUTO_SAVING = 0.1
 
 
+def _unsplit(blocks, total):
+    """Why no plan saves, when one block of the finest layout holds most of
+    the activations: nothing inside it can be cut (a sentence; "" else)."""
+    if not blocks or not total:
+        return ""
+    largest = max(blocks, key=lambda b: b.cached_bytes)
+    if largest.cached_bytes < 0.5 * total:
+        return ""
+    return (
+        f" One block, {largest.name!r}, holds ~{largest.cached_bytes / MIB:.1f} "
+        f"of the ~{total / MIB:.1f} MiB, and nothing inside it is a block or a "
+        "point where one tensor carries everything (cells that each read the "
+        "two before them, as NASNet's do, leave none): recomputing it whole "
+        "replays all of it at once in its backward, so the peak stays about "
+        "the same."
+    )
+
+
 class RecomputeSetup:
     """A model's `recompute` setting turned into blocks, and the training
     forward that recomputes them.
@@ -319,8 +337,9 @@ class RecomputeSetup:
                 f"~{lowest / MIB:.1f} MiB; training peak without recompute "
                 f"~{estimated_peak(found[0]) / MIB:.1f} MiB"
                 + (f", the lowest plan's ~{lowest_peak / MIB:.1f} MiB" if plans else "")
-                + "): nothing is recomputed. "
-                "Lower the batch size (with accumulate_steps to keep the "
+                + "): nothing is recomputed."
+                + _unsplit(self.plan.blocks, total)
+                + " Lower the batch size (with accumulate_steps to keep the "
                 "effective batch) or use mixed precision to save memory."
                 + removable,
                 stacklevel=2,

@@ -167,6 +167,31 @@ def test_when_nothing_saves_the_budget_warns_and_recomputes_nothing():
     assert auto.recompute_plan(batch_size=32).bytes_with >= plan.bytes_without
 
 
+def _two_back_cells(cells=8, width=64):
+    """A flat graph whose cells each read the two cells before them (as
+    NASNet's do): after the first cell no single tensor carries everything,
+    so one segment holds nearly all the activations."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    before, last = inputs, keras.layers.Dense(width, activation="relu", name="cell_0")(inputs)
+    before = keras.layers.Dense(width, name="lift")(before)
+    for i in range(1, cells):
+        mixed = keras.layers.Add(name=f"mix_{i}")([before, last])
+        before, last = last, keras.layers.Dense(width, activation="relu", name=f"cell_{i}")(mixed)
+    return kgb.GradBoostModel(inputs, keras.layers.Dense(3, name="head")(last))
+
+
+def test_auto_says_why_when_one_uncuttable_segment_holds_the_activations():
+    model = _two_back_cells()
+    model.compile(optimizer="sgd", loss="mse", recompute="auto")
+    with pytest.warns(UserWarning, match="nothing is recomputed. One block, '.*', holds") as record:
+        plan = model.recompute_plan(batch_size=512)
+    assert plan.recomputed == []
+    largest = max(plan.blocks, key=lambda b: b.cached_bytes)
+    assert largest.cached_bytes >= 0.5 * plan.bytes_without  # the sentence's premise
+    assert repr(largest.name) in str(record[0].message)
+
+
 def test_candidates_recompute_nothing_when_no_block_saves():
     figures = {
         k: {"cached": 10, "inputs": 20, "flops": 1.0, "inside": {f"t{k}"}, "input_roots": {f"in{k}": 20}}
