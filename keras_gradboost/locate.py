@@ -192,11 +192,11 @@ def _forward_finding(records, y_pred):
         if _finite(outputs):
             continue
         if _finite(inputs):
+            label = _label(layer, records)
             return Finding(
                 "forward",
-                _label(layer, records),
-                detail=f"layer '{_label(layer, records)}' produced a "
-                "non-finite output from finite inputs",
+                label,
+                detail=f"layer '{label}' produced a non-finite output from finite inputs",
             )
         first_bad = first_bad or layer
     if first_bad is not None:
@@ -239,12 +239,13 @@ def _backward_finding(model, records, loss, tape):
     for layer in candidates:
         inner = hooks.flatten_layers(layer, include_self=False)
         if not any(c is not layer and c in inner for c in candidates):
+            label = _label(layer, records)
             return Finding(
                 "backward",
-                _label(layer, records),
+                label,
                 bad_vars,
-                detail=f"the gradient turned non-finite inside layer "
-                f"'{_label(layer, records)}' (its output gradient is finite)",
+                detail=f"the gradient turned non-finite inside layer '{label}' "
+                "(its output gradient is finite)",
             )
     if bad_vars:
         return Finding("backward", None, bad_vars, detail="non-finite variable gradients")

@@ -500,12 +500,9 @@ def _differentiate(tape, outputs, sources, arrived, expected, name):
             f"tensors, its forward {expected}. The block's call must return the "
             "same structure both times; leave it out of `recompute`."
         )
-    if len(arrived) == len(outputs):
-        targets, gradients = outputs, [u for _, u in arrived]
-    else:
-        targets = [outputs[i] for i, _ in arrived]
-        gradients = [u for _, u in arrived]
-    return tape.gradient(targets, sources, output_gradients=gradients)
+    return tape.gradient(
+        [outputs[i] for i, _ in arrived], sources, output_gradients=[u for _, u in arrived]
+    )
 
 
 def _after(gates, tensors):
