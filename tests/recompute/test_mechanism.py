@@ -193,6 +193,18 @@ def test_a_block_whose_layers_inherit_training_replays_in_training_mode(data, se
     assert_same_state(plain, recomputed)
 
 
+@pytest.mark.parametrize("options", [{"jit_compile": True}, {"precision": "mixed_bfloat16"}])
+def test_a_block_whose_layers_inherit_training_with_xla_and_mixed_precision(data, options):
+    """The replayed call context meets XLA (Dropout seeds made to wait for
+    the upstream gradient) and a mixed policy (the replay's autocast)."""
+    x, y = data
+    plain, recomputed = _inheriting_model(), _inheriting_model()
+    train(plain, x, y, **options)
+    train(recomputed, x, y, recompute=["block"], **options)
+    assert recomputed.recompute_plan().recomputed == ["block"]
+    assert_same_state(plain, recomputed)
+
+
 def _gradients(model, x, y, forward):
     with tf.GradientTape() as tape:
         loss = keras.losses.mean_squared_error(y, forward(x))
