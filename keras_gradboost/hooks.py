@@ -8,6 +8,7 @@ in one named test instead of somewhere deep inside a training step.
 
 import contextlib
 import sys
+import threading
 
 import keras
 import numpy as np
@@ -183,6 +184,55 @@ def stop_recording():
     from tensorflow.python.eager import record
 
     return record.stop_recording()
+
+
+_LOSSES = threading.local()  # per thread: MirroredStrategy traces replicas in threads
+_COLLECTS = "_keras_gradboost_collects_losses"  # on the installed `add_loss`
+
+
+def _install_loss_collector():
+    """Puts a wrapper in front of `keras.layers.Layer.add_loss` (once, for
+    every layer class that does not override it): inside
+    `collecting_losses` it records the losses instead of adding them."""
+    layer_class = keras.layers.Layer
+    original = layer_class.add_loss
+    if getattr(original, _COLLECTS, False):
+        return
+
+    def add_loss(self, loss):
+        collected, keep = getattr(_LOSSES, "collected", None) or (None, True)
+        losses = keras.tree.flatten(loss)
+        if collected is not None and all(keras.ops.is_tensor(x) for x in losses):
+            collected.extend((self, x) for x in losses)
+        if keep:
+            return original(self, loss)  # Keras' own (and its error)
+
+    add_loss.__doc__ = original.__doc__
+    setattr(add_loss, _COLLECTS, True)
+    layer_class.add_loss = add_loss
+
+
+@contextlib.contextmanager
+def collecting_losses(keep=False):
+    """A context in which `Layer.add_loss` (a layer's own losses, activity
+    regularizers) records each `(layer, loss)` in the yielded list, instead
+    of adding it to the layer (or to a `StatelessScope`), or, with `keep`,
+    as well.
+
+    A recomputed block's forward runs where no tape records, so a loss
+    its layers add there reaches none of its weights: the recompute
+    collects them, returns them from its custom gradient and adds those
+    back with `layer.add_loss`. Accumulation looks at which layers add
+    losses (`keep=True`).
+    """
+    _install_loss_collector()
+    previous = getattr(_LOSSES, "collected", None)
+    collected = []
+    _LOSSES.collected = (collected, keep)
+    try:
+        yield collected
+    finally:
+        _LOSSES.collected = previous
 
 
 class _UpdateRecordingScope(keras.StatelessScope):
@@ -543,6 +593,28 @@ def check_call_context():
     assert call_context_values() is None
 
 
+def check_collecting_losses():
+    """Checks `collecting_losses` against Keras: an activity regularizer's
+    and a layer's own loss reach `add_loss`, which records them inside
+    and adds them to `layer.losses` outside."""
+
+    class Adds(keras.layers.Layer):
+        def call(self, x):
+            self.add_loss(tf.reduce_sum(x))
+            return x
+
+    dense = keras.layers.Dense(1, activity_regularizer="l2")
+    adds = Adds()
+    x = tf.ones((1, 2))
+    with collecting_losses() as collected:
+        adds(dense(x))
+    assert [layer for layer, _ in collected] == [dense, adds], collected
+    assert not dense.losses and not adds.losses
+    with collecting_losses(keep=True) as collected:
+        adds(dense(x))
+    assert len(collected) == 2 and len(dense.losses) == 1 and len(adds.losses) == 1
+
+
 def _eager_context():
     from tensorflow.python.eager import context
 
@@ -662,6 +734,7 @@ def check():
     check_multi_worker_trainer()
     check_coordination()
     check_call_context()
+    check_collecting_losses()
     assert initial_epoch(model) is None
     set_initial_epoch(model, 2)
     assert model._initial_epoch == 2 and initial_epoch(model) == 2

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import keras
+import tensorflow as tf
 from conftest import nested_model
 from keras_gradboost import hooks
 
@@ -205,3 +206,20 @@ def test_onednn_enabled_reads_tensorflows_own_flag():
     """TensorFlow's `IsMklEnabled` (private): a bool here; the recompute
     plan's `eigen_convolutions` note depends on it."""
     assert isinstance(hooks.onednn_enabled(), bool)
+
+
+def test_collecting_losses_records_instead_of_adding_and_nests():
+    hooks.check_collecting_losses()
+    dense = keras.layers.Dense(1, activity_regularizer="l1")
+    x = tf.ones((2, 3))
+    with hooks.collecting_losses() as outer:
+        dense(x)
+        with hooks.collecting_losses() as inner:
+            dense(x)
+        dense(x)
+    assert len(outer) == 2 and len(inner) == 1 and not dense.losses
+    # Outside, Keras' own: added to the layer, and its error for a non-tensor.
+    dense(x)
+    assert len(dense.losses) == 1
+    with pytest.raises(ValueError, match="add_loss"):
+        dense.add_loss(1.0)

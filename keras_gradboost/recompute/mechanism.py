@@ -5,7 +5,8 @@ runs the block's forward again and differentiates that, in the state the first
 forward saw: the same Dropout masks (Keras draws them from seed-generator
 variables, read back as they were) and the same BatchNormalization batch
 statistics, while moving statistics and seeds are updated once, by the first
-forward only.
+forward only. Losses the block's layers add (`add_loss`, activity
+regularizers) are outputs of its custom gradient, so they reach its weights.
 
 `recomputed(fn, state)` does this for any function of tensors. Layers are
 marked with `mark(layer)`, which puts a dispatcher in front of their `call`:
@@ -151,9 +152,9 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
         def forward(*tensors):
             a, k = rebuild(tensors)
             inside = _handling(kept.capture()) if kept else _plain()
-            with hooks.stop_recording(), inside:
+            with hooks.stop_recording(), inside, hooks.collecting_losses() as losses:
                 outputs = fn(*a, **k)
-            structure.append(outputs)
+            structure.append((outputs, losses))
 
             def grad(*upstream, variables=None):
                 variables = list(variables or ())
@@ -173,7 +174,7 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
                         _handling(replay) if kept else _handling(nested)
                     ), _replaying(scope, [id(v) for v, _ in held]), hooks.call_context(
                         context
-                    ):
+                    ), hooks.collecting_losses() as losses_again:
                         again = fn(*a, **k)
                 if kept:
                     kept.check_replayed(replay)
@@ -183,8 +184,8 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
                 sources = [by_variable.get(id(v), v) for v in variables]
                 with _differentiating_replay():
                     grads = _differentiate(
-                        tape, tf.nest.flatten(again), list(inputs) + sources, arrived,
-                        len(upstream), name,
+                        tape, _with_losses(again, losses_again), list(inputs) + sources,
+                        arrived, len(upstream), name,
                     )
                 weight_grads = [
                     _tied(g, source) if source is not v else g
@@ -192,11 +193,11 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
                 ]
                 return grads[: len(inputs)], weight_grads
 
-            return tf.nest.flatten(outputs), grad
+            return _with_losses(outputs, losses), grad
 
         reached = _Reached()
         flat_outputs = reached.marked(forward(*[flat[i] for i in positions]))
-        return tf.nest.pack_sequence_as(structure[0], flat_outputs)
+        return _add_back(structure[0], flat_outputs)
 
     return call
 
@@ -302,12 +303,12 @@ def _recomputed_in_replay(fn, state, name, weights, nested, selective=False):
             inside = _handling(kept.capture()) if kept else _plain()
             with hooks.stop_recording(), scope(tensors[count:], saved) as inner, inside, (
                 _replaying(inner, outer_weights | own)  # a `Recompute` in it reads this scope
-            ):
+            ), hooks.collecting_losses() as losses:
                 outputs = fn(*a, **k)
             _refuse_foreign_weights(inner.read & (outer_weights - own), here, name)
             for variable in inner.updated:  # the outer replay reads them after
                 outer.add_update((variable, hooks.scope_value(inner, variable)))
-            structure.append(outputs)
+            structure.append((outputs, losses))
 
             def grad(*upstream, variables=None):
                 variables = list(variables or ())
@@ -333,25 +334,48 @@ def _recomputed_in_replay(fn, state, name, weights, nested, selective=False):
                         hooks.autocast(dtype)
                     ), kernel_choice.running(native), _handling(
                         substitute if kept else nested
-                    ), _replaying(replay, outer_weights | own), hooks.call_context(context):
+                    ), _replaying(replay, outer_weights | own), hooks.call_context(
+                        context
+                    ), hooks.collecting_losses() as losses_again:
                         again = fn(*a, **k)
                 if kept:
                     kept.check_replayed(substitute)
                 _refuse_unsaved_updates(replay.updated, others + saved, name)
                 with _differentiating_replay():
                     grads = _differentiate(
-                        tape, tf.nest.flatten(again), inputs + variables, arrived,
-                        len(upstream), name,
+                        tape, _with_losses(again, losses_again), inputs + variables,
+                        arrived, len(upstream), name,
                     )
                 return grads[: len(inputs)], grads[len(inputs) :]
 
-            return tf.nest.flatten(outputs), grad
+            return _with_losses(outputs, losses), grad
 
         reached = _Reached()
         flat_outputs = reached.marked(forward(*[flat[i] for i in positions], *weight_values))
-        return tf.nest.pack_sequence_as(structure[0], flat_outputs)
+        return _add_back(structure[0], flat_outputs)
 
     return call
+
+
+def _with_losses(outputs, losses):
+    """A block call's flat outputs, then the losses its layers added
+    (`hooks.collecting_losses`): the custom gradient returns both, so a
+    loss made inside the block (an activity regularizer, a mixture of
+    experts' load-balancing loss) is differentiated through the replay
+    like an output, instead of reaching none of the block's weights."""
+    return tf.nest.flatten(outputs) + [loss for _, loss in losses]
+
+
+def _add_back(recorded, flat_outputs):
+    """The block's outputs, packed as its forward returned them, after
+    adding the losses its layers added (`recorded`: `(outputs, losses)`)
+    back to those layers, as the custom gradient returns them (connected
+    to the block's inputs and weights)."""
+    outputs, losses = recorded
+    count = len(tf.nest.flatten(outputs))
+    for (layer, _), loss in zip(losses, flat_outputs[count:]):
+        layer.add_loss(loss)
+    return tf.nest.pack_sequence_as(outputs, flat_outputs[:count])
 
 
 def _refuse_foreign_weights(read, here, name):

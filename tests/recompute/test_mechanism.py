@@ -205,6 +205,71 @@ def test_a_block_whose_layers_inherit_training_with_xla_and_mixed_precision(data
     assert_same_state(plain, recomputed)
 
 
+class _OwnLoss(keras.layers.Layer):
+    """Adds a loss made from its activations (as a mixture of experts adds
+    its load-balancing loss)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(16)
+
+    def call(self, x):
+        h = self.dense(x)
+        self.add_loss(0.5 * tf.reduce_mean(tf.square(h)))
+        return h
+
+
+class _AddsLosses(keras.layers.Layer):
+    """A block whose layers add losses from inside it: an activity
+    regularizer and `_OwnLoss`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = keras.layers.Dense(
+            16, activation="tanh", activity_regularizer=keras.regularizers.L2(0.2)
+        )
+        self.inner = _OwnLoss(name="inner")
+        self.down = keras.layers.Dense(WIDTH)
+
+    def call(self, x):
+        return self.down(self.inner(self.up(x)))
+
+
+def _losses_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    i = keras.Input((5,))
+    h = _AddsLosses(name="block")(keras.layers.Dense(WIDTH, name="pre")(i))
+    return keras.Model(i, keras.layers.Dense(3, name="head")(h))
+
+
+@pytest.mark.parametrize("setting, jit_compile", [
+    (["block"], False),
+    ({"policy": "selective", "blocks": ["block"]}, False),
+    (["block", "inner"], False),  # nested: the inner block's losses in the outer replay
+    (["block"], True),
+])
+def test_losses_added_inside_a_block_reach_its_weights(data, setting, jit_compile):
+    """A block's forward runs where no tape records: a loss its layers
+    added there reached none of its weights (the weights ended 0.02 away
+    from Keras'), silently. The recompute returns them from its gradient."""
+    x, y = data
+    keras_model, recomputed = _losses_model(), boost(_losses_model())
+    train(keras_model, x, y, epochs=2, jit_compile=jit_compile)
+    history = train(recomputed, x, y, epochs=2, jit_compile=jit_compile, recompute=setting)
+    assert recomputed.recompute_plan().recomputed == (
+        ["block"] if "inner" not in setting else ["block", "block/inner"])
+    assert len(recomputed.losses) == 2  # added back once each, not twice
+    assert_same_state(keras_model, recomputed)
+    # The losses count: without them the weights end elsewhere.
+    without = _losses_model()
+    without.get_layer("block").inner.add_loss = lambda loss: None
+    without.get_layer("block").up.activity_regularizer = None
+    train(without, x, y, epochs=2)
+    far = max(np.abs(a - b).max() for a, b in zip(without.get_weights(), keras_model.get_weights()))
+    assert far > 1e-3, far
+    assert np.isfinite(history.history["loss"]).all()
+
+
 def _gradients(model, x, y, forward):
     with tf.GradientTape() as tape:
         loss = keras.losses.mean_squared_error(y, forward(x))
