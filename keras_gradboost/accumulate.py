@@ -21,6 +21,8 @@ Keras' `gradient_accumulation_steps` does, the elementwise maximum of the
 unweighted values, starting from zeros: `max(0, g_1, ..., g_k)`.
 """
 
+import functools
+
 import keras
 import tensorflow as tf
 
@@ -53,6 +55,34 @@ def reduces_like_keras(loss):
     return (
         type(loss).__call__ is keras.losses.Loss.__call__
         and loss.reduction in EXACT_REDUCTIONS
+    )
+
+
+# Keras' own activity regularizers: sums of per-element terms.
+_PER_ELEMENT_REGULARIZERS = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
+
+
+@functools.lru_cache(maxsize=None)
+def activity_losses_are_means():
+    """Whether this Keras divides an activity regularizer's loss by the
+    batch size (newer Keras 3 does; Keras 3.8 adds its sum over the batch,
+    which a window's weighted average of micro-batches divides by the
+    window's micro-batches). Found once, eagerly (`compile` asks first)."""
+    layer = keras.layers.Activation("linear", activity_regularizer=keras.regularizers.L1(1.0))
+    with tf.init_scope(), hooks.collecting_losses() as added:
+        layer(tf.ones((2, 1)))
+    return abs(float(added[0][1]) - 1.0) < 1e-6
+
+
+def mean_activity_loss(layer):
+    """Whether the losses `layer` adds are its activity regularizer's, and
+    that is a mean over samples (a per-element L1, L2 or L1L2, divided by
+    the batch size): a window's weighted average of micro-batches gives
+    the large batch's. A layer that also adds a loss of its own is not
+    told apart (`accumulate_check` compares the two)."""
+    return (
+        type(layer.activity_regularizer) in _PER_ELEMENT_REGULARIZERS
+        and activity_losses_are_means()
     )
 
 

@@ -9,6 +9,7 @@ from keras_gradboost import gradient_diff
 from keras_gradboost import hooks
 from keras_gradboost import wrappers
 from keras_gradboost.accumulate import loss_normaliser
+from keras_gradboost.accumulate import mean_activity_loss
 from keras_gradboost.accumulate import reduces_like_keras
 from keras_gradboost.accumulate import sample_count
 from keras_gradboost.guard import gradient_array
@@ -64,10 +65,16 @@ def check(model, window, rtol=None):
     variables = model.trainable_variables
     state = mechanism.snapshot(model.non_trainable_variables + model.metrics_variables)
 
+    adding = {}  # the layers that add losses of their own, by id
+
     def gradients(x, y, sample_weight):
-        with keras.StatelessScope(state_mapping=state):
+        # Losses the layers add (`add_loss`) are part of the loss, as in
+        # the train step; a scope drops them unless it collects them.
+        with keras.StatelessScope(state_mapping=state, collect_losses=True):
             with tf.GradientTape() as tape:
-                y_pred = model(x, training=True)
+                with hooks.collecting_losses(keep=True) as added:
+                    y_pred = model(x, training=True)
+                adding.update((id(layer), layer) for layer, _ in added)
                 loss = hooks.compute_loss(model, x, y, y_pred, sample_weight, training=True)
             count, _ = loss_normaliser(y_pred, sample_count(x))
         return tape.gradient(loss, variables), count
@@ -94,7 +101,7 @@ def check(model, window, rtol=None):
         return False
     differing = gradient_diff.differing(variables, large, accumulated, rtol)
     if differing:
-        causes = _causes(model)
+        causes = _causes(model, list(adding.values()))
         shown = ", ".join(f"{path!r} ({diff:.3g})" for path, diff in differing[:3])
         raise AccumulationCheckError(
             f"accumulate_check: {len(window)} accumulated micro-batches do not "
@@ -141,10 +148,20 @@ def _concatenate(window):
     return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *window)
 
 
-def _causes(model):
+def _causes(model, adding=()):
     """What makes k micro-batches differ from one large batch, as far as the
-    layers and the loss show it."""
+    layers and the loss show it (`adding`: the layers that added losses of
+    their own in the forward)."""
     causes = []
+    own = [layer.name for layer in adding if not mean_activity_loss(layer)]
+    if own:
+        causes.append(
+            f"Layers add losses of their own ({', '.join(map(repr, own[:4]))}"
+            + (f" and {len(own) - 4} more" if len(own) > 4 else "")
+            + "): a window averages each micro-batch's, which equals the large "
+            "batch's only for a mean over samples (a mixture of experts' "
+            "load-balancing loss over the batch's tokens is not one)."
+        )
     layers = hooks.flatten_layers(model)
     bn = [l.name for l in layers if isinstance(l, keras.layers.BatchNormalization)]
     if bn:

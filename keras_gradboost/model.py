@@ -1,5 +1,6 @@
 """GradBoostModel and boost(): compile kwargs -> plan -> train_step."""
 
+import contextlib
 import inspect
 import numbers
 import threading
@@ -21,6 +22,8 @@ from keras_gradboost import pointwise as pointwise_lib
 from keras_gradboost import recompute as recompute_lib
 from keras_gradboost import wrappers
 from keras_gradboost.accumulate import GradientAccumulator
+from keras_gradboost.accumulate import activity_losses_are_means
+from keras_gradboost.accumulate import mean_activity_loss
 from keras_gradboost.accumulate import overwrites_with_gradient
 from keras_gradboost.accumulate import reduces_like_keras
 from keras_gradboost.accumulate import repeats_change_update
@@ -104,6 +107,7 @@ class _Runtime:
         self.loaded_window = False
         self.warned_inexact_mask = False
         self.warned_sparse_repeats = False
+        self.warned_layer_losses = False
         # Why XLA is off although jit_compile=True or "measure" asked for
         # it: the plan's reason, or one found while training.
         self.xla_blocked = plan.xla_blocked if plan else None
@@ -361,6 +365,8 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             pointwise=pointwise,
         )
         plan = TrainPlan.build(config, self, _bind_compile_args(args, kwargs))
+        if config.accumulate_steps > 1:
+            activity_losses_are_means()  # found eagerly, before any trace
         self._apply_plan(plan)
         for message in self._gradboost.plan.warnings:
             warnings.warn(message, stacklevel=2)
@@ -951,8 +957,15 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         state = guard.StepState.take(self) if self._checks_steps() else None
 
         self._prepare_forward(x)
+        accumulating = rt.config.accumulate_steps > 1
         with tf.GradientTape() as tape:
-            y_pred = self._training_forward(x)
+            watching = (
+                hooks.collecting_losses(keep=True) if accumulating else contextlib.nullcontext([])
+            )
+            with watching as added:
+                y_pred = self._training_forward(x)
+            if accumulating:
+                self._warn_layer_losses(added)
             loss = hooks.compute_loss(
                 self, x, y, y_pred, sample_weight, training=True
             )
@@ -1045,6 +1058,33 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             "for a dense one). With SGD (momentum and weight decay allowed, "
             "no clipping) the two are equal; accumulate_check compares "
             "gradients, which are equal, not updates.",
+            stacklevel=3,
+        )
+
+    def _warn_layer_losses(self, added):
+        """Warns (once) when layers add losses of their own (`add_loss`;
+        `added`: `(layer, loss)` of the forward) that a window's weighted
+        average of micro-batches may not give as the large batch does."""
+        rt = self._gradboost
+        own = {id(layer): layer.name for layer, _ in added if not mean_activity_loss(layer)}
+        if not own or rt.warned_layer_losses:
+            return
+        rt.warned_layer_losses = True
+        names = list(own.values())
+        shown = ", ".join(map(repr, names[:3])) + (
+            f" and {len(names) - 3} more" if len(names) > 3 else ""
+        )
+        sums = "" if activity_losses_are_means() else (
+            "; nor is an activity regularizer's here: this Keras adds its sum over "
+            "the batch, which the average divides by the micro-batches"
+        )
+        warnings.warn(
+            f"accumulate_steps={rt.config.accumulate_steps}: {shown} add losses "
+            "of their own (`add_loss`). A window averages each micro-batch's "
+            "loss, weighted by its samples, which equals one large-batch step "
+            "only for a mean over samples of per-sample terms (a mixture of "
+            "experts' load-balancing loss over the batch's tokens is not one"
+            f"{sums}). accumulate_check=True compares the two on this model.",
             stacklevel=3,
         )
 

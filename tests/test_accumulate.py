@@ -1,5 +1,7 @@
 """Accumulation against its independent reference: one large-batch step."""
 
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -307,3 +309,37 @@ def test_repeats_change_update_says_when_keras_updates_differ(name):
     assert (reason is None) == equal, (reason, results)
     if reason is not None:
         assert "clip" in reason or name.split("(")[-1].rstrip(")") in reason
+
+
+def _activity_model(cls=keras.Model, seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5,))
+    h = keras.layers.Dense(
+        8, activation="tanh", activity_regularizer=keras.regularizers.L2(0.5), name="sparse"
+    )(inputs)
+    return cls(inputs, keras.layers.Dense(3, name="out")(h))
+
+
+def test_activity_regularizers_equal_one_large_step_or_warn(regression_data):
+    """Keras adds an activity regularizer's loss from inside the forward. Where
+    it divides it by the batch size (a mean over samples), a window's
+    weighted average gives the large batch's, silently and exactly; where
+    it adds the sum (Keras 3.8), the window's is 1/k of it: warned."""
+    from keras_gradboost.accumulate import activity_losses_are_means
+
+    x, y = regression_data
+    ref = _activity_model()
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    ref.train_on_batch(x[:96], y[:96])
+    model = _activity_model(GradBoostModel)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x[:96], y[:96], batch_size=32, shuffle=False, verbose=0)
+    warned = [w for w in caught if "add losses of their own" in str(w.message)]
+    if activity_losses_are_means():
+        assert not warned
+        assert max_weight_diff(model, ref) < TOL
+    else:
+        assert warned and "'sparse'" in str(warned[0].message)
+        assert max_weight_diff(model, ref) > 1e-4  # why it warns

@@ -148,3 +148,35 @@ def test_with_a_nan_watcher_the_check_sees_the_window_once_each(steps_per_execut
         for i, got in enumerate(window):
             rows = slice(4 * (first + i), 4 * (first + i + 1))
             np.testing.assert_array_equal(got, bad[rows])
+
+
+class _BatchBalance(keras.layers.Layer):
+    """Adds a loss over the whole batch that is not a mean over samples
+    (the square of a batch mean, like a mixture of experts' load
+    balancing)."""
+
+    def call(self, x):
+        self.add_loss(10.0 * keras.ops.sum(keras.ops.square(keras.ops.mean(x, axis=0))))
+        return x
+
+
+def _balanced_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5,))
+    h = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
+    h = _BatchBalance(name="balance")(h)
+    return GradBoostModel(inputs, keras.layers.Dense(3, name="out")(h))
+
+
+def test_a_layer_loss_over_the_batch_is_named_by_the_check_and_warned():
+    """The check ran the model in a `StatelessScope`, which drops the
+    losses layers add: both sides left them out and it passed, while the
+    windows trained 0.058 away from the large batch (a keras-hub Mixtral's
+    load-balancing loss)."""
+    model = _balanced_model()
+    model.compile(optimizer="sgd", loss="mse", accumulate_steps=4, accumulate_check=True)
+    with pytest.warns(UserWarning, match=r"'balance' add losses of their own"):
+        with pytest.raises(kgb.AccumulationCheckError) as info:
+            fit(model)
+    assert any("'balance'" in cause for cause in info.value.causes), info.value.causes
+    assert int(model.optimizer.iterations.numpy()) == 0

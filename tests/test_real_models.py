@@ -219,6 +219,58 @@ def test_backbones_whose_layers_inherit_training_recompute_exactly(name):
     assert max_diff(fits[None, 0.1], fits[None, 0.0]) > 1e-3
 
 
+def _mixtral_with_head(aux_loss=0.5):
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.MixtralBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32, num_experts=4, top_k=2,
+        router_aux_loss_coef=aux_loss,
+    )
+    tokens = keras.layers.Dense(3, name="head")(backbone(backbone.input))
+    return keras.Model(backbone.input, tokens)
+
+
+@pytest.mark.filterwarnings("ignore:Gradients do not exist")  # its reverse_embeddings
+@pytest.mark.parametrize("setting", ["auto", {"policy": "selective"}])
+def test_a_mixture_of_experts_load_balancing_loss_reaches_its_router(setting):
+    # Mixtral's sparse MoE block adds its load-balancing loss with
+    # `add_loss` inside the block. Computed in a recomputed forward, where
+    # no tape records, that loss reached none of the weights: "auto" ended
+    # 0.042 away from Keras, silently. The recompute now returns the
+    # block's losses from its gradient.
+    x, _, _ = padded_batch(segments=False)
+    x = {k: v[:8] for k, v in x.items()}
+    y = np.random.default_rng(1).integers(0, 3, size=(8, T))
+    fits = {}
+    for name, boosted, aux in (("keras", False, 0.5), ("recomputed", True, 0.5),
+                               ("no aux loss", False, 0.0)):
+        model = _mixtral_with_head(aux)
+        if boosted:
+            model = compile_model(kgb.boost(model), recompute=setting)
+        else:
+            compile_model(model)
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        fits[name] = model
+    assert any("moe" in b for b in fits["recomputed"].recompute_plan().recomputed)
+    assert max_diff(fits["recomputed"], fits["keras"]) < 1e-5
+    assert max_diff(fits["no aux loss"], fits["keras"]) > 1e-3  # the loss counts
+
+
+@pytest.mark.filterwarnings("ignore:Gradients do not exist")
+def test_accumulation_of_a_mixture_of_experts_is_warned_and_checked():
+    # Its load-balancing loss is a product of batch means over the tokens:
+    # two windows of 4 ended 0.058 away from one batch of 8, and
+    # accumulate_check passed (its scope dropped the layers' losses).
+    x, _, _ = padded_batch(segments=False)
+    x = {k: v[:8] for k, v in x.items()}
+    y = np.random.default_rng(1).integers(0, 3, size=(8, T))
+    model = compile_model(kgb.boost(_mixtral_with_head()), accumulate_steps=2,
+                          accumulate_check=True)
+    with pytest.warns(UserWarning, match="mixtral_sparse_moe_block.* add losses of their own"):
+        with pytest.raises(kgb.AccumulationCheckError, match="Layers add losses of their own"):
+            model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+
+
 def test_recompute_check_passes_a_gemma_in_mixed_bfloat16():
     # Grappler fuses ops differently with and without recompute; in
     # bfloat16 that rounding (0.4%) read as a difference of 0.0065 in the
