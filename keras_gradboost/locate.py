@@ -121,14 +121,15 @@ def locate_nonfinite(model, data):
             for t in _floats(x):
                 if isinstance(t, tf.Tensor):
                     tape.watch(t)
-            if hooks.call_has_training_arg(model):
-                y_pred = model(x, training=True)
-            else:
-                y_pred = model(x)
+            with hooks.collecting_losses(keep=True) as added:  # `add_loss` calls
+                if hooks.call_has_training_arg(model):
+                    y_pred = model(x, training=True)
+                else:
+                    y_pred = model(x)
             loss = None
             if _has_a_loss(model):
                 loss = hooks.compute_loss(model, x, y, y_pred, sample_weight, training=True)
-        finding = _analyse(model, records, y_pred, loss, tape)
+        finding = _analyse(model, records, y_pred, loss, tape, added)
     finally:
         for undo in reversed(undos):
             undo()
@@ -165,12 +166,21 @@ def _has_a_loss(model):
     return not definer.__module__.startswith(("keras.", "keras_gradboost."))
 
 
-def _analyse(model, records, y_pred, loss, tape):
-    """The `Finding` of a replay: forward first, then the loss, then the
-    backward pass from the loss down (no loss: the forward only)."""
+def _analyse(model, records, y_pred, loss, tape, added=()):
+    """The `Finding` of a replay: forward first, then the losses layers add
+    (`added`: `(layer, loss)` of their `add_loss` calls), then the loss,
+    then the backward pass from the loss down (no loss: the forward
+    only)."""
     finding = _forward_finding(records, y_pred)
     if finding is not None:
         return finding
+    for layer, added_loss in added:
+        if not _finite([added_loss]):
+            return Finding(
+                "loss", _label(layer, records),
+                detail="the model's outputs are finite, but a loss this layer adds "
+                "(`add_loss`, or its activity regularizer) is not",
+            )
     if loss is None:
         return Finding(
             "loss", None,

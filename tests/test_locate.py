@@ -75,3 +75,21 @@ def test_finite_batch_and_state_left_as_it_was():
     assert finding.phase is None
     for v, b in zip(model.non_trainable_variables, before):
         np.testing.assert_array_equal(v.numpy(), b)
+
+
+class LogLoss(keras.layers.Layer):
+    """Passes its input on and adds the log of its mean as a loss (a
+    layer's own loss, as a mixture of experts adds its balancing loss)."""
+
+    def call(self, x):
+        self.add_loss(tf.math.log(tf.reduce_mean(x)))
+        return x
+
+
+def test_a_non_finite_loss_a_layer_adds_names_that_layer():
+    finding = locate_nonfinite(_model(LogLoss), _batch([[-1.0, -1.0]]))
+    assert (finding.phase, finding.layer) == ("loss", "block")
+    assert "adds" in finding.detail
+    # A finite one is not blamed: the backward is looked at.
+    finding = locate_nonfinite(_model(LogLoss), _batch([[1.0, 2.0]]))
+    assert finding.phase is None

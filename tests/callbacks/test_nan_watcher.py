@@ -572,3 +572,26 @@ def test_mirrored_strategy_restore_rolls_back_and_goes_on(cls):
     assert len(momenta) == 4  # two kernels, two biases
     for a, b in momenta:
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+class LogOfMinLoss(keras.layers.Layer):
+    """Passes its input on and adds log(min(x)) as a loss of its own: a
+    NaN loss from a finite forward where x < 0."""
+
+    def call(self, x):
+        self.add_loss(1e-3 * tf.math.log(tf.reduce_min(x)))
+        return x
+
+
+@pytest.mark.parametrize("recompute", [None, ["fault"]])
+def test_a_non_finite_loss_a_layer_adds_names_that_layer(recompute):
+    x, y = _data()
+    model = _functional(GradBoostModel, fault=LogOfMinLoss)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", recompute=recompute)
+    watcher = NaNWatcher(verbose=0)
+    with pytest.raises(NonFiniteError) as info:
+        model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=[watcher])
+    event = info.value.event
+    assert (event.step, event.phase, event.layer) == (BAD_STEP, "loss", "fault")
+    _assert_weights(model, _weights_before_bad_step(
+        lambda: _functional(fault=LogOfMinLoss), x, y))
