@@ -655,6 +655,28 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         the model holds applied outside that update (raised at the call; with
         `run_eagerly=True` the step's earlier updates have run by then), or
         no update through it at all."""
+        with self._own_forward(data):
+            return self._own_update(train_step, data)
+
+    @contextlib.contextmanager
+    def _own_forward(self, data):
+        """Around the class's own `train_step`: the layers it calls run the
+        kernels `depthwise`/`pointwise` chose, and the recompute blocks it
+        calls recompute (it may call them directly, e.g. a VAE's
+        `self.encoder(x)`, where no call of the model runs)."""
+        setup = self._gradboost.recompute
+        with self._chosen_kernels():
+            if setup is None:
+                yield
+                return
+            x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+            self._prepare_forward(x)
+            with setup.around_own_step(type(self).__name__):
+                yield
+
+    def _own_update(self, train_step, data):
+        """`train_step(data)`, refused where it bypasses the update the
+        plan needs (see `_own_step`)."""
         rt = self._gradboost
         needs = []
         if rt.config.accumulate_steps > 1:
@@ -1611,7 +1633,10 @@ def boost(model):
     GANs, VAEs, distillation) keeps them: it is boosted in place (the same
     object is returned, its class now also a `GradBoostModel`, next after
     its own class, so `super().train_step(data)` reaches GradBoostModel's).
-    Precision, recompute and jit act on its layers as on any model.
+    Precision, recompute and jit act on its layers as on any model: the
+    recompute blocks recompute where its `train_step` calls them (a plan of
+    graph segments needs `super().train_step(data)`, and is refused
+    without it).
     `accumulate_steps` and loss scaling live in GradBoostModel's update: a
     `train_step` that calls `super().train_step(data)` gets them; one that
     applies its gradients itself is refused with a `ValueError` naming it

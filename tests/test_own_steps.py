@@ -290,3 +290,130 @@ def test_nan_watcher_checks_each_micro_batch_of_an_own_step_that_accumulates():
     assert [e.step for e in watchers[0].events] == [e.step for e in watchers[1].events] == [3]
     assert int(models[0].calls.numpy()) == 8
     assert max_weight_diff(models[0], models[1]) == 0.0
+
+
+class CountsTraces(keras.layers.Layer):
+    """Counts the traces of its `call`: a recomputed block runs it twice in
+    a step's graph (its forward, and its replay in the backward)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8, activation="tanh")
+        self.traced = 0
+
+    def call(self, x):
+        self.traced += 1
+        return self.dense(x)
+
+
+class EncoderStep(keras.Model):
+    """keras.io's VAE pattern: the train_step calls a sub-block directly
+    (`self.encoder(x)`), never the model itself."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.encoder = CountsTraces(name="encoder")
+        self.head = keras.layers.Dense(3, name="head")
+
+    def call(self, x):
+        return self.head(self.encoder(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self.head(self.encoder(x, training=True)) - y))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+class NoCallStep(EncoderStep):
+    """A GAN's shape: no `call`, the train_step is the only forward."""
+
+    call = keras.Model.call
+
+
+@pytest.mark.parametrize("cls, recompute", [
+    (EncoderStep, ["encoder"]),
+    (NoCallStep, ["encoder"]),
+    (NoCallStep, "auto"),  # nothing to estimate: the compile-time choice
+])
+def test_recompute_acts_in_an_own_step_that_calls_its_blocks_directly(cls, recompute):
+    """The blocks recomputed only inside GradBoostModel's forward: an own
+    step calling them was left without recompute, silently, while
+    `recompute_plan()` listed them."""
+    x, y = data()
+    models = {}
+    for setting in (None, recompute):
+        keras.utils.set_random_seed(0)
+        model = boost(cls())
+        model.compile(optimizer=keras.optimizers.SGD(0.1), recompute=setting)
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        models[str(setting)] = model
+    plain, recomputed = models["None"], models[str(recompute)]
+    assert recomputed.recompute_plan().recomputed == ["encoder"]
+    # Each trace of the step runs the block twice: its forward and its replay.
+    assert recomputed.encoder.traced > plain.encoder.traced, (
+        recomputed.encoder.traced, plain.encoder.traced)
+    assert max_weight_diff(plain, recomputed) < 1e-6
+
+
+def test_a_budget_refuses_an_own_step_without_a_call():
+    model = boost(NoCallStep())
+    model.compile(optimizer=keras.optimizers.SGD(0.1), recompute={"budget_mb": 1})
+    with pytest.raises(ValueError, match="NoCallStep has no `call`.*Name the"):
+        model.fit(*data(), batch_size=8, epochs=1, verbose=0)
+
+
+class SelfCallStep(keras.Model):
+    """A functional subclass whose train_step runs `self(x)`: GradBoostModel's
+    forward (which runs a plan's graph segments) is not called."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+def test_graph_segments_refuse_an_own_step_with_its_own_forward():
+    inputs = keras.Input((5,))
+    h = inputs
+    for i in range(8):
+        h = keras.layers.Dense(64, activation="tanh", name=f"d{i}")(h)
+    model = boost(SelfCallStep(inputs, keras.layers.Dense(3, name="out")(h)))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), recompute="auto")
+    x, y = data(2048)
+    with pytest.raises(ValueError, match="SelfCallStep.train_step runs a forward of its own"):
+        model.fit(x, y, batch_size=2048, epochs=1, verbose=0)
+    assert model.recompute_plan().recomputed[0].startswith("d0..")  # segments
+
+
+class PointwiseEncoderStep(EncoderStep):
+    """An own step calling a sub-model with a 1x1 convolution directly."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.encoder = keras.Sequential(
+            [keras.Input((5,)), keras.layers.Reshape((1, 1, 5)),
+             keras.layers.Conv2D(8, 1, name="pw"), keras.layers.Flatten()],
+            name="encoder",
+        )
+
+
+def test_pointwise_kernels_run_in_an_own_step_that_calls_a_sub_model(monkeypatch):
+    from keras_gradboost import pointwise
+
+    traced = []
+    original = pointwise.matmul_convolution
+    monkeypatch.setattr(pointwise, "matmul_convolution",
+                        lambda *a, **k: traced.append(1) or original(*a, **k))
+    model = boost(PointwiseEncoderStep())
+    model(data()[0][:1])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), pointwise="matmul")
+    assert [l.name for l in model.train_plan.pointwise_layers] == ["pw"]
+    traced.clear()
+    fit(model, epochs=1)
+    assert traced  # before, the step ran Keras' Conv2D: the option was left out

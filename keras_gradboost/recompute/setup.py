@@ -14,6 +14,7 @@ Its lifecycle, each step one method the model calls:
   first batch.
 """
 
+import contextlib
 import copy
 import dataclasses
 import warnings
@@ -54,6 +55,12 @@ from keras_gradboost.recompute.estimates import tied_inner_blocks
 # recompute's own temporaries, and a plan estimated to save a few percent
 # measured more memory than none (the keras.io text Transformer: 1.06x).
 MIN_AUTO_SAVING = 0.1
+
+
+def _has_forward(model):
+    """Whether `model` has a `call` to estimate (one with its own
+    `train_step`, a GAN's, may have none)."""
+    return type(model).call is not keras.Model.call
 
 
 def _unsplit(blocks, total):
@@ -114,6 +121,7 @@ class RecomputeSetup:
         # estimates at its batch size ("auto" keeps the choice above when
         # the batches have no fixed size).
         self.pending = self.budget or self.auto
+        self.forwarded = False  # whether `forward` ran (in a model's own step)
 
     @property
     def keys(self):
@@ -155,6 +163,16 @@ class RecomputeSetup:
         """Settles what the training forward needs from the first traced
         batch `x`: a budget's choice, or else the input specs. Call it
         outside any tape, before `forward`."""
+        if not _has_forward(model):  # a model's own train_step, no `call`
+            if self.budget and self.pending:
+                raise ValueError(
+                    f"recompute={self.setting!r} chooses from estimates of the "
+                    f"model's forward, and {type(model).__name__} has no `call` "
+                    "(its train_step runs the forward its own way). Name the "
+                    'blocks to recompute instead: recompute=["name", ...].'
+                )
+            self.pending = False  # "auto": the compile-time choice
+            return
         if self.pending:
             self.resolve(model, x)
         elif self.input_spec is None:
@@ -196,9 +214,32 @@ class RecomputeSetup:
 
     # ---------------------------------------------------------------- forward
 
+    @contextlib.contextmanager
+    def around_own_step(self, name):
+        """The context of a model's own `train_step` (`name`: its class):
+        the chosen blocks it calls recompute, as in `forward`.
+
+        A plan of graph segments is run by `forward` alone: when the step
+        made no call of it (its forward is its own), raises a `ValueError`
+        as the step's trace ends, before anything trains.
+        """
+        self.forwarded = False
+        with mechanism.active(self.chosen, selective=self.selective):
+            yield
+        segments_chosen = any(i in self.chosen for i, s in enumerate(self.segments) if not s.last)
+        if segments_chosen and not self.forwarded:
+            raise ValueError(
+                f"{name}.train_step runs a forward of its own, and "
+                f"recompute={self.setting!r} chose segments of the model's "
+                "graph, which only GradBoostModel's forward runs: they would "
+                "be silently left out. Call `super().train_step(data)` in it, "
+                'or name the layers to recompute: recompute=["name", ...].'
+            )
+
     def forward(self, model, x, only=None, probe=None):
         """The training forward, recomputing the chosen blocks (or `only`
         these keys), or recording each block's operations into `probe`."""
+        self.forwarded = True
         chosen = self.chosen if only is None else set(only)
         if self.segments:
             h = x
@@ -238,6 +279,8 @@ class RecomputeSetup:
             self.batch_hint = int(batch)
 
     def _spec(self, model, batch_size):
+        if not _has_forward(model):
+            return None  # nothing to estimate from
         spec = self.input_spec
         if spec is None and hooks.is_functional(model):
             spec = tf.nest.map_structure(
