@@ -762,7 +762,7 @@ def measure(spec):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.compile(optimizer=optimizer, loss=loss, **kwargs)
-    notes.extend(str(w.message).split(". ")[0] for w in caught[:2])
+    notes.extend(warning_notes(caught, limit=2))
 
     data = tf.data.Dataset.from_tensor_slices((x, y))
     if len(y) < batch_size:
@@ -772,12 +772,15 @@ def measure(spec):
     # Under jit_compile="measure" or precision="measure" the steady state
     # starts after the choice.
     warm_steps = max(WARMUP_STEPS, measuring_calls(model))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    # What training warns about (an inexact accumulation, a recompute that
+    # saves nothing) belongs in the table as much as what compile says.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         warm = min(warm_steps, steps - 1)
         times, losses, retraces, grown = timed_fit(model, data, steps, device, warm)
         step_ms = statistics.median(times[warm:]) * 1000
         share, forward_ms, full_ms = backward_share(model, next(iter(data)), step_ms)
+    notes.extend(n for n in warning_notes(caught) if n not in notes)
 
     counted = count_step_flops(model, data, notes)
     plan = model.recompute_plan()
@@ -808,6 +811,17 @@ def measure(spec):
         "notes": notes,
         "environment": environment(),
     }
+
+
+def warning_notes(caught, limit=3):
+    """The first sentence of each distinct warning in `caught` (recorded
+    `warnings`), at most `limit`."""
+    notes = []
+    for w in caught:
+        first = str(w.message).split(". ")[0]
+        if first not in notes:
+            notes.append(first)
+    return notes[:limit]
 
 
 def count_step_flops(model, data, notes):

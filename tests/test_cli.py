@@ -6,6 +6,7 @@ import math
 import re
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -683,3 +684,22 @@ def test_nonfinite_data_gets_a_note():
         "--data x: 1 of 12 values are not finite",
         "--data y: 4 of 4 values are not finite",
     ]
+
+
+def test_what_training_warns_about_is_a_note_of_its_row(tmp_path):
+    # The rows recorded compile's warnings only: an accumulation that is
+    # not the large batch's (here an Embedding's sparse gradient under
+    # Adam) trained silently in the table.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,), dtype="int32")
+    hidden = keras.layers.Flatten()(keras.layers.Embedding(20, 4)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    path = str(tmp_path / "embedding.keras")
+    model.save(path)
+    row = compare_lib.run_one({"config": "accumulate", "kwargs": compare_lib.CONFIGS["accumulate"],
+                               "model": path, "batch_size": 8, "steps": 3})
+    assert "error" not in row, row
+    assert any("is sparse" in note for note in row["notes"]), row["notes"]
+    recorded = [types.SimpleNamespace(message=UserWarning(m)) for m in ("a. b", "a. c", "d")]
+    assert compare_lib.warning_notes(recorded) == ["a", "d"]
