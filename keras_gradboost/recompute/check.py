@@ -89,7 +89,9 @@ def _check(model, setup, batch, rtol):
 
     def gradients(only):
         def run(x, y, sample_weight):
-            with keras.StatelessScope(state_mapping=state):
+            # Losses the layers add (`add_loss`) are part of the loss, as in
+            # the train step; a scope drops them unless it collects them.
+            with keras.StatelessScope(state_mapping=state, collect_losses=True):
                 with tf.GradientTape() as tape:
                     y_pred = setup.forward(model, x, only=only)
                     loss = hooks.compute_loss(

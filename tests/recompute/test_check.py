@@ -61,3 +61,44 @@ def test_recompute_check_passes_and_changes_nothing(data):
     assert checked._gradboost.recompute_check_pending is False
     assert_same_state(plain, checked)
 
+
+
+class _AddsLoss(keras.layers.Layer):
+    """A block whose inner layer adds a loss from its activations."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(5, activity_regularizer=keras.regularizers.L2(0.5))
+
+    def call(self, x):
+        return x + self.dense(x)
+
+
+def test_recompute_check_counts_the_losses_layers_add(data, monkeypatch):
+    """The check ran its steps in a `StatelessScope`, which drops the
+    losses layers add: a recompute that lost their gradient (as it did
+    before) passed it. Simulated here: the block's losses come back cut
+    from its gradient."""
+    from keras_gradboost.recompute import mechanism
+
+    def cut(recorded, flat_outputs):
+        outputs, losses = recorded
+        count = len(tf.nest.flatten(outputs))
+        for (layer, _), loss in zip(losses, flat_outputs[count:]):
+            layer.add_loss(tf.stop_gradient(loss))
+        return tf.nest.pack_sequence_as(outputs, flat_outputs[:count])
+
+    x, y = data
+    for broken in (False, True):
+        if broken:
+            monkeypatch.setattr(mechanism, "_add_back", cut)
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5,))
+        h = _AddsLoss(name="block")(keras.layers.Dense(5)(inputs))
+        model = GradBoostModel(inputs, keras.layers.Dense(3)(h))
+        model.compile(optimizer="sgd", loss="mse", recompute=["block"], recompute_check=True)
+        if not broken:
+            model.fit(x, y, batch_size=16, verbose=0)  # exact: passes
+            continue
+        with pytest.raises(RecomputeCheckError, match="block 'block'"):
+            model.fit(x, y, batch_size=16, verbose=0)
