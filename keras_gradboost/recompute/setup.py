@@ -74,8 +74,10 @@ def _unsplit(blocks, total):
     return (
         f" One block, {largest.name!r}, holds ~{largest.cached_bytes / MIB:.1f} "
         f"of the ~{total / MIB:.1f} MiB, and nothing inside it is a block or a "
-        "point where one tensor carries everything (cells that each read the "
-        "two before them, as NASNet's do, leave none): recomputing it whole "
+        "point where one tensor carries everything (a second tensor crosses "
+        "every point: a Keras mask carried beside the activations, from "
+        "`mask_zero=True` or `Masking`, or cells that each read the two before "
+        "them, as NASNet's do): recomputing it whole "
         "replays all of it at once in its backward, so the peak stays about "
         "the same."
     )

@@ -192,6 +192,22 @@ def test_auto_says_why_when_one_uncuttable_segment_holds_the_activations():
     assert repr(largest.name) in str(record[0].message)
 
 
+def test_auto_names_a_keras_mask_as_a_reason_nothing_can_be_cut():
+    # keras.io's text models: the mask that Embedding(mask_zero=True) makes
+    # crosses every point of the graph beside the activations, to the
+    # pooling that reads it, so no single tensor carries everything.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((24,), dtype="int32")
+    h = keras.layers.Embedding(50, 64, mask_zero=True)(inputs)
+    for i in range(8):
+        h = keras.layers.Dense(64, activation="tanh", name=f"d{i}")(h)
+    outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h))
+    model = kgb.GradBoostModel(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse", recompute="auto")
+    with pytest.warns(UserWarning, match="nothing is recomputed.*mask_zero=True"):
+        assert model.recompute_plan(batch_size=256).recomputed == []
+
+
 def test_candidates_recompute_nothing_when_no_block_saves():
     figures = {
         k: {"cached": 10, "inputs": 20, "flops": 1.0, "inside": {f"t{k}"}, "input_roots": {f"in{k}": 20}}
