@@ -152,8 +152,10 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
         def forward(*tensors):
             a, k = rebuild(tensors)
             inside = _handling(kept.capture()) if kept else _plain()
+            made = _operations_made()
             with hooks.stop_recording(), inside, hooks.collecting_losses() as losses:
                 outputs = fn(*a, **k)
+            _refuse_unseeded_random(made(), name)
             structure.append((outputs, losses))
 
             def grad(*upstream, variables=None):
@@ -376,6 +378,53 @@ def _add_back(recorded, flat_outputs):
     for (layer, _), loss in zip(losses, flat_outputs[count:]):
         layer.add_loss(loss)
     return tf.nest.pack_sequence_as(outputs, flat_outputs[:count])
+
+
+def _operations_made():
+    """A function returning the graph operations made since this call (none
+    eagerly)."""
+    if tf.executing_eagerly():
+        return list
+    graph = tf.compat.v1.get_default_graph()
+    start = len(graph.get_operations())
+    return lambda: graph.get_operations()[start:]
+
+
+def _unseeded_random(op):
+    """Whether `op` draws from a random state of TensorFlow's that the
+    recompute cannot put back: the stateful random ops (`tf.random.uniform`
+    without a Keras seed generator, `tf.random.Generator`'s), not the
+    stateless ones Keras' `keras.random` runs from its seed variables."""
+    kind = op.type
+    if kind.startswith("Stateless") or kind == "StatefulPartitionedCall":
+        return False
+    return (
+        "Random" in kind
+        or kind.startswith("Stateful")
+        or kind in ("TruncatedNormal", "Multinomial", "RngReadAndSkip", "RngSkip")
+    )
+
+
+def _refuse_unseeded_random(operations, name):
+    """Raises if a block's forward drew random numbers from a state the
+    replay cannot put back: the replay would draw others, and the block's
+    gradients would be those of another forward, silently.
+
+    Raises:
+        ValueError: naming the block, the operation and the fix.
+    """
+    found = next((op for op in operations if _unseeded_random(op)), None)
+    if found is None:
+        return
+    raise ValueError(
+        f"Cannot recompute block {name!r} exactly: its forward draws random "
+        f"numbers with TensorFlow's stateful operation {found.type} "
+        f"({found.name!r}), which draws other numbers when the backward runs "
+        "the forward again, so its gradients would be those of another "
+        "forward. Draw them with `keras.random` and a "
+        "`keras.random.SeedGenerator` of the layer (as Keras' Dropout does), "
+        'or leave the block out: recompute=["name", ...] without it.'
+    )
 
 
 def _refuse_foreign_weights(read, here, name):

@@ -270,6 +270,39 @@ def test_losses_added_inside_a_block_reach_its_weights(data, setting, jit_compil
     assert np.isfinite(history.history["loss"]).all()
 
 
+class _TfRandom(keras.layers.Layer):
+    """Scales by `tf.random.uniform`: TensorFlow's global generator, which
+    the replay cannot put back (it draws other numbers)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(WIDTH)
+
+    def call(self, x):
+        h = self.dense(x)
+        return h * tf.cast(tf.random.uniform(tf.shape(h), 0.5, 1.5), h.dtype)
+
+
+@pytest.mark.parametrize("setting, jit_compile", [
+    (["noisy"], False),
+    ({"policy": "selective", "blocks": ["noisy"]}, False),
+    (["noisy"], True),
+])
+def test_a_block_drawing_from_tensorflows_random_state_is_refused(data, setting, jit_compile):
+    """Recomputed, it trained on the gradients of another draw, silently
+    (only `recompute_check=True` saw it)."""
+    x, y = data
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    h = _TfRandom(name="noisy")(keras.layers.Dense(WIDTH)(inputs))
+    model = boost(keras.Model(inputs, keras.layers.Dense(3)(h)))
+    before = model.get_weights()
+    with pytest.raises(ValueError, match=r"block 'noisy' exactly.*RandomUniform.*SeedGenerator"):
+        train(model, x, y, recompute=setting, jit_compile=jit_compile)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
 def _gradients(model, x, y, forward):
     with tf.GradientTape() as tape:
         loss = keras.losses.mean_squared_error(y, forward(x))
