@@ -68,7 +68,10 @@ def activity_losses_are_means():
     batch size (newer Keras 3 does; Keras 3.8 adds its sum over the batch,
     which a window's weighted average of micro-batches divides by the
     window's micro-batches). Found once, eagerly (`compile` asks first)."""
-    layer = keras.layers.Activation("linear", activity_regularizer=keras.regularizers.L1(1.0))
+    # Named: an unnamed layer would move Keras' count of default names.
+    layer = keras.layers.Activation(
+        "linear", activity_regularizer=keras.regularizers.L1(1.0), name="kgb_activity_probe"
+    )
     with tf.init_scope(), hooks.collecting_losses() as added:
         layer(tf.ones((2, 1)))
     return abs(float(added[0][1]) - 1.0) < 1e-6

@@ -66,6 +66,7 @@ def check(model, window, rtol=None):
     state = mechanism.snapshot(model.non_trainable_variables + model.metrics_variables)
 
     adding = {}  # the layers that add losses of their own, by id
+    masked = []  # whether a micro-batch is weighted by a mask's entries
 
     def gradients(x, y, sample_weight):
         # Losses the layers add (`add_loss`) are part of the loss, as in
@@ -76,7 +77,9 @@ def check(model, window, rtol=None):
                     y_pred = model(x, training=True)
                 adding.update((id(layer), layer) for layer, _ in added)
                 loss = hooks.compute_loss(model, x, y, y_pred, sample_weight, training=True)
-            count, _ = loss_normaliser(y_pred, sample_count(x))
+            samples = sample_count(x)
+            count, _ = loss_normaliser(y_pred, samples)
+            masked.append(count is not samples)
         return tape.gradient(loss, variables), count
 
     run = tf.function(gradients, autograph=False)
@@ -101,7 +104,7 @@ def check(model, window, rtol=None):
         return False
     differing = gradient_diff.differing(variables, large, accumulated, rtol)
     if differing:
-        causes = _causes(model, list(adding.values()))
+        causes = _causes(model, list(adding.values()), by_samples=not any(masked))
         shown = ", ".join(f"{path!r} ({diff:.3g})" for path, diff in differing[:3])
         raise AccumulationCheckError(
             f"accumulate_check: {len(window)} accumulated micro-batches do not "
@@ -148,12 +151,13 @@ def _concatenate(window):
     return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *window)
 
 
-def _causes(model, adding=()):
+def _causes(model, adding=(), by_samples=True):
     """What makes k micro-batches differ from one large batch, as far as the
     layers and the loss show it (`adding`: the layers that added losses of
-    their own in the forward)."""
+    their own in the forward; `by_samples`: the micro-batches are weighted
+    by their samples, not a mask's entries)."""
     causes = []
-    own = [layer.name for layer in adding if not mean_activity_loss(layer)]
+    own = [l.name for l in adding if not (by_samples and mean_activity_loss(l))]
     if own:
         causes.append(
             f"Layers add losses of their own ({', '.join(map(repr, own[:4]))}"

@@ -202,10 +202,11 @@ def _install_loss_collector():
     def add_loss(self, loss):
         collected, keep = getattr(_LOSSES, "collected", None) or (None, True)
         losses = keras.tree.flatten(loss)
-        if collected is not None and all(keras.ops.is_tensor(x) for x in losses):
-            collected.extend((self, x) for x in losses)
-        if keep:
+        if collected is None or not all(keras.ops.is_tensor(x) for x in losses):
             return original(self, loss)  # Keras' own (and its error)
+        collected.extend((self, x) for x in losses)
+        if keep:
+            return original(self, loss)
 
     add_loss.__doc__ = original.__doc__
     setattr(add_loss, _COLLECTS, True)
@@ -613,6 +614,13 @@ def check_collecting_losses():
     with collecting_losses(keep=True) as collected:
         adds(dense(x))
     assert len(collected) == 2 and len(dense.losses) == 1 and len(adds.losses) == 1
+    with collecting_losses():
+        try:
+            adds.add_loss(1.0)  # not a tensor: Keras' own error
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("add_loss took a non-tensor inside collecting_losses")
 
 
 def _eager_context():

@@ -664,15 +664,24 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         kernels `depthwise`/`pointwise` chose, and the recompute blocks it
         calls recompute (it may call them directly, e.g. a VAE's
         `self.encoder(x)`, where no call of the model runs)."""
-        setup = self._gradboost.recompute
-        with self._chosen_kernels():
+        rt = self._gradboost
+        setup = rt.recompute
+        # The step's data need not be the model's input: nothing is inferred
+        # from it. Its forward's losses, when accumulating (`minimize()`
+        # accumulates too), are looked at as the built-in step's are.
+        watching = (
+            hooks.collecting_losses(keep=True)
+            if rt.config.accumulate_steps > 1
+            else contextlib.nullcontext([])
+        )
+        with self._chosen_kernels(), watching as added:
             if setup is None:
                 yield
-                return
-            x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-            self._prepare_forward(x)
-            with setup.around_own_step(type(self).__name__):
-                yield
+            else:
+                with setup.around_own_step(type(self).__name__):
+                    yield
+        if rt.config.accumulate_steps > 1:
+            self._warn_layer_losses(added)
 
     def _own_update(self, train_step, data):
         """`train_step(data)`, refused where it bypasses the update the
@@ -986,8 +995,6 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             )
             with watching as added:
                 y_pred = self._training_forward(x)
-            if accumulating:
-                self._warn_layer_losses(added)
             loss = hooks.compute_loss(
                 self, x, y, y_pred, sample_weight, training=True
             )
@@ -1000,7 +1007,9 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             # scalar loss (free), or on the gradients together with the
             # loss-scale division (one pass).
             count = self._window_count(y_pred, n)
-            weight = count * replicas if rt.config.accumulate_steps > 1 else 1.0
+            if accumulating:  # weighted by a mask's entries, a mean over samples is not exact
+                self._warn_layer_losses(added, by_samples=count is n)
+            weight = count * replicas if accumulating else 1.0
             loss = self._loss_to_differentiate(loss, weight)
 
         variables = self.trainable_weights
@@ -1083,12 +1092,18 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             stacklevel=3,
         )
 
-    def _warn_layer_losses(self, added):
+    def _warn_layer_losses(self, added, by_samples=True):
         """Warns (once) when layers add losses of their own (`add_loss`;
         `added`: `(layer, loss)` of the forward) that a window's weighted
-        average of micro-batches may not give as the large batch does."""
+        average of micro-batches may not give as the large batch does (a
+        mean over samples does, when the micro-batches are weighted by
+        their samples, `by_samples`, not by a mask's valid entries)."""
         rt = self._gradboost
-        own = {id(layer): layer.name for layer, _ in added if not mean_activity_loss(layer)}
+        own = {
+            id(layer): layer.name
+            for layer, _ in added
+            if not (by_samples and mean_activity_loss(layer))
+        }
         if not own or rt.warned_layer_losses:
             return
         rt.warned_layer_losses = True
@@ -1103,9 +1118,10 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         warnings.warn(
             f"accumulate_steps={rt.config.accumulate_steps}: {shown} add losses "
             "of their own (`add_loss`). A window averages each micro-batch's "
-            "loss, weighted by its samples, which equals one large-batch step "
-            "only for a mean over samples of per-sample terms (a mixture of "
-            "experts' load-balancing loss over the batch's tokens is not one"
+            f"loss, weighted by its {'samples' if by_samples else 'valid mask entries'}, "
+            "which equals one large-batch step only for a mean over samples of "
+            "per-sample terms weighted by samples (a mixture of experts' "
+            "load-balancing loss over the batch's tokens is not one"
             f"{sums}). accumulate_check=True compares the two on this model.",
             stacklevel=3,
         )

@@ -343,3 +343,25 @@ def test_activity_regularizers_equal_one_large_step_or_warn(regression_data):
     else:
         assert warned and "'sparse'" in str(warned[0].message)
         assert max_weight_diff(model, ref) > 1e-4  # why it warns
+
+
+def test_an_activity_regularizer_under_a_mask_weighting_warns():
+    """Micro-batches weighted by their valid mask entries (as Keras divides
+    a masked loss) weight a mean over samples wrongly: 0.027 away from the
+    large batch, silently, with an L2 activity regularizer."""
+    def make(cls=keras.Model):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,), dtype="int32")
+        h = keras.layers.Embedding(20, 4, mask_zero=True)(inputs)
+        h = keras.layers.Dense(4, activity_regularizer=keras.regularizers.L2(0.5), name="act")(h)
+        return cls(inputs, keras.layers.Dense(3)(h))
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 20, size=(8, 6)).astype("int32")
+    x[:4, 2:] = 0  # the first micro-batch: 2 valid tokens a row; the second: 6
+    y = rng.integers(0, 3, size=(8, 6))
+    model = make(GradBoostModel)
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy",
+                  accumulate_steps=2)
+    with pytest.warns(UserWarning, match="'act' add losses of their own.*valid mask entries"):
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)

@@ -361,7 +361,7 @@ def test_recompute_acts_in_an_own_step_that_calls_its_blocks_directly(cls, recom
 def test_a_budget_refuses_an_own_step_without_a_call():
     model = boost(NoCallStep())
     model.compile(optimizer=keras.optimizers.SGD(0.1), recompute={"budget_mb": 1})
-    with pytest.raises(ValueError, match="NoCallStep has no `call`.*Name the"):
+    with pytest.raises(ValueError, match="NoCallStep.train_step runs a forward of its own"):
         model.fit(*data(), batch_size=8, epochs=1, verbose=0)
 
 
@@ -417,3 +417,61 @@ def test_pointwise_kernels_run_in_an_own_step_that_calls_a_sub_model(monkeypatch
     traced.clear()
     fit(model, epochs=1)
     assert traced  # before, the step ran Keras' Conv2D: the option was left out
+
+
+class QuadStep(EncoderStep):
+    """Batches of four items (x, y, a weight and a tag): not Keras' (x, y,
+    sample_weight)."""
+
+    def train_step(self, data):
+        x, y, weight, _ = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(weight * tf.square(self.head(self.encoder(x)) - y))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+def test_an_own_step_with_data_of_its_own_shape_recomputes():
+    # Nothing about the model's input is inferred from the step's data.
+    x, y = data()
+    batches = tf.data.Dataset.from_tensor_slices(
+        (x, y, np.ones((32, 1), "float32"), np.zeros(32, "int32"))).batch(8)
+    model = boost(QuadStep())
+    model.compile(optimizer=keras.optimizers.SGD(0.1), recompute=["encoder"])
+    model.fit(batches, epochs=1, verbose=0)
+    assert model.encoder.traced >= 2
+
+
+class _Balance(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(keras.ops.sum(keras.ops.square(keras.ops.mean(x, axis=0))))
+        return x
+
+
+class MinimizeStep(keras.Model):
+    """An own step that updates through `self.minimize`, over a layer that
+    adds a loss over the batch."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.balance = _Balance(name="balance")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.balance(self.hidden(x)))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y)) + sum(self.losses)
+        self.minimize(tape, loss, self.trainable_variables, count=tf.shape(x)[0])
+        return {"loss": loss}
+
+
+def test_accumulating_through_minimize_warns_of_a_layer_loss_over_the_batch():
+    model = boost(MinimizeStep())
+    model.compile(optimizer=keras.optimizers.SGD(0.1), accumulate_steps=2)
+    with pytest.warns(UserWarning, match="'balance' add losses of their own"):
+        fit(model, epochs=1)

@@ -22,6 +22,7 @@ the inner block's, plus the inner block's while its own backward runs.
 import contextlib
 import threading
 
+import keras
 import tensorflow as tf
 
 from keras_gradboost import kernel_choice
@@ -376,7 +377,9 @@ def _add_back(recorded, flat_outputs):
     outputs, losses = recorded
     count = len(tf.nest.flatten(outputs))
     for (layer, _), loss in zip(losses, flat_outputs[count:]):
-        layer.add_loss(loss)
+        # Keras' own `add_loss`: a class's override of it ran already, in
+        # the forward, on the loss as it was recorded.
+        keras.layers.Layer.add_loss(layer, loss)
     return tf.nest.pack_sequence_as(outputs, flat_outputs[:count])
 
 
@@ -570,8 +573,10 @@ def _differentiate(tape, outputs, sources, arrived, expected, name):
     if len(outputs) != expected:
         raise RuntimeError(
             f"Recompute of block {name!r}: its replay returned {len(outputs)} "
-            f"tensors, its forward {expected}. The block's call must return the "
-            "same structure both times; leave it out of `recompute`."
+            f"tensors, its forward {expected} (its outputs, then the losses its "
+            "layers add with `add_loss`). The block's call must return the same "
+            "structure and add the same losses both times; leave it out of "
+            "`recompute`."
         )
     return tape.gradient(
         [outputs[i] for i, _ in arrived], sources, output_gradients=[u for _, u in arrived]

@@ -165,16 +165,6 @@ class RecomputeSetup:
         """Settles what the training forward needs from the first traced
         batch `x`: a budget's choice, or else the input specs. Call it
         outside any tape, before `forward`."""
-        if not _has_forward(model):  # a model's own train_step, no `call`
-            if self.budget and self.pending:
-                raise ValueError(
-                    f"recompute={self.setting!r} chooses from estimates of the "
-                    f"model's forward, and {type(model).__name__} has no `call` "
-                    "(its train_step runs the forward its own way). Name the "
-                    'blocks to recompute instead: recompute=["name", ...].'
-                )
-            self.pending = False  # "auto": the compile-time choice
-            return
         if self.pending:
             self.resolve(model, x)
         elif self.input_spec is None:
@@ -228,6 +218,16 @@ class RecomputeSetup:
         self.forwarded = False
         with mechanism.active(self.chosen, selective=self.selective):
             yield
+        if self.pending:  # no call of `forward`, which chooses at the first batch
+            if self.budget:
+                raise ValueError(
+                    f"recompute={self.setting!r} chooses from estimates of "
+                    "GradBoostModel's forward at the first batch, and "
+                    f"{name}.train_step runs a forward of its own. Call "
+                    "`super().train_step(data)` in it, or name the blocks to "
+                    'recompute: recompute=["name", ...].'
+                )
+            self.pending = False  # "auto": the blocks found at compile
         segments_chosen = any(i in self.chosen for i, s in enumerate(self.segments) if not s.last)
         if segments_chosen and not self.forwarded:
             raise ValueError(
@@ -245,20 +245,26 @@ class RecomputeSetup:
         chosen = self.chosen if only is None else set(only)
         if self.segments:
             h = x
-            for i, segment in enumerate(self.segments):
-                if probe is not None:
-                    h = probe.run(i, segment, h)
-                elif i in chosen and not segment.last:
-                    state = mechanism.state_variables(segment.model)
-                    h = mechanism.recomputed(
-                        segment,
-                        state,
-                        segment.name,
-                        segment.model.trainable_variables,
-                        selective=self.selective,
-                    )(h)
-                else:
-                    h = segment(h)
+            # Each segment's call is Keras' entry call, which clears its
+            # layers' losses: a layer used in two segments would lose the
+            # first one's. Collected here and added once, after.
+            with hooks.collecting_losses() as losses:
+                for i, segment in enumerate(self.segments):
+                    if probe is not None:
+                        h = probe.run(i, segment, h)
+                    elif i in chosen and not segment.last:
+                        state = mechanism.state_variables(segment.model)
+                        h = mechanism.recomputed(
+                            segment,
+                            state,
+                            segment.name,
+                            segment.model.trainable_variables,
+                            selective=self.selective,
+                        )(h)
+                    else:
+                        h = segment(h)
+            for layer, loss in losses:
+                keras.layers.Layer.add_loss(layer, loss)
             return h
         if probe is not None:
             context = mechanism.probing(probe, self.keys)
