@@ -160,20 +160,18 @@ def _causes(model, adding=(), by_samples=True):
     own = [l.name for l in adding if not (by_samples and mean_activity_loss(l))]
     if own:
         causes.append(
-            f"Layers add losses of their own ({', '.join(map(repr, own[:4]))}"
-            + (f" and {len(own) - 4} more" if len(own) > 4 else "")
-            + "): a window averages each micro-batch's, which equals the large "
-            "batch's only for a mean over samples (a mixture of experts' "
-            "load-balancing loss over the batch's tokens is not one)."
+            f"Layers add losses of their own ({_listed(own)}): a window averages "
+            "each micro-batch's, which equals the large batch's only for a mean "
+            "over samples (a mixture of experts' load-balancing loss over the "
+            "batch's tokens is not one)."
         )
     layers = hooks.flatten_layers(model)
     bn = [l.name for l in layers if isinstance(l, keras.layers.BatchNormalization)]
     if bn:
         causes.append(
-            f"The BatchNormalization layers ({', '.join(map(repr, bn[:4]))}"
-            + (f" and {len(bn) - 4} more" if len(bn) > 4 else "")
-            + ") normalise each micro-batch with its own statistics; use "
-            "LayerNormalization or GroupNormalization."
+            f"The BatchNormalization layers ({_listed(bn)}) normalise each "
+            "micro-batch with its own statistics; use LayerNormalization or "
+            "GroupNormalization."
         )
     for loss in tf.nest.flatten(model.loss) if model.loss is not None else []:
         if not isinstance(loss, keras.losses.Loss):
@@ -201,3 +199,9 @@ def _causes(model, adding=(), by_samples=True):
             "compute each sample from batch-wide state."
         )
     return causes
+
+
+def _listed(names, limit=4):
+    """`'a', 'b' and 3 more`."""
+    shown = ", ".join(map(repr, names[:limit]))
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -678,7 +678,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             if setup is None:
                 yield
             else:
-                with setup.around_own_step(type(self).__name__):
+                with setup.around_own_step(self, data):
                     yield
         if rt.config.accumulate_steps > 1:
             self._warn_layer_losses(added)

@@ -207,14 +207,30 @@ class RecomputeSetup:
     # ---------------------------------------------------------------- forward
 
     @contextlib.contextmanager
-    def around_own_step(self, name):
-        """The context of a model's own `train_step` (`name`: its class):
-        the chosen blocks it calls recompute, as in `forward`.
+    def around_own_step(self, model, data):
+        """The context of a model's own `train_step` on `data`: the chosen
+        blocks it calls recompute, as in `forward`.
+
+        "auto" and a budget choose at the first batch, as the plan reported
+        before `fit` does: from the model's input specs where it has them
+        (a functional model), at the batch size of `data`'s first tensor;
+        nothing else is inferred from `data`, which need not be the model's
+        input. Without them "auto" keeps the blocks found at compile, and a
+        budget waits for GradBoostModel's forward (`super().train_step`).
 
         A plan of graph segments is run by `forward` alone: when the step
         made no call of it (its forward is its own), raises a `ValueError`
         as the step's trace ends, before anything trains.
         """
+        name = type(model).__name__
+        if self.pending and hooks.is_functional(model):
+            first = next(iter(tf.nest.flatten(data)), None)
+            shape = getattr(first, "shape", None)
+            size = shape[0] if shape is not None and shape.rank else None
+            specs = tf.nest.map_structure(
+                lambda t: tf.TensorSpec([size] + list(t.shape[1:]), t.dtype), model.input
+            )
+            self.resolve(model, specs)
         self.forwarded = False
         with mechanism.active(self.chosen, selective=self.selective):
             yield

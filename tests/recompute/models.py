@@ -93,3 +93,16 @@ def grappler(disabled):
 def assert_same_state(a, b, atol=1e-6):
     for va, vb, var in zip(all_state(a), all_state(b), a.variables):
         np.testing.assert_allclose(va, vb, atol=atol, rtol=0, err_msg=var.path)
+
+
+class TfRandomBlock(keras.layers.Layer):
+    """Scales by `tf.random.uniform`: TensorFlow's stateful random op, whose
+    state the recompute cannot put back (its replay draws other numbers)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(WIDTH)
+
+    def call(self, x):
+        h = self.dense(x)
+        return h * tf.cast(tf.random.uniform(tf.shape(h), 0.5, 1.5), h.dtype)

@@ -10,6 +10,7 @@ from keras_gradboost import GradBoostModel
 from keras_gradboost import RecomputeCheckError
 from recompute.models import WIDTH
 from recompute.models import ResBlock
+from recompute.models import TfRandomBlock
 from recompute.models import assert_same_state
 from recompute.models import residual_model
 from recompute.models import train
@@ -18,20 +19,6 @@ from recompute.models import train
 def test_recompute_check_without_recompute_is_an_error():
     with pytest.raises(ValueError, match="recompute_check=True.*`recompute` is None"):
         residual_model().compile(optimizer="sgd", loss="mse", recompute_check=True)
-
-
-class NoisyBlock(keras.layers.Layer):
-    """Uses a stateful TF random op: a second forward differs. (Refused
-    when the step is traced, test_mechanism; the tests here turn that
-    scan off, standing for a cause it does not see.)"""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.dense = keras.layers.Dense(WIDTH)
-
-    def call(self, x):
-        h = self.dense(x)
-        return h * tf.cast(tf.random.uniform(tf.shape(h), 0.5, 1.5), h.dtype)
 
 
 @pytest.mark.parametrize("precision", [None, "mixed_bfloat16"])
@@ -43,7 +30,7 @@ def test_recompute_check_names_the_block_that_desyncs(data, precision, monkeypat
     keras.utils.set_random_seed(0)
     inputs = keras.Input((5,))
     h = ResBlock(width=5, name="good")(inputs)
-    h = NoisyBlock(name="noisy")(h)
+    h = TfRandomBlock(name="noisy")(h)  # its scan turned off: a cause it misses
     model = GradBoostModel(inputs, keras.layers.Dense(3)(h))
     # Named: "auto" would leave out the block the backward meets first.
     model.compile(optimizer="sgd", loss="mse", recompute=["good", "noisy"],

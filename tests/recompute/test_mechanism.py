@@ -13,6 +13,7 @@ from keras_gradboost import recompute
 from keras_gradboost.recompute import mechanism
 from recompute.models import WIDTH
 from recompute.models import ResBlock
+from recompute.models import TfRandomBlock
 from recompute.models import assert_same_state
 from recompute.models import grappler
 from recompute.models import residual_model
@@ -321,19 +322,6 @@ def test_a_layer_in_two_graph_segments_keeps_both_losses():
     assert_same_state(keras_model, recomputed)
 
 
-class _TfRandom(keras.layers.Layer):
-    """Scales by `tf.random.uniform`: TensorFlow's global generator, which
-    the replay cannot put back (it draws other numbers)."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.dense = keras.layers.Dense(WIDTH)
-
-    def call(self, x):
-        h = self.dense(x)
-        return h * tf.cast(tf.random.uniform(tf.shape(h), 0.5, 1.5), h.dtype)
-
-
 @pytest.mark.parametrize("setting, jit_compile", [
     (["noisy"], False),
     ({"policy": "selective", "blocks": ["noisy"]}, False),
@@ -345,7 +333,7 @@ def test_a_block_drawing_from_tensorflows_random_state_is_refused(data, setting,
     x, y = data
     keras.utils.set_random_seed(0)
     inputs = keras.Input((5,))
-    h = _TfRandom(name="noisy")(keras.layers.Dense(WIDTH)(inputs))
+    h = TfRandomBlock(name="noisy")(keras.layers.Dense(WIDTH)(inputs))
     model = boost(keras.Model(inputs, keras.layers.Dense(3)(h)))
     before = model.get_weights()
     with pytest.raises(ValueError, match=r"block 'noisy' exactly.*RandomUniform.*SeedGenerator"):
