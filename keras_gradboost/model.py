@@ -674,14 +674,12 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             if rt.config.accumulate_steps > 1
             else contextlib.nullcontext([])
         )
-        with self._chosen_kernels(), watching as added:
-            if setup is None:
-                yield
-            else:
-                with setup.around_own_step(self, data):
-                    yield
+        around = setup.around_own_step(self, data) if setup else contextlib.nullcontext()
+        with self._chosen_kernels(), around, watching as added:
+            yield
         if rt.config.accumulate_steps > 1:
-            self._warn_layer_losses(added)
+            # What its `count` weighs by (samples, a mask's entries) is its own.
+            self._warn_layer_losses(added, by_samples=False)
 
     def _own_update(self, train_step, data):
         """`train_step(data)`, refused where it bypasses the update the

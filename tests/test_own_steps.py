@@ -475,3 +475,29 @@ def test_accumulating_through_minimize_warns_of_a_layer_loss_over_the_batch():
     model.compile(optimizer=keras.optimizers.SGD(0.1), accumulate_steps=2)
     with pytest.warns(UserWarning, match="'balance' add losses of their own"):
         fit(model, epochs=1)
+
+
+def test_a_budget_with_unknown_input_dims_resolves_in_super_train_step():
+    # The model's Input has a dimension of no size; its batches have one:
+    # the budget chooses in GradBoostModel's step, at the batches' shapes
+    # (choosing from the Input's specs before it failed: "unknown size").
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((None, 5))
+    hidden = keras.layers.Dense(64, activation="tanh", name="hidden")(inputs)
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Dense(64, name="more")(hidden))
+    model = boost(SuperStepModel(inputs, keras.layers.Dense(3, name="out")(pooled)))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", recompute={"budget_mb": 1})
+    x = np.random.default_rng(0).normal(size=(32, 4, 5)).astype("float32")
+    model.fit(x, np.zeros((32, 3), "float32"), batch_size=8, epochs=1, verbose=0)
+    assert model.recompute_plan().batch_size == 8
+
+
+def test_an_own_step_accumulating_names_even_an_activity_regularizer():
+    # Its `count` may be a mask's valid entries: a mean over samples is
+    # then weighted wrongly, so no layer loss is taken as exact.
+    keras.utils.set_random_seed(0)
+    model = boost(MinimizeStep())
+    model.balance = keras.layers.Dense(8, activity_regularizer="l2", name="balance")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), accumulate_steps=2)
+    with pytest.warns(UserWarning, match="'balance' add losses of their own"):
+        fit(model, epochs=1)

@@ -404,14 +404,22 @@ def _unseeded_random(op):
     return (
         "Random" in kind
         or kind.startswith("Stateful")
-        or kind in ("TruncatedNormal", "Multinomial", "RngReadAndSkip", "RngSkip")
+        or kind.endswith("CandidateSampler")
+        or kind.startswith(("SampleDistortedBoundingBox", "Fractional"))
+        or kind in (
+            "TruncatedNormal", "ParameterizedTruncatedNormal", "Multinomial",
+            "RngReadAndSkip", "RngSkip",
+        )
     )
 
 
 def _refuse_unseeded_random(operations, name):
     """Raises if a block's forward drew random numbers from a state the
     replay cannot put back: the replay would draw others, and the block's
-    gradients would be those of another forward, silently.
+    gradients would be those of another forward, silently. Sees the
+    operations of the block's own graph: not those inside a function it
+    calls (`tf.function`, `tf.cond`/`tf.while_loop` bodies), nor eager
+    ones (`run_eagerly=True`); `recompute_check=True` compares gradients.
 
     Raises:
         ValueError: naming the block, the operation and the fix.

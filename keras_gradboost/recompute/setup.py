@@ -224,13 +224,16 @@ class RecomputeSetup:
         """
         name = type(model).__name__
         if self.pending and hooks.is_functional(model):
-            first = next(iter(tf.nest.flatten(data)), None)
-            shape = getattr(first, "shape", None)
-            size = shape[0] if shape is not None and shape.rank else None
-            specs = tf.nest.map_structure(
-                lambda t: tf.TensorSpec([size] + list(t.shape[1:]), t.dtype), model.input
+            example = tf.nest.map_structure(
+                lambda t: tf.TensorSpec(t.shape[1:], t.dtype), model.input
             )
-            self.resolve(model, specs)
+            if not _unknown_dims(example):  # else the batches' own shapes, if any
+                first = next(iter(tf.nest.flatten(data)), None)
+                shape = tf.TensorShape(getattr(first, "shape", None))  # numpy's too
+                size = shape[0] if shape.rank else None
+                self.resolve(model, tf.nest.map_structure(
+                    lambda s: tf.TensorSpec([size] + list(s.shape), s.dtype), example
+                ))
         self.forwarded = False
         with mechanism.active(self.chosen, selective=self.selective):
             yield
