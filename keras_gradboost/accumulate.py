@@ -58,6 +58,12 @@ def reduces_like_keras(loss):
     )
 
 
+def listed(names, limit):
+    """`'a', 'b' and 3 more`: names in a message, at most `limit` shown."""
+    shown = ", ".join(map(repr, names[:limit]))
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 # Keras' own activity regularizers: sums of per-element terms.
 _PER_ELEMENT_REGULARIZERS = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
 

@@ -8,6 +8,7 @@ import tensorflow as tf
 from keras_gradboost import gradient_diff
 from keras_gradboost import hooks
 from keras_gradboost import wrappers
+from keras_gradboost.accumulate import listed
 from keras_gradboost.accumulate import loss_normaliser
 from keras_gradboost.accumulate import mean_activity_loss
 from keras_gradboost.accumulate import reduces_like_keras
@@ -160,7 +161,7 @@ def _causes(model, adding=(), by_samples=True):
     own = [l.name for l in adding if not (by_samples and mean_activity_loss(l))]
     if own:
         causes.append(
-            f"Layers add losses of their own ({_listed(own)}): a window averages "
+            f"Layers add losses of their own ({listed(own, 4)}): a window averages "
             "each micro-batch's, which equals the large batch's only for a mean "
             "over samples (a mixture of experts' load-balancing loss over the "
             "batch's tokens is not one)."
@@ -169,7 +170,7 @@ def _causes(model, adding=(), by_samples=True):
     bn = [l.name for l in layers if isinstance(l, keras.layers.BatchNormalization)]
     if bn:
         causes.append(
-            f"The BatchNormalization layers ({_listed(bn)}) normalise each "
+            f"The BatchNormalization layers ({listed(bn, 4)}) normalise each "
             "micro-batch with its own statistics; use LayerNormalization or "
             "GroupNormalization."
         )
@@ -199,9 +200,3 @@ def _causes(model, adding=(), by_samples=True):
             "compute each sample from batch-wide state."
         )
     return causes
-
-
-def _listed(names, limit=4):
-    """`'a', 'b' and 3 more`."""
-    shown = ", ".join(map(repr, names[:limit]))
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -23,6 +23,7 @@ from keras_gradboost import recompute as recompute_lib
 from keras_gradboost import wrappers
 from keras_gradboost.accumulate import GradientAccumulator
 from keras_gradboost.accumulate import activity_losses_are_means
+from keras_gradboost.accumulate import listed
 from keras_gradboost.accumulate import mean_activity_loss
 from keras_gradboost.accumulate import overwrites_with_gradient
 from keras_gradboost.accumulate import reduces_like_keras
@@ -666,16 +667,10 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         `self.encoder(x)`, where no call of the model runs)."""
         rt = self._gradboost
         setup = rt.recompute
-        # The step's data need not be the model's input: nothing is inferred
-        # from it. Its forward's losses, when accumulating (`minimize()`
-        # accumulates too), are looked at as the built-in step's are.
-        watching = (
-            hooks.collecting_losses(keep=True)
-            if rt.config.accumulate_steps > 1
-            else contextlib.nullcontext([])
-        )
+        # Its forward's losses, when accumulating (`minimize()` accumulates
+        # too), are looked at as the built-in step's are.
         around = setup.around_own_step(self, data) if setup else contextlib.nullcontext()
-        with self._chosen_kernels(), around, watching as added:
+        with self._chosen_kernels(), around, self._watching_layer_losses() as added:
             yield
         if rt.config.accumulate_steps > 1:
             # What its `count` weighs by (samples, a mask's entries) is its own.
@@ -988,10 +983,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         self._prepare_forward(x)
         accumulating = rt.config.accumulate_steps > 1
         with tf.GradientTape() as tape:
-            watching = (
-                hooks.collecting_losses(keep=True) if accumulating else contextlib.nullcontext([])
-            )
-            with watching as added:
+            with self._watching_layer_losses() as added:
                 y_pred = self._training_forward(x)
             loss = hooks.compute_loss(
                 self, x, y, y_pred, sample_weight, training=True
@@ -1075,9 +1067,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         if reason is None or rt.warned_sparse_repeats:
             return
         rt.warned_sparse_repeats = True
-        names = ", ".join(repr(p) for p in sparse[:3]) + (
-            f" and {len(sparse) - 3} more" if len(sparse) > 3 else ""
-        )
+        names = listed(sparse, 3)
         warnings.warn(
             f"accumulate_steps={rt.config.accumulate_steps}: the gradient of "
             f"{names} is sparse (a slice per token, a row repeated where its "
@@ -1089,6 +1079,13 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             "gradients, which are equal, not updates.",
             stacklevel=3,
         )
+
+    def _watching_layer_losses(self):
+        """When accumulating, a context yielding the `(layer, loss)` the
+        layers add in it (`_warn_layer_losses`); else one yielding none."""
+        if self._gradboost.config.accumulate_steps > 1:
+            return hooks.collecting_losses(keep=True)
+        return contextlib.nullcontext([])
 
     def _warn_layer_losses(self, added, by_samples=True):
         """Warns (once) when layers add losses of their own (`add_loss`;
@@ -1105,10 +1102,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         if not own or rt.warned_layer_losses:
             return
         rt.warned_layer_losses = True
-        names = list(own.values())
-        shown = ", ".join(map(repr, names[:3])) + (
-            f" and {len(names) - 3} more" if len(names) > 3 else ""
-        )
+        shown = listed(list(own.values()), 3)
         sums = "" if activity_losses_are_means() else (
             "; nor is an activity regularizer's here: this Keras adds its sum over "
             "the batch, which the average divides by the micro-batches"

@@ -224,16 +224,13 @@ class RecomputeSetup:
         """
         name = type(model).__name__
         if self.pending and hooks.is_functional(model):
-            example = tf.nest.map_structure(
-                lambda t: tf.TensorSpec(t.shape[1:], t.dtype), model.input
-            )
-            if not _unknown_dims(example):  # else the batches' own shapes, if any
-                first = next(iter(tf.nest.flatten(data)), None)
-                shape = tf.TensorShape(getattr(first, "shape", None))  # numpy's too
-                size = shape[0] if shape.rank else None
-                self.resolve(model, tf.nest.map_structure(
-                    lambda s: tf.TensorSpec([size] + list(s.shape), s.dtype), example
-                ))
+            first = next(iter(tf.nest.flatten(data)), None)
+            shape = tf.TensorShape(getattr(first, "shape", None))  # numpy's too
+            # The Input's specs at that batch size; None where a size is unknown
+            # (then the batches' own shapes, if `super().train_step` runs).
+            spec = self._spec(model, (shape[0] if shape.rank else None) or self.batch_hint)
+            if spec is not None:
+                self.resolve(model, spec)
         self.forwarded = False
         with mechanism.active(self.chosen, selective=self.selective):
             yield
