@@ -95,7 +95,8 @@ def guard_optimizer(optimizer, counter=None, watch=None, losses=None, states=Non
 class StepState:
     """A model's float non-trainable variables and their values when a step
     began: what its forward pass writes besides the optimizer
-    (BatchNormalization's moving statistics, a layer's running averages). A
+    (BatchNormalization's moving statistics, a layer's running averages, a
+    stateful RNN's states: `hooks.untracked_state`). A
     step dropped as non-finite puts them back (`step.CrossReplicaStep`), so
     a bad batch leaves no NaN in them. Integer state (a seed generator's)
     goes on, as after a good step.
@@ -110,7 +111,9 @@ class StepState:
         """The state of `model` now (reads in the step's graph), or None
         when it has none."""
         variables = [
-            v for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating
+            v
+            for v in model.non_trainable_variables + hooks.untracked_state(model)
+            if tf.as_dtype(v.dtype).is_floating
         ]
         if not variables:
             return None

@@ -47,6 +47,36 @@ def functional_nodes(model):
     return calls
 
 
+def untracked_state(layer):
+    """The variables the forward pass of `layer` (its sub-layers included)
+    writes that Keras leaves out of `layer.variables`: a stateful RNN's
+    states (`RNN.states`, which Keras makes under
+    `no_automatic_dependency_tracking`, so that saving skips them). Whatever
+    puts a model's state back after a forward pass (a dropped step, a
+    replay, a probe, a recomputed block) must put these back too. None
+    before the RNN is built (`check_untracked_state`)."""
+    listed = {id(v) for v in layer.variables}
+    found = {}
+    for inner in flatten_layers(layer):
+        if isinstance(inner, keras.layers.RNN) and inner.stateful:
+            for v in tf.nest.flatten(inner.states or []):
+                if isinstance(v, keras.Variable) and id(v) not in listed:
+                    found[id(v)] = v
+    return list(found.values())
+
+
+def check_untracked_state():
+    """A built stateful LSTM's two states are variables Keras does not list
+    among the layer's (else `untracked_state` is not needed), and a forward
+    pass assigns them."""
+    lstm = keras.layers.LSTM(2, stateful=True)
+    lstm(tf.ones((1, 3, 2)))
+    states = untracked_state(lstm)
+    assert len(states) == 2, states
+    assert not {id(v) for v in states} & {id(v) for v in lstm.variables}
+    assert float(np.abs(states[0].numpy()).sum()) > 0.0
+
+
 # Where `keep_input_dtypes` keeps what it changed, to undo it.
 _KEPT_INPUTS = "_keras_gradboost_kept_inputs"
 
@@ -743,6 +773,7 @@ def check():
     check_coordination()
     check_call_context()
     check_collecting_losses()
+    check_untracked_state()
     assert initial_epoch(model) is None
     set_initial_epoch(model, 2)
     assert model._initial_epoch == 2 and initial_epoch(model) == 2

@@ -113,7 +113,8 @@ def locate_nonfinite(model, data):
     records = []  # (layer, inputs, outputs), in the order calls complete
 
     saved = every_copy(
-        model.non_trainable_variables + model.metrics_variables, model.distribute_strategy
+        model.non_trainable_variables + hooks.untracked_state(model) + model.metrics_variables,
+        model.distribute_strategy,
     )
     undos = record_calls(layers, records)
     try:

@@ -30,6 +30,7 @@ from keras_gradboost import pointwise
 from keras_gradboost import hooks
 from keras_gradboost import precision as precision_lib
 from keras_gradboost.accumulate import EXACT_REDUCTIONS
+from keras_gradboost.accumulate import listed
 from keras_gradboost.config import GradBoostConfig
 from keras_gradboost.config import jit_compile_setting
 from keras_gradboost.recompute.setup import RecomputeSetup
@@ -175,6 +176,7 @@ class TrainPlan:
         if config.recompute is not None:
             recompute = RecomputeSetup(model, config.recompute)
         if config.accumulate_steps > 1:
+            check_accumulate_check(model, config)
             notes.extend(inexact_accumulation_warnings(model, config, kwargs.get("loss")))
         depthwise_layers = ()
         if config.depthwise is None and recompute is not None and not devices.on_gpu:
@@ -454,10 +456,44 @@ def check_strategy(strategy, config, scale):
             )
 
 
+def _stateful_rnns(model):
+    """The names of `model`'s RNN layers with `stateful=True`."""
+    return [
+        l.name
+        for l in hooks.flatten_layers(model)
+        if isinstance(l, keras.layers.RNN) and l.stateful
+    ]
+
+
+def check_accumulate_check(model, config):
+    """Raises a ValueError when `accumulate_check=True` cannot compare a
+    window with one large batch: a stateful RNN takes batches of its one
+    fixed size, and carries state from one micro-batch to the next."""
+    stateful = _stateful_rnns(model)
+    if config.accumulate_check and stateful:
+        raise ValueError(
+            "Invalid argument: accumulate_check=True compares an accumulation "
+            "window with one batch of its micro-batches concatenated, which "
+            f"the stateful RNN layers ({listed(stateful, 3)}) cannot run: "
+            "stateful=True fixes their batch size, and each micro-batch starts "
+            "from the state the one before it left. Drop accumulate_check."
+        )
+
+
 def inexact_accumulation_warnings(model, config, loss):
     """What makes k micro-batches differ from one large batch, as warnings."""
     steps = config.accumulate_steps
     notes = []
+    stateful = _stateful_rnns(model)
+    if stateful:
+        notes.append(
+            f"accumulate_steps={steps}: the stateful RNN layers "
+            f"({listed(stateful, 3)}) carry their state from one micro-batch to "
+            "the next, so a window is not one large-batch step: the update sums "
+            f"the gradients of {steps} consecutive batches, each from the state "
+            "the batch before it left (a large batch's samples would share one "
+            "starting state, and stateful=True fixes the batch size)."
+        )
     bn = [
         l.name
         for l in hooks.flatten_layers(model)

@@ -120,6 +120,33 @@ def nested_model():
     return model
 
 
+def stateful_rnn_model(cls=keras.Model, batch=4, seed=1):
+    """Input((10, 4), batch_size=`batch`) -> LSTM "lstm" (stateful, with
+    sequences) -> GRU "gru" (stateful) -> Dense(3), compiled with SGD: a
+    forward pass writes state Keras does not list among the model's
+    variables (`hooks.untracked_state`)."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((10, 4), batch_size=batch)
+    hidden = keras.layers.LSTM(8, stateful=True, return_sequences=True, name="lstm")(inputs)
+    hidden = keras.layers.GRU(8, stateful=True, name="gru")(hidden)
+    return cls(inputs, keras.layers.Dense(3, name="out")(hidden))
+
+
+def stateful_rnn_data(samples=24):
+    rng = np.random.default_rng(0)
+    return rng.random((samples, 10, 4), dtype="float32"), np.arange(samples) % 3
+
+
+def rnn_states(model):
+    """The values of every stateful RNN state of `model`."""
+    return [
+        v.numpy()
+        for layer in model.layers
+        if isinstance(layer, keras.layers.RNN)
+        for v in layer.states
+    ]
+
+
 def max_weight_diff(a, b):
     return max(
         float(np.max(np.abs(wa - wb))) for wa, wb in zip(a.get_weights(), b.get_weights())

@@ -8,7 +8,10 @@ import tensorflow as tf
 
 import keras
 from conftest import max_weight_diff
+from conftest import rnn_states
 from conftest import small_model
+from conftest import stateful_rnn_data
+from conftest import stateful_rnn_model
 from keras_gradboost import GradBoostModel
 from keras_gradboost.accumulate import accumulate
 from keras_gradboost.accumulate import repeats_change_update
@@ -237,6 +240,40 @@ def test_batch_normalization_warning_names_layers():
     model = GradBoostModel(inputs, keras.layers.Dense(1)(x))
     with pytest.warns(UserWarning, match=r"accumulate_steps=2.*\(bn_1\)"):
         model.compile(optimizer="sgd", loss="mse", accumulate_steps=2)
+
+
+def test_a_stateful_rnn_window_sums_consecutive_batches_and_warns():
+    # No large batch equals a window of a stateful RNN (its batch size is
+    # fixed; each micro-batch starts from the state the one before left):
+    # compile says so, naming the layers, and the window's update is what
+    # the warning says, against a hand-written loop on a plain model.
+    x, y = stateful_rnn_data(8)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model = stateful_rnn_model(GradBoostModel)
+    with pytest.warns(UserWarning, match=r"stateful RNN layers \('lstm', 'gru'\)"):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, accumulate_steps=2)
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    reference = stateful_rnn_model()
+    grads = []
+    for part in (slice(0, 4), slice(4, 8)):
+        with tf.GradientTape() as tape:
+            value = loss(y[part], reference(x[part], training=True))
+        grads.append(tape.gradient(value, reference.trainable_variables))
+    for variable, first, second in zip(reference.trainable_variables, *grads):
+        variable.assign(variable - 0.1 * (first + second) / 2)
+    assert int(model.optimizer.iterations.numpy()) == 1
+    assert max_weight_diff(model, reference) < TOL
+    for a, b in zip(rnn_states(model), rnn_states(reference)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_accumulate_check_on_a_stateful_rnn_is_refused_by_name():
+    # It compares a window with its micro-batches concatenated, which a
+    # stateful RNN cannot run (it failed inside LSTM.call with "Iterating
+    # over a symbolic `tf.Tensor` is not allowed").
+    model = stateful_rnn_model(GradBoostModel)
+    with pytest.raises(ValueError, match=r"accumulate_check=True.*\('lstm', 'gru'\).*Drop accumulate_check"):
+        model.compile(optimizer="sgd", loss="mse", accumulate_steps=2, accumulate_check=True)
 
 
 def test_evaluate_from_a_callback_does_not_split_a_window(regression_data):

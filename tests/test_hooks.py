@@ -223,3 +223,16 @@ def test_collecting_losses_records_instead_of_adding_and_nests():
     assert len(dense.losses) == 1
     with pytest.raises(ValueError, match="add_loss"):
         dense.add_loss(1.0)
+
+
+def test_untracked_state_lists_a_stateful_rnns_states_once():
+    # Keras leaves a stateful RNN's states out of `variables` (they are
+    # not saved); whatever puts state back after a forward pass needs them.
+    inputs = keras.Input((3, 2), batch_size=2)
+    inner = keras.layers.Bidirectional(keras.layers.LSTM(2, stateful=True, return_sequences=True))
+    outputs = keras.layers.GRU(2, stateful=True)(inner(inputs))
+    model = keras.Model(inputs, keras.layers.GRU(2)(keras.layers.Reshape((1, 2))(outputs)))
+    states = hooks.untracked_state(model)
+    assert len(states) == 5  # two LSTMs' h and c, the stateful GRU's h
+    assert not {id(v) for v in states} & {id(v) for v in model.variables}
+    assert hooks.untracked_state(keras.layers.LSTM(2)) == []

@@ -542,7 +542,7 @@ def split_times(model, batch, repeats=SPLIT_REPEATS):
     The full step applies the update to throwaway copies of the trainable
     variables with a fresh optimizer of the same configuration (same work,
     separate state). Non-trainable variables (BatchNormalization statistics,
-    seed generators) and metric variables are restored afterwards. A
+    seed generators, a stateful RNN's states) and metric variables are restored afterwards. A
     `GradBoostModel`'s forward goes through its recompute blocks, as in its
     step (so their second forward counts as backward time); with
     `accumulate_steps > 1`, an `"accumulate"` function adds the gradients to
@@ -555,7 +555,10 @@ def split_times(model, batch, repeats=SPLIT_REPEATS):
         compile).
     """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-    saved = [(v, np.array(v.numpy())) for v in model.non_trainable_variables]
+    saved = [
+        (v, np.array(v.numpy()))
+        for v in model.non_trainable_variables + hooks.untracked_state(model)
+    ]
     saved += [(v, np.array(v.numpy())) for v in model.metrics_variables]
     functions = _probe_functions(model)
     try:

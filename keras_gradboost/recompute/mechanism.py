@@ -85,8 +85,9 @@ def _plain():
 
 def state_variables(layer):
     """The variables a forward pass reads but does not differentiate:
-    seed-generator states, moving statistics, frozen weights."""
-    return [v for v in layer.variables if not v.trainable]
+    seed-generator states, moving statistics, frozen weights, a stateful
+    RNN's states (`hooks.untracked_state`)."""
+    return [v for v in layer.variables if not v.trainable] + hooks.untracked_state(layer)
 
 
 def snapshot(variables):
