@@ -87,7 +87,9 @@ def guard_optimizer(optimizer, counter=None, watch=None, losses=None, states=Non
             lambda g: original(g, variables), mask, watch=watch, counter=counter
         )
         state = states.take() if states is not None else None
-        step(present, bad=bad, state=state)
+        dropped = step(present, bad=bad, state=state)
+        if states is not None:
+            states.dropped(dropped)
 
     return wrappers.patch(optimizer, "apply", apply)
 
@@ -100,11 +102,19 @@ class StepState:
     step dropped as non-finite puts them back (`step.CrossReplicaStep`), so
     a bad batch leaves no NaN in them. Integer state (a seed generator's)
     goes on, as after a good step.
+
+    Its metrics' variables too (the loss tracker, compiled metrics, a
+    layer's own trackers), which Keras updates after the optimizer: they go
+    back at the end of the step (`settle`), so the epoch's logs and History
+    (and callbacks reading them: `TerminateOnNaN`, `EarlyStopping`,
+    `ModelCheckpoint(save_best_only=True)`) are those of the steps applied.
     """
 
-    def __init__(self, variables, values):
+    def __init__(self, variables, values, metric_variables=(), metric_values=()):
         self.variables = list(variables)
         self.values = list(values)
+        self.metric_variables = list(metric_variables)
+        self.metric_values = list(metric_values)
 
     @classmethod
     def take(cls, model):
@@ -115,10 +125,46 @@ class StepState:
             for v in model.non_trainable_variables + hooks.untracked_state(model)
             if tf.as_dtype(v.dtype).is_floating
         ]
-        if not variables:
+        metrics = list(model.metrics_variables)
+        if not variables and not metrics:
             return None
         with hooks.autocast(None):  # as stored, not cast for the layer
-            return cls(variables, [tf.identity(v.value) for v in variables])
+            return cls(
+                variables,
+                [tf.identity(v.value) for v in variables],
+                metrics,
+                [tf.identity(v.value) for v in metrics],
+            )
+
+
+def settle(model, state, dropped, logs):
+    """The end of a train step (replica context): when its update was
+    `dropped` (a bool tensor from `step.CrossReplicaStep`; None: nothing
+    was checked), its metrics go back to `state`'s (`StepState`), and the
+    entries of `logs` that are metric results are read again, so the step's
+    logs are those of the steps applied (a NaN batch's loss would otherwise
+    stay in the epoch's mean). Returns the logs."""
+    if state is None or dropped is None or not state.metric_variables:
+        return logs
+
+    def put_back():
+        with hooks.autocast(None):
+            for variable, value in zip(state.metric_variables, state.metric_values):
+                variable.assign(value)
+
+    tf.cond(dropped, lambda: _run(put_back), _run_nothing)
+    fresh = model.get_metrics_result()  # read after the put-back (the same variables)
+    if not isinstance(logs, dict):
+        return logs
+    return {name: fresh.get(name, value) for name, value in logs.items()}
+
+
+def _run(fn):
+    fn()  # tf.cond's branches must match: both return nothing
+
+
+def _run_nothing():
+    pass
 
 
 class StateTap:
@@ -130,17 +176,39 @@ class StateTap:
         self._local = threading.local()
 
     def tap(self, model):
-        """Wraps `model.train_step`; returns the undo."""
+        """Wraps `model.train_step`; returns the undo. The step's metrics go
+        back at its end when an update of it was dropped (`settle`)."""
 
         def train_step(below, *args, **kwargs):
             self.put(model)
-            return below(*args, **kwargs)
+            return self.settle(model, below(*args, **kwargs))
 
         return wrappers.patch(model, "train_step", train_step)
 
     def put(self, model):
         """Takes `model`'s state now, at the start of this thread's step."""
-        self._local.state = StepState.take(model)
+        self._local.state = self._local.started = StepState.take(model)
+        self._local.dropped = None
+
+    def dropped(self, dropped):
+        """Records whether an update of this thread's step was dropped (a
+        bool tensor, or None when nothing was checked)."""
+        if dropped is None or getattr(self._local, "started", None) is None:
+            return
+        before = getattr(self._local, "dropped", None)
+        self._local.dropped = dropped if before is None else tf.logical_or(before, dropped)
+
+    def settle(self, model, logs):
+        """`settle` for this thread's step: its metrics back if an update
+        was dropped; then forgets the step."""
+        state = getattr(self._local, "started", None)
+        dropped = getattr(self._local, "dropped", None)
+        self._local.started = self._local.dropped = None
+        if state is None or not all(_reachable(v) for v in state.metric_values):
+            return logs
+        if dropped is not None and not _reachable(dropped):
+            return logs
+        return settle(model, state, dropped, logs)
 
     def peek(self):
         """The state taken at the start of this thread's step (kept for

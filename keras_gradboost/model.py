@@ -700,6 +700,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             logs = train_step(data)
             if rt.facts.watch is not None:
                 rt.facts.watch.advance()  # after every update it recorded
+            logs = rt.own_step_state.settle(self, logs)
         finally:
             rt.own_step_trace.active = False
             rt.own_step_state.take()  # this trace's tensors: not for the next
@@ -1020,9 +1021,10 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 g if g is None or overwrites_with_gradient(v) else g * tf.cast(factor, g.dtype)
                 for g, v in zip(grads, variables)
             ]
-        self._update(grads, batch_loss, count, state)
+        dropped = self._update(grads, batch_loss, count, state)
 
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        logs = guard.settle(self, state, dropped, logs)
         if rt.scaler is not None:
             logs = dict(logs)
             logs["loss_scale"] = rt.scaler.scale.read_value()
@@ -1164,11 +1166,12 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         """Checks, records and applies (or accumulates) one micro-batch's
         gradients; exactly Keras' own update when nothing is checked or
         accumulated. `state`: the `guard.StepState` a dropped step puts
-        back."""
+        back. Returns whether the update was dropped (see
+        `CrossReplicaStep.__call__`)."""
         rt = self._gradboost
         rt.in_update += 1
         try:
-            self._checked_update(grads, batch_loss, n, state)
+            return self._checked_update(grads, batch_loss, n, state)
         finally:
             rt.in_update -= 1
 
@@ -1186,13 +1189,15 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             rt.facts.last_step_finite.assign(tf.math.is_finite(batch_loss))
         if not (check or accumulating):
             self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
-            return
+            return None
         bad = loss_bad = None
         if check:
             loss_bad = guard.nonfinite_indicator(batch_loss, [])
             bad = tf.maximum(loss_bad, guard.nonfinite_indicator(None, grads))
         present = [g for g in grads if g is not None]
-        self._cross_replica_step()(present, n=n, bad=bad, loss_bad=loss_bad, state=state)
+        return self._cross_replica_step()(
+            present, n=n, bad=bad, loss_bad=loss_bad, state=state
+        )
 
     def _cross_replica_step(self):
         """The `step.CrossReplicaStep` of this model's update: its facts,
@@ -1327,8 +1332,9 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         # A dropped update puts back the state from the step's start (the
         # moving statistics its forward passes wrote).
         state = rt.own_step_state.peek() if check else None
-        step([g for g in grads if g is not None], n=count, bad=bad, loss_bad=loss_bad,
-             state=state)
+        dropped = step([g for g in grads if g is not None], n=count, bad=bad,
+                       loss_bad=loss_bad, state=state)
+        rt.own_step_state.dropped(dropped)  # its metrics go back at the step's end
 
     def _optimizer_state(self, optimizer, variables):
         """`(accumulator or None, loss scaler or None)` for `minimize()`:

@@ -128,10 +128,16 @@ class CrossReplicaStep:
                 bad batch wrote in the forward pass go too. A dynamic loss
                 scale's own overflow keeps it, as Keras' LossScaleOptimizer
                 does (the forward pass was finite).
+
+        Returns:
+            Whether the step was dropped as non-finite or while a watch
+            halts updates (a bool tensor, the same on every replica; a
+            dynamic loss scale's own overflow is not), or None when nothing
+            is checked. The step's metrics go back on it (`guard.settle`).
         """
         values = () if state is None else tuple(state.values)
         self._state_variables = () if state is None else tuple(state.variables)
-        tf.distribute.get_replica_context().merge_call(
+        return tf.distribute.get_replica_context().merge_call(
             self._merge, args=(present_grads, n, bad, loss_bad, values)
         )
 
@@ -142,13 +148,13 @@ class CrossReplicaStep:
             when(drop, lambda: each(self._put_back, args=(state_values,)))
         if self.accumulator is None:
             when(go, lambda: each(self._apply_present, args=(present,)))
-            return
+            return drop
         acc = self.accumulator
         when(go, lambda: each(self._add, args=(present, n)))
         due = local_value(each(acc.tick), strategy)
         if self.watch is None:
             tf.cond(due, lambda: self.apply_window(strategy), _nothing)
-            return
+            return drop
         # A halting bad step discards the window it falls in: the good
         # micro-batches before it are dropped, so no update is applied at or
         # after the bad step, wherever it sits in the window.
@@ -161,6 +167,7 @@ class CrossReplicaStep:
             tf.cond(due, lambda: self.apply_window(strategy), _nothing)
 
         tf.cond(halted, drop_window, close_window_if_due)
+        return drop
 
     def decide(self, strategy, bad, loss_bad=None):
         """Cross-replica: whether the update may go in (the same bool on

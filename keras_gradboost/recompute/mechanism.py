@@ -86,8 +86,11 @@ def _plain():
 def state_variables(layer):
     """The variables a forward pass reads but does not differentiate:
     seed-generator states, moving statistics, frozen weights, a stateful
-    RNN's states (`hooks.untracked_state`)."""
-    return [v for v in layer.variables if not v.trainable] + hooks.untracked_state(layer)
+    RNN's states (`hooks.untracked_state`), the metrics its layers update
+    (a replay's updates are dropped: the forward's count once)."""
+    found = [v for v in layer.variables if not v.trainable]
+    found += hooks.untracked_state(layer) + list(layer.metrics_variables)
+    return list({id(v): v for v in found}.values())
 
 
 def snapshot(variables):

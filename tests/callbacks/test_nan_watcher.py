@@ -178,6 +178,93 @@ def test_a_dropped_step_puts_a_stateful_rnns_states_back(cls, action):
         np.testing.assert_allclose(got, want, atol=1e-6)
 
 
+class ActivationMean(keras.layers.Layer):
+    """The identity, tracking the mean of its input in a metric of its own
+    (a layer's `keras.metrics.Mean`, shown in the logs)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tracker = keras.metrics.Mean(name="activation_mean")
+
+    def call(self, x):
+        self.tracker.update_state(tf.reduce_mean(x))
+        return x
+
+
+def _tracked(cls=keras.Model):
+    model = _functional(cls)
+    outputs = ActivationMean(name="track")(model.outputs[0])
+    return cls(model.inputs, outputs)
+
+
+@pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
+def test_skip_keeps_the_bad_steps_loss_and_metrics_out_of_the_logs(cls):
+    # Keras updates the loss tracker, the compiled metrics and a layer's own
+    # metrics in every step, applied or not. Before, a skipped NaN batch
+    # made the epoch's loss and metrics NaN in History, and Keras'
+    # TerminateOnNaN ended the run the watcher was skipping the batch for.
+    # The logs must equal those of a run on the good batches alone.
+    x, y = _data()
+    model = _tracked(cls)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", metrics=["mae"])
+    watcher = NaNWatcher(action="skip", verbose=0)
+    history = model.fit(
+        x, y, batch_size=5, shuffle=False, verbose=0,
+        callbacks=[watcher, keras.callbacks.TerminateOnNaN()],
+    )
+    assert [e.step for e in watcher.events] == [BAD_STEP]
+    assert int(model.optimizer.iterations.numpy()) == 7  # not terminated
+    good = np.r_[0 : BAD_STEP * 5, BAD_STEP * 5 + 5 : 40]
+    reference = _tracked()
+    reference.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", metrics=["mae"])
+    expected = reference.fit(x[good], y[good], batch_size=5, shuffle=False, verbose=0)
+    for name in ("loss", "mae", "activation_mean"):
+        np.testing.assert_allclose(history.history[name], expected.history[name], rtol=1e-5)
+    _assert_weights(model, reference.get_weights())
+
+
+class TrackedOwnStep(GradBoostModel):
+    """An own train step (keras.io's GAN pattern): its update through
+    `self.minimize`, its logs from trackers of its own."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.d1 = keras.layers.Dense(4, name="d1")
+        self.fault = BadLog(name="fault")
+        self.out = keras.layers.Dense(2, name="out")
+        self.loss_mean = keras.metrics.Mean(name="own_loss")
+
+    def call(self, x):
+        return self.out(self.fault(self.d1(x)))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(self(x, training=True) - y))
+        self.minimize(tape, loss, self.trainable_variables)
+        self.loss_mean.update_state(loss)
+        return {"own_loss": self.loss_mean.result()}
+
+
+def test_skip_keeps_the_bad_step_out_of_an_own_steps_trackers():
+    x, y = _data()
+    runs = []
+    for rows, callbacks in ((np.arange(40), [NaNWatcher(action="skip", verbose=0)]),
+                            (np.r_[0 : BAD_STEP * 5, BAD_STEP * 5 + 5 : 40], [])):
+        keras.utils.set_random_seed(0)
+        model = TrackedOwnStep()
+        model(np.ones((1, 3), "float32"))
+        _positive_first_layer(model)
+        # loss_scale="dynamic": the own step's update needs GradBoostModel's.
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss_scale="dynamic")
+        history = model.fit(x[rows], y[rows], batch_size=5, shuffle=False, verbose=0, callbacks=callbacks)
+        runs.append((model, history.history["own_loss"]))
+    (model, logged), (reference, expected) = runs
+    assert np.isfinite(logged).all()
+    np.testing.assert_allclose(logged, expected, rtol=1e-5)
+    _assert_weights(model, reference.get_weights())
+
+
 def test_skip_stops_after_max_skips_consecutive_bad_steps():
     x, y = _data()
     x[:] = -1.0  # every step bad
@@ -336,17 +423,25 @@ def test_bad_arguments(kwargs, fragment):
         NaNWatcher(**kwargs)
 
 
-def test_mirrored_strategy_plain_model_skip():
+@pytest.mark.parametrize("cls", [keras.Model, GradBoostModel])
+def test_mirrored_strategy_plain_model_skip(cls):
     x, y = _data()
     with shared_mirrored_strategy().scope():
-        model = _functional()
-        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        model = _tracked(cls)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", metrics=["mae"])
     watcher = NaNWatcher(action="skip", verbose=0)
-    model.fit(x, y, batch_size=10, shuffle=False, verbose=0, callbacks=[watcher])
+    history = model.fit(x, y, batch_size=10, shuffle=False, verbose=0, callbacks=[watcher])
     # Batch 2 (samples 20-29) holds the poisoned sample 27, on replica 1 only.
     assert [(e.step, e.phase, e.layer) for e in watcher.events] == [(2, "forward", "fault")]
     assert model.optimizer.iterations.numpy() == 3
     assert all(np.isfinite(w).all() for w in model.get_weights())
+    # Every replica's metrics go back, the clean replica's too.
+    reference = _tracked()
+    reference.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", metrics=["mae"])
+    expected = reference.fit(np.r_[x[:20], x[30:]], np.r_[y[:20], y[30:]], batch_size=10,
+                             shuffle=False, verbose=0)
+    for name in ("loss", "mae", "activation_mean"):
+        np.testing.assert_allclose(history.history[name], expected.history[name], rtol=1e-5)
 
 
 def test_recompile_between_fits_is_not_served_a_stale_function():

@@ -411,6 +411,45 @@ def test_a_stateful_rnn_recomputes_from_the_states_its_forward_read(jit_compile)
     assert len(hooks.untracked_state(rc.get_layer("lstm"))) == 2
 
 
+class TrackedResidual(keras.layers.Layer):
+    """A residual Dense block that tracks its output's mean in a metric of
+    its own (updated in its call)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(WIDTH, activation="relu")
+        self.tracker = keras.metrics.Mean(name="block_mean")
+
+    def call(self, x):
+        out = x + self.dense(x)
+        self.tracker.update_state(keras.ops.mean(out))
+        return out
+
+
+def test_a_block_updating_a_metric_recomputes_and_counts_once(data):
+    # Before, it was refused: its metric's variables "belong to no layer
+    # given to the recompute". The replay's update must be dropped (the
+    # forward's counted once) and training equal no recompute's.
+    x, y = data
+    runs = []
+    for setting in (None, ["tracked"]):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((x.shape[1],))
+        hidden = keras.layers.Dense(WIDTH, name="stem")(inputs)
+        hidden = TrackedResidual(name="tracked")(hidden)
+        model = GradBoostModel(inputs, keras.layers.Dense(y.shape[1])(hidden))
+        kwargs = {} if setting is None else {"recompute": setting}
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", **kwargs)
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        runs.append((model, history.history))
+    (plain, expected), (rc, logged) = runs
+    assert list(rc.recompute_plan().recomputed) == ["tracked"]
+    assert_same_state(plain, rc)
+    np.testing.assert_allclose(logged["block_mean"], expected["block_mean"], rtol=1e-6)
+    batches = -(-len(x) // 16)
+    assert float(rc.get_layer("tracked").tracker.count.numpy()) == batches  # this epoch's
+
+
 def test_shared_block_used_twice(data):
     x, y = data
     plain = residual_model(shared=True)
