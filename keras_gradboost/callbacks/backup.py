@@ -465,6 +465,8 @@ class BackupAndRestore(RunGate):
             # Keras' save_weights leaves out the seed generators' states:
             # without them a resumed Dropout draws the masks of epoch 0.
             "seed_states": [v.numpy().tolist() for v in seeds],
+            # And a stateful RNN's states: without them it resumes from zeros.
+            "rnn_states": [v.numpy().tolist() for v in hooks.untracked_state(self.model)],
             "metric_states": metrics,
         }
         kept = {name}
@@ -519,6 +521,19 @@ class BackupAndRestore(RunGate):
                 f"random seed states, this model has {len(states)} random "
                 "layers: their seeds are not restored (the random layers draw "
                 "other values than the interrupted fit would have).",
+                stacklevel=3,
+            )
+        saved_states, states = metadata.get("rnn_states"), hooks.untracked_state(self.model)
+        if saved_states is not None and len(saved_states) == len(states):
+            for variable, value in zip(states, saved_states):
+                variable.assign(value)
+        elif states:
+            warnings.warn(
+                f"The backup in {self.backup_dir!r} holds "
+                + ("no stateful RNN states" if saved_states is None else f"{len(saved_states)} stateful RNN states")
+                + f", this model has {len(states)}: they are not restored (the "
+                "stateful RNN layers go on from other states than the "
+                "interrupted fit would have).",
                 stacklevel=3,
             )
         self._metric_states = metadata.get("metric_states")

@@ -12,6 +12,9 @@ import pytest
 
 import keras
 from conftest import max_weight_diff
+from conftest import rnn_states
+from conftest import stateful_rnn_data
+from conftest import stateful_rnn_model
 from keras_gradboost import GradBoostModel
 from keras_gradboost.callbacks import BackupAndRestore
 from keras_gradboost.callbacks import NaNWatcher
@@ -281,6 +284,33 @@ def test_dropout_resumes_with_the_masks_of_the_uninterrupted_fit(tmp_path):
     restarted = _dropout_model()
     _fit(restarted, [BackupAndRestore(backup_dir, save_freq=6)])
     assert max_weight_diff(restarted, never) == 0.0
+
+
+def test_a_stateful_rnn_resumes_from_the_states_of_the_uninterrupted_fit(tmp_path):
+    """Keras' save_weights leaves out a stateful RNN's states: without them
+    the resumed fit would go on from zeros."""
+    x, y = stateful_rnn_data(N)
+
+    def build():
+        model = stateful_rnn_model()
+        model.compile(keras.optimizers.SGD(0.1),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    def fit(model, callbacks):
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+
+    never = build()
+    fit(never, [])
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit(build(), [BackupAndRestore(backup_dir, save_freq=6), _At(1, 9, _interrupt)])
+    restarted = build()
+    fit(restarted, [BackupAndRestore(backup_dir, save_freq=6)])
+    assert max_weight_diff(restarted, never) == 0.0
+    for a, b in zip(rnn_states(restarted), rnn_states(never)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_fit_that_raised_while_skipping_leaves_nothing_behind(tmp_path):
