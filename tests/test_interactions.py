@@ -7,7 +7,7 @@ the large batches the documented behaviour asks for (see `epoch_schedule`).
 A cell either equals its reference (weights within a tolerance relative to
 how far a clean run moves them, the same number of optimizer updates, the
 same NaNWatcher events and learning rate, `recompute_plan()` unchanged by
-the fit, the callbacks changing nothing) or refuses at compile/fit with a
+the fit, the callbacks changing nothing, the logged loss finite) or refuses at compile/fit with a
 ValueError/TypeError whose message names the conflicting options (see
 `REFUSALS`).
 
@@ -686,9 +686,10 @@ def run(cell, with_callbacks=True):
                 make_callbacks(cell) if with_callbacks else []
             ) + [BackupAndRestore(backup_dir, save_freq=3)]
             model = make_model()
+        history = None
         try:
-            model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-                      callbacks=callbacks)
+            history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+                                verbose=0, callbacks=callbacks)
         except NonFiniteError as error:
             stopped = error
     facts = model.step_facts.read()
@@ -711,6 +712,7 @@ def run(cell, with_callbacks=True):
         "plan_before": plan_before,
         "plan_after": _plan_facts(model) if cell.recompute else None,
         "precision_measurement": model.precision_measurement,
+        "logged_loss": None if history is None else history.history["loss"],
     }
 
 
@@ -776,6 +778,11 @@ def _other_findings(cell, got, ref):
         found.append(("other", f"the dynamic loss scale overflowed {got['scale_overflows']} "
                                "micro-batches, which the reference does not model: make the "
                                "cell's gradients smaller"))
+    # A dropped step's loss stays out of the logs (the epoch's mean would be
+    # NaN, and Keras' TerminateOnNaN would end the run the watcher saves).
+    if got["logged_loss"] is not None and not np.isfinite(got["logged_loss"]).all():
+        found.append(("other", f"logged loss {got['logged_loss']}: a dropped step's NaN "
+                               "stayed in the epoch's logs"))
     if got["events"] != expected_events(cell):
         found.append(("other", f"events (epoch, step, phase, layer): {got['events']}, "
                                f"expected {expected_events(cell)}"))
