@@ -167,7 +167,9 @@ def _causes(model, adding=(), by_samples=True):
             "batch's tokens is not one)."
         )
     layers = hooks.flatten_layers(model)
-    bn = [l.name for l in layers if isinstance(l, keras.layers.BatchNormalization)]
+    bn = [  # a frozen one runs in inference mode
+        l.name for l in layers if isinstance(l, keras.layers.BatchNormalization) and l.trainable
+    ]
     if bn:
         causes.append(
             f"The BatchNormalization layers ({listed(bn, 4)}) normalise each "

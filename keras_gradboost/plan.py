@@ -494,10 +494,12 @@ def inexact_accumulation_warnings(model, config, loss):
             "the batch before it left (a large batch's samples would share one "
             "starting state, and stateful=True fixes the batch size)."
         )
+    # A frozen BatchNormalization (trainable=False, as in a frozen
+    # keras.applications base) runs in inference mode: its moving statistics.
     bn = [
         l.name
         for l in hooks.flatten_layers(model)
-        if isinstance(l, keras.layers.BatchNormalization)
+        if isinstance(l, keras.layers.BatchNormalization) and l.trainable
     ]
     if bn:
         shown = ", ".join(bn[:4]) + (f" and {len(bn) - 4} more" if len(bn) > 4 else "")

@@ -276,6 +276,37 @@ def test_accumulate_check_on_a_stateful_rnn_is_refused_by_name():
         model.compile(optimizer="sgd", loss="mse", accumulate_steps=2, accumulate_check=True)
 
 
+def test_a_frozen_keras_applications_base_is_exact_and_not_warned_about():
+    # keras.io's transfer learning: a frozen base's BatchNormalization runs in
+    # inference mode (Keras: `training and self.trainable`), so a window is
+    # the large batch exactly; compile named its 52 layers as a cause.
+    rng = np.random.default_rng(0)
+    x, y = rng.random((16, 32, 32, 3), dtype="float32"), np.arange(16) % 3
+    runs = []
+    for steps, batch in ((1, 16), (4, 4)):
+        keras.utils.set_random_seed(0)
+        base = keras.applications.MobileNetV2(
+            input_shape=(32, 32, 3), include_top=False, weights=None, alpha=0.35
+        )
+        base.trainable = False
+        inputs = keras.Input((32, 32, 3))
+        pooled = keras.layers.GlobalAveragePooling2D()(base(inputs))
+        model = GradBoostModel(inputs, keras.layers.Dense(3)(pooled))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning at all
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.1),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                accumulate_steps=steps,
+                accumulate_check=steps > 1,
+            )
+        model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+        runs.append(model)
+    large, windows = runs
+    assert int(windows.optimizer.iterations.numpy()) == 2
+    assert max_weight_diff(windows, large) < TOL
+
+
 def test_evaluate_from_a_callback_does_not_split_a_window(regression_data):
     x, y = regression_data
 
