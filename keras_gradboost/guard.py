@@ -7,6 +7,7 @@ replicas, and the update it allows, is `step.CrossReplicaStep`.
 
 import threading
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -140,23 +141,67 @@ class StepState:
 def settle(model, state, dropped, logs):
     """The end of a train step (replica context): when its update was
     `dropped` (a bool tensor from `step.CrossReplicaStep`; None: nothing
-    was checked), its metrics go back to `state`'s (`StepState`), and the
-    entries of `logs` that are metric results are read again, so the step's
-    logs are those of the steps applied (a NaN batch's loss would otherwise
-    stay in the epoch's mean). Returns the logs."""
-    if state is None or dropped is None or not state.metric_variables:
+    was checked), its metrics go back to `state`'s (`StepState`; a metric
+    Keras built inside the step, which `state` does not hold, is reset), and
+    the entries of `logs` named as the model's metrics
+    (`model.get_metrics_result()`) are read again: the running values of the
+    steps applied (a NaN batch's loss would otherwise stay in the epoch's
+    mean). Where no step of the epoch has been applied yet, they are NaN
+    (a mean of nothing), not Keras' reset value 0.0. An entry under another
+    name (keras.io's VAE logs its "total_loss" tracker as "loss") keeps the
+    step's own value; its metric went back all the same, so the later steps'
+    logs leave the dropped one out. A step not dropped keeps its logs.
+    Returns the logs."""
+    if state is None or dropped is None:
+        return logs
+    saved = {id(v) for v in state.metric_variables}
+    flat = _flat_metrics(model)
+    built_here = [m for m in flat if any(id(v) not in saved for v in m.variables)]
+    if not state.metric_variables and not built_here:
         return logs
 
     def put_back():
         with hooks.autocast(None):
             for variable, value in zip(state.metric_variables, state.metric_values):
                 variable.assign(value)
+        for metric in built_here:
+            metric.reset_state()
 
     tf.cond(dropped, lambda: _run(put_back), _run_nothing)
-    fresh = model.get_metrics_result()  # read after the put-back (the same variables)
     if not isinstance(logs, dict):
         return logs
-    return {name: fresh.get(name, value) for name, value in logs.items()}
+    fresh = model.get_metrics_result()  # read after the put-back (the same variables)
+    counts = [m.count for m in flat if isinstance(m, keras.metrics.Mean)]
+    applied = (
+        tf.reduce_any([c.value > 0 for c in counts]) if counts else tf.constant(True)
+    )
+    return {
+        name: _reread(dropped, applied, fresh[name], value) if name in fresh else value
+        for name, value in logs.items()
+    }
+
+
+def _flat_metrics(model):
+    """`model.metrics`, with a container of compiled metrics replaced by
+    its metrics."""
+    flat = []
+    for metric in model.metrics:
+        inner = getattr(metric, "metrics", None)
+        flat.extend(inner if isinstance(inner, list) and inner else [metric])
+    return flat
+
+
+def _reread(dropped, applied, again, value):
+    """`value`, or on a dropped step `again` (NaN before any applied step);
+    `value` where the two cannot be swapped (another shape)."""
+    if not (tf.is_tensor(value) or isinstance(value, (float, int, np.ndarray))):
+        return value
+    value = tf.convert_to_tensor(value)
+    again = tf.cast(again, value.dtype) if value.dtype.is_floating else None
+    if again is None or not again.shape.is_compatible_with(value.shape):
+        return value
+    again = tf.where(applied, again, tf.constant(float("nan"), value.dtype))
+    return tf.where(dropped, again, value)
 
 
 def _run(fn):
@@ -188,27 +233,28 @@ class StateTap:
     def put(self, model):
         """Takes `model`'s state now, at the start of this thread's step."""
         self._local.state = self._local.started = StepState.take(model)
-        self._local.dropped = None
+        self._local.dropped = []
 
     def dropped(self, dropped):
         """Records whether an update of this thread's step was dropped (a
         bool tensor, or None when nothing was checked)."""
-        if dropped is None or getattr(self._local, "started", None) is None:
-            return
-        before = getattr(self._local, "dropped", None)
-        self._local.dropped = dropped if before is None else tf.logical_or(before, dropped)
+        if dropped is not None and getattr(self._local, "started", None) is not None:
+            self._local.dropped.append(dropped)
 
     def settle(self, model, logs):
         """`settle` for this thread's step: its metrics back if an update
-        was dropped; then forgets the step."""
+        was dropped; then forgets the step. An update made inside a
+        `tf.cond` branch of the step (its decision not readable at the
+        step's end) leaves the metrics as they are."""
         state = getattr(self._local, "started", None)
-        dropped = getattr(self._local, "dropped", None)
-        self._local.started = self._local.dropped = None
-        if state is None or not all(_reachable(v) for v in state.metric_values):
+        dropped = getattr(self._local, "dropped", None) or []
+        self._local.started, self._local.dropped = None, []
+        if state is None or not dropped:
             return logs
-        if dropped is not None and not _reachable(dropped):
+        if not all(_reachable(v) for v in state.metric_values + dropped):
             return logs
-        return settle(model, state, dropped, logs)
+        either = dropped[0] if len(dropped) == 1 else tf.reduce_any(tf.stack(dropped))
+        return settle(model, state, either, logs)
 
     def peek(self):
         """The state taken at the start of this thread's step (kept for

@@ -489,7 +489,7 @@ def inexact_accumulation_warnings(model, config, loss):
         notes.append(
             f"accumulate_steps={steps}: the stateful RNN layers "
             f"({listed(stateful, 3)}) carry their state from one micro-batch to "
-            "the next, so a window is not one large-batch step: the update sums "
+            "the next, so a window is not one large-batch step: the update averages "
             f"the gradients of {steps} consecutive batches, each from the state "
             "the batch before it left (a large batch's samples would share one "
             "starting state, and stateful=True fixes the batch size)."

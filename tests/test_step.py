@@ -21,17 +21,26 @@ def _var_and_sgd(values=(1.0, 1.0)):
 
 
 def _run(step, grads, n=None, bad=None, loss_bad=None):
+    """Runs `step` once; returns what it says of the update: None (nothing
+    checked), True (dropped) or False."""
+
     @tf.function(autograph=False)
     def run():
         def replica():
             g = tf.constant(grads, tf.float32)
             b = None if bad is None else tf.constant(bad, tf.float32)
             lb = None if loss_bad is None else tf.constant(loss_bad, tf.float32)
-            step([g], n=None if n is None else tf.constant(n, tf.float32), bad=b, loss_bad=lb)
+            dropped = step(
+                [g], n=None if n is None else tf.constant(n, tf.float32), bad=b, loss_bad=lb
+            )
+            return tf.constant(-1) if dropped is None else tf.cast(dropped, tf.int32)
 
-        tf.distribute.get_strategy().extended.call_for_each_replica(replica)
+        strategy = tf.distribute.get_strategy()
+        return strategy.experimental_local_results(
+            strategy.extended.call_for_each_replica(replica)
+        )[0]
 
-    run()
+    return {-1: None, 0: False, 1: True}[int(run())]
 
 
 def test_with_nones_and_when():
@@ -46,7 +55,7 @@ def test_with_nones_and_when():
 def test_unchecked_step_always_applies():
     var, optimizer = _var_and_sgd()
     step = step_lib.CrossReplicaStep(lambda g: optimizer.apply(g, [var]), [True])
-    _run(step, [0.5, 0.25])
+    assert _run(step, [0.5, 0.25]) is None  # nothing checked: no decision
     np.testing.assert_array_equal(var.numpy(), [0.5, 0.75])
 
 
@@ -57,11 +66,11 @@ def test_bad_step_is_recorded_and_not_applied_then_good_one_is():
     step = step_lib.CrossReplicaStep(
         lambda g: optimizer.apply(g, [var]), [True], facts=facts, counter=counter
     )
-    _run(step, [np.nan, 1.0], bad=1.0)
+    assert _run(step, [np.nan, 1.0], bad=1.0) is True  # dropped: its metrics go back
     np.testing.assert_array_equal(var.numpy(), [1.0, 1.0])
     assert facts.read()["skipped_steps"] == 1 and facts.read()["nonfinite_steps"] == 1
     assert int(counter.numpy()) == 1 and not facts.read()["last_step_finite"]
-    _run(step, [0.5, 0.5], bad=0.0)
+    assert _run(step, [0.5, 0.5], bad=0.0) is False
     np.testing.assert_array_equal(var.numpy(), [0.5, 0.5])
     read = facts.read()
     assert read["checked_steps"] == 2 and read["skipped_steps"] == 1
@@ -75,10 +84,12 @@ def test_dynamic_scale_overflow_is_a_skip_but_not_a_nonfinite_step():
     step = step_lib.CrossReplicaStep(
         lambda g: optimizer.apply(g, [var]), [True], facts=facts, scaler=scaler
     )
-    _run(step, [np.inf, 0.0], bad=1.0, loss_bad=0.0)  # the scaled backward overflowed
+    # The scaled backward overflowed: skipped, but its state and metrics
+    # stay (a finite forward), as Keras' LossScaleOptimizer keeps them.
+    assert _run(step, [np.inf, 0.0], bad=1.0, loss_bad=0.0) is False
     assert float(scaler.scale.numpy()) == 2.0**14
     assert facts.read()["skipped_steps"] == 1 and facts.read()["nonfinite_steps"] == 0
-    _run(step, [np.nan, 0.0], bad=1.0, loss_bad=1.0)  # the loss itself
+    assert _run(step, [np.nan, 0.0], bad=1.0, loss_bad=1.0) is True  # the loss itself
     assert facts.read()["nonfinite_steps"] == 1
     np.testing.assert_array_equal(var.numpy(), [1.0, 1.0])
 
@@ -87,8 +98,8 @@ def test_watch_halt_drops_finite_updates():
     var, optimizer = _var_and_sgd()
     watch = guard.WatchState(ring=4, halt_every=True)
     step = step_lib.CrossReplicaStep(lambda g: optimizer.apply(g, [var]), [True], watch=watch)
-    _run(step, [np.nan, 0.0], bad=1.0)
-    _run(step, [0.5, 0.5], bad=0.0)  # finite, but halted
+    assert _run(step, [np.nan, 0.0], bad=1.0) is True
+    assert _run(step, [0.5, 0.5], bad=0.0) is True  # finite, but halted: not applied
     np.testing.assert_array_equal(var.numpy(), [1.0, 1.0])
     assert int(watch.count.numpy()) == 1 and int(watch.step.numpy()) == 2
     assert list(watch.bad_steps.numpy()[:1]) == [0] and bool(watch.halted.numpy())

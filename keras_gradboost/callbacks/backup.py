@@ -527,7 +527,7 @@ class BackupAndRestore(RunGate):
         if saved_states is not None and len(saved_states) == len(states):
             for variable, value in zip(states, saved_states):
                 variable.assign(value)
-        elif states:
+        elif states or saved_states:
             warnings.warn(
                 f"The backup in {self.backup_dir!r} holds "
                 + ("no stateful RNN states" if saved_states is None else f"{len(saved_states)} stateful RNN states")

@@ -565,7 +565,12 @@ class NaNWatcher(CallbackBase):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(
             as_local_batch(batch, self.model.distribute_strategy)
         )
+        states = {id(v) for v in hooks.untracked_state(self.model)}
         self.model(x, training=False)
+        # A stateful RNN this call built wrote its states: back to their start.
+        for v in hooks.untracked_state(self.model):
+            if id(v) not in states:
+                v.assign(tf.zeros_like(v.value))
         self._snapshot()
 
     def _restore(self):

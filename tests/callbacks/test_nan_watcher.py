@@ -223,6 +223,124 @@ def test_skip_keeps_the_bad_steps_loss_and_metrics_out_of_the_logs(cls):
     _assert_weights(model, reference.get_weights())
 
 
+class BatchLosses(keras.callbacks.Callback):
+    """The `loss` of every batch's logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(float(logs["loss"]))
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_a_dropped_first_step_logs_nan_then_the_applied_steps(run_eagerly):
+    # Before any applied step the epoch's mean is of nothing: NaN, not the
+    # 0.0 of reset metrics (ModelCheckpoint(save_best_only=True) would take
+    # 0.0 as the best loss ever). Keras builds the compiled metrics inside
+    # the first step; eagerly, none of their values was taken before it,
+    # and the dropped step's "mae" stayed NaN for the epoch.
+    x, y = _data(poison=False)
+    bad = x.copy()
+    bad[2] = -100.0  # batch 0
+    runs = []
+    for data, rows in ((bad, np.arange(40)), (x, np.arange(5, 40))):
+        model = _functional()
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", metrics=["mae"],
+                      run_eagerly=run_eagerly)
+        logged = BatchLosses()
+        callbacks = [logged] + ([NaNWatcher(action="skip", verbose=0)] if data is bad else [])
+        history = model.fit(data[rows], y[rows], batch_size=5, shuffle=False, verbose=0,
+                            callbacks=callbacks)
+        runs.append((logged.losses, history.history))
+    (losses, history), (expected_losses, expected) = runs
+    assert np.isnan(losses[0])
+    np.testing.assert_allclose(losses[1:], expected_losses, rtol=1e-5)
+    for name in ("loss", "mae"):
+        np.testing.assert_allclose(history[name], expected[name], rtol=1e-5)
+
+
+def test_an_epoch_of_dropped_steps_logs_nan_without_a_watcher():
+    # A GradBoostModel's loss-scale check drops a non-finite step too; with
+    # every step dropped, Keras' TerminateOnNaN must still see NaN.
+    x, y = _data(poison=False)
+    model = _functional(GradBoostModel)
+    model.compile(optimizer="sgd", loss="mse", loss_scale="dynamic")
+    history = model.fit(np.full_like(x, np.nan), y, batch_size=5, epochs=2, verbose=0,
+                        callbacks=[keras.callbacks.TerminateOnNaN()])
+    assert len(history.history["loss"]) == 1 and np.isnan(history.history["loss"][0])
+
+
+class RawLossStep(keras.Model):
+    """An own step that logs its batch's raw loss under "loss" (not the
+    loss tracker's mean), with one update inside a `tf.cond` (of zeros:
+    no change) and the real one after it."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(self(x, training=True) - y))
+        grads = tape.gradient(loss, self.trainable_variables)
+
+        def nothing_to_apply():
+            zeros = [tf.zeros_like(g) for g in grads]
+            self.optimizer.apply_gradients(zip(zeros, self.trainable_variables))
+            return tf.constant(0)
+
+        tf.cond(tf.reduce_all(tf.math.is_finite(loss)), nothing_to_apply, lambda: tf.constant(0))
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+def test_an_own_steps_raw_logs_and_an_update_in_a_cond_are_left_alone():
+    # Before: with the watcher, every batch logged the loss tracker's value
+    # (0.0: this step never updates it) instead of its own; an update inside
+    # a tf.cond raised InaccessibleTensorError.
+    x, y = _data(poison=False)
+    runs = []
+    for callbacks in ([], [NaNWatcher(action="skip", verbose=0)]):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((3,))
+        model = RawLossStep(inputs, keras.layers.Dense(2)(inputs))
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        logged = BatchLosses()
+        model.fit(x, y, batch_size=5, shuffle=False, verbose=0, callbacks=callbacks + [logged])
+        runs.append((logged.losses, model.get_weights()))
+    (plain, weights), (watched, watched_weights) = runs
+    assert plain == watched and min(plain) > 0
+    _assert_weights(model, weights)
+
+
+class UnbuiltStatefulRNN(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.lstm = keras.layers.LSTM(8, stateful=True, name="lstm")
+        self.out = keras.layers.Dense(3, name="out")
+
+    def call(self, x):
+        return self.out(self.lstm(x))
+
+
+def test_restore_building_an_unbuilt_model_leaves_its_rnn_states_at_zero():
+    # "restore" builds a model unbuilt before fit with one inference call on
+    # the first batch, which wrote a stateful RNN's states: training then
+    # went on from states the run without the watcher never had.
+    x, y = stateful_rnn_data()
+    runs = []
+    for callbacks in ([NaNWatcher(action="restore", verbose=0)], []):
+        keras.utils.set_random_seed(0)
+        model = UnbuiltStatefulRNN()
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=callbacks)
+        runs.append(model)
+    watched, plain = runs
+    _assert_weights(watched, plain.get_weights())
+    for a, b in zip(watched.lstm.states, plain.lstm.states):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6)
+
+
 class TrackedOwnStep(GradBoostModel):
     """An own train step (keras.io's GAN pattern): its update through
     `self.minimize`, its logs from trackers of its own."""
