@@ -142,15 +142,19 @@ def settle(model, state, dropped, logs):
     """The end of a train step (replica context): when its update was
     `dropped` (a bool tensor from `step.CrossReplicaStep`; None: nothing
     was checked), its metrics go back to `state`'s (`StepState`; a metric
-    Keras built inside the step, which `state` does not hold, is reset), and
-    the entries of `logs` named as the model's metrics
-    (`model.get_metrics_result()`) are read again: the running values of the
-    steps applied (a NaN batch's loss would otherwise stay in the epoch's
-    mean). Where no step of the epoch has been applied yet, they are NaN
-    (a mean of nothing), not Keras' reset value 0.0. An entry under another
-    name (keras.io's VAE logs its "total_loss" tracker as "loss") keeps the
-    step's own value; its metric went back all the same, so the later steps'
-    logs leave the dropped one out. A step not dropped keeps its logs.
+    Keras built inside the step, which `state` does not hold, is reset).
+
+    The entries of `logs` that are the model's metric results (named as
+    `model.get_metrics_result()` names them, and holding its value at the
+    step's end) are then read again: the running values of the steps
+    applied (a NaN batch's loss would otherwise stay in the epoch's mean);
+    NaN where no step of the epoch has been applied yet (a mean of nothing,
+    not Keras' reset value 0.0). Other entries keep the step's own value: a
+    raw batch loss an own step logs as "loss", or a tracker logged under
+    another name (keras.io's VAE logs its "total_loss" as "loss"; the
+    tracker went back all the same, so the later steps' logs leave the
+    dropped one out). A step not dropped keeps its logs.
+
     Returns the logs."""
     if state is None or dropped is None:
         return logs
@@ -167,8 +171,13 @@ def settle(model, state, dropped, logs):
         for metric in built_here:
             metric.reset_state()
 
+    is_dict = isinstance(logs, dict)
+    # What the metrics say at the step's end, before the put-back: an entry
+    # of `logs` holding this value under a metric's name is that metric's
+    # result (a raw batch loss logged as "loss" is not, and stays).
+    before = model.get_metrics_result() if is_dict else {}
     tf.cond(dropped, lambda: _run(put_back), _run_nothing)
-    if not isinstance(logs, dict):
+    if not is_dict:
         return logs
     fresh = model.get_metrics_result()  # read after the put-back (the same variables)
     counts = [m.count for m in flat if isinstance(m, keras.metrics.Mean)]
@@ -176,7 +185,9 @@ def settle(model, state, dropped, logs):
         tf.reduce_any([c.value > 0 for c in counts]) if counts else tf.constant(True)
     )
     return {
-        name: _reread(dropped, applied, fresh[name], value) if name in fresh else value
+        name: _reread(dropped, applied, before[name], fresh[name], value)
+        if name in fresh and name in before
+        else value
         for name, value in logs.items()
     }
 
@@ -191,17 +202,22 @@ def _flat_metrics(model):
     return flat
 
 
-def _reread(dropped, applied, again, value):
-    """`value`, or on a dropped step `again` (NaN before any applied step);
-    `value` where the two cannot be swapped (another shape)."""
+def _reread(dropped, applied, before, again, value):
+    """`value`, or on a dropped step where it is the metric's result
+    (`before`, read at the step's end), `again` (NaN before any applied
+    step); `value` where the two cannot be compared (another dtype or
+    shape)."""
     if not (tf.is_tensor(value) or isinstance(value, (float, int, np.ndarray))):
         return value
     value = tf.convert_to_tensor(value)
-    again = tf.cast(again, value.dtype) if value.dtype.is_floating else None
-    if again is None or not again.shape.is_compatible_with(value.shape):
+    if not value.dtype.is_floating or not again.shape.is_compatible_with(value.shape):
         return value
+    before, again = tf.cast(before, value.dtype), tf.cast(again, value.dtype)
+    same = tf.reduce_all(
+        tf.logical_or(tf.equal(before, value), tf.logical_and(tf.math.is_nan(before), tf.math.is_nan(value)))
+    )
     again = tf.where(applied, again, tf.constant(float("nan"), value.dtype))
-    return tf.where(dropped, again, value)
+    return tf.where(tf.logical_and(dropped, same), again, value)
 
 
 def _run(fn):
