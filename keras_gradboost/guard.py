@@ -127,6 +127,9 @@ class StepState:
             if tf.as_dtype(v.dtype).is_floating
         ]
         metrics = list(model.metrics_variables)
+        for metric in hooks.compiled_metric_objects(model):  # not listed before built
+            metrics += metric.variables
+        metrics = list({id(v): v for v in metrics}.values())
         if not variables and not metrics:
             return None
         with hooks.autocast(None):  # as stored, not cast for the layer
@@ -176,14 +179,22 @@ def settle(model, state, dropped, logs):
     # of `logs` holding this value under a metric's name is that metric's
     # result (a raw batch loss logged as "loss" is not, and stays).
     before = model.get_metrics_result() if is_dict else {}
+    means = [m for m in flat if isinstance(m, keras.metrics.Mean)]
+    # (tf.identity reads now: tf.cast of a float32 variable is the variable.)
+    counts_before = [tf.identity(m.count.value) for m in means] if is_dict else []
     tf.cond(dropped, lambda: _run(put_back), _run_nothing)
     if not is_dict:
         return logs
     fresh = model.get_metrics_result()  # read after the put-back (the same variables)
-    counts = [m.count for m in flat if isinstance(m, keras.metrics.Mean)]
-    applied = (
-        tf.reduce_any([c.value > 0 for c in counts]) if counts else tf.constant(True)
-    )
+    # Whether a step of the epoch has been applied: a mean the steps update
+    # (its count at the step's end > 0) still counts one after the put-back.
+    applied = tf.constant(True)
+    if counts_before:
+        updated = tf.stack([tf.cast(c, tf.float32) > 0 for c in counts_before])
+        after = tf.stack([tf.cast(tf.identity(m.count.value), tf.float32) > 0 for m in means])
+        applied = tf.logical_or(
+            tf.reduce_any(tf.logical_and(updated, after)), tf.logical_not(tf.reduce_any(updated))
+        )
     return {
         name: _reread(dropped, applied, before[name], fresh[name], value)
         if name in fresh and name in before
@@ -205,16 +216,19 @@ def _flat_metrics(model):
 def _reread(dropped, applied, before, again, value):
     """`value`, or on a dropped step where it is the metric's result
     (`before`, read at the step's end), `again` (NaN before any applied
-    step); `value` where the two cannot be compared (another dtype or
-    shape)."""
-    if not (tf.is_tensor(value) or isinstance(value, (float, int, np.ndarray))):
+    step); `value` itself where the two cannot be compared (not a float
+    tensor of the metric's shape)."""
+    if not tf.is_tensor(value) or not value.dtype.is_floating:
         return value
-    value = tf.convert_to_tensor(value)
-    if not value.dtype.is_floating or not again.shape.is_compatible_with(value.shape):
+    before, again = tf.convert_to_tensor(before), tf.convert_to_tensor(again)
+    if not (again.shape.is_compatible_with(value.shape) and before.dtype.is_floating):
         return value
     before, again = tf.cast(before, value.dtype), tf.cast(again, value.dtype)
     same = tf.reduce_all(
-        tf.logical_or(tf.equal(before, value), tf.logical_and(tf.math.is_nan(before), tf.math.is_nan(value)))
+        tf.logical_or(
+            tf.equal(before, value),
+            tf.logical_and(tf.math.is_nan(before), tf.math.is_nan(value)),
+        )
     )
     again = tf.where(applied, again, tf.constant(float("nan"), value.dtype))
     return tf.where(tf.logical_and(dropped, same), again, value)

@@ -65,6 +65,38 @@ def untracked_state(layer):
     return list(found.values())
 
 
+def compiled_metric_objects(model):
+    """The `keras.metrics.Metric` objects given to `compile(metrics=...,
+    weighted_metrics=...)`, built or not. Keras builds its container of
+    compiled metrics in the train step's first trace (without a strategy),
+    so before it `model.metrics` lists none of them, while an object passed
+    in holds its variables already. Reads the private
+    `Trainer._compile_metrics` and `CompileMetrics._user_metrics` /
+    `_user_weighted_metrics`."""
+    container = getattr(model, "_compile_metrics", None)
+    if container is None:
+        return []
+    found = {}
+    for given in (container._user_metrics, container._user_weighted_metrics):
+        for item in tf.nest.flatten(given) if given is not None else []:
+            if isinstance(item, keras.metrics.Metric):
+                found[id(item)] = item
+    return list(found.values())
+
+
+def check_compiled_metric_objects():
+    """A metric object given to `compile` is found before the first step,
+    when `model.metrics` does not list it yet."""
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    mae = keras.metrics.MeanAbsoluteError()
+    model.compile(optimizer="sgd", loss="mse", metrics=[mae, "mse"],
+                  weighted_metrics={"dense": [keras.metrics.MeanSquaredError()]})
+    found = compiled_metric_objects(model)
+    assert found[0] is mae and len(found) == 2, found
+    assert not any(m is mae for m in model.metrics)
+
+
 def check_untracked_state():
     """A built stateful LSTM's two states are variables Keras does not list
     among the layer's (else `untracked_state` is not needed), and a forward
@@ -774,6 +806,7 @@ def check():
     check_call_context()
     check_collecting_losses()
     check_untracked_state()
+    check_compiled_metric_objects()
     assert initial_epoch(model) is None
     set_initial_epoch(model, 2)
     assert model._initial_epoch == 2 and initial_epoch(model) == 2
