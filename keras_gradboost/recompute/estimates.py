@@ -359,7 +359,7 @@ def estimate(model, forward, input_spec, keys, selective=False, owned=None):
     probe = _Probe()
     graph, backward_start = _trace_step(model, forward, probe, input_spec)
     operations = graph.get_operations()
-    cached = _cached(operations, backward_start)
+    _, cached = _live(graph, backward_start)
     total = sum(_bytes(t) for t in cached.values())
     trainable = _trainable_handles(graph, model)
     # In the order the forward first calls them (`plan_bytes` needs it).
@@ -574,6 +574,16 @@ def live_backward(model, forward, input_spec):
         forward tensors they read (through reshapes and identities), by name.
     """
     graph, backward_start = _trace_step(model, forward, None, input_spec)
+    return _live(graph, backward_start)
+
+
+def _live(graph, backward_start):
+    """`live_backward` of a traced step's `graph`: the backward operations
+    its outputs (the gradients) need, walked back from them, and the forward
+    tensors they read. Backward operations nothing needs (the gradients
+    through a frozen `keras.applications` base, whose variables the tape
+    still watches) are dead code that TensorFlow prunes: what they read is
+    not kept."""
     index = {op.name: i for i, op in enumerate(graph.get_operations())}
     kept, live = {}, {}
     pending = [t.op for t in graph.outputs]
@@ -590,19 +600,6 @@ def live_backward(model, forward, input_spec):
             elif root.op.type not in ("ReadVariableOp", "Const"):
                 kept[root.name] = root
     return list(live.values()), kept
-
-
-def _cached(operations, backward_start):
-    """The forward tensors the backward reads, by name: what the forward
-    keeps for it (weights and constants aside)."""
-    forward_ops = {op.name: i for i, op in enumerate(operations[:backward_start])}
-    cached = {}
-    for op in operations[backward_start:]:
-        for t in op.inputs:
-            root = _root(t)
-            if root.op.name in forward_ops and root.op.type not in ("ReadVariableOp", "Const"):
-                cached[root.name] = root
-    return cached
 
 
 def _trainable_handles(graph, model):
