@@ -218,6 +218,10 @@ def _reread(dropped, applied, before, again, value):
     (`before`, read at the step's end), `again` (NaN before any applied
     step); `value` itself where the two cannot be compared (not a float
     tensor of the metric's shape)."""
+    if isinstance(value, (keras.Variable, tf.Variable)):
+        # A metric whose result is its variable (`keras.metrics.Sum`): read
+        # when the logs are, after the put-back.
+        return value
     if not tf.is_tensor(value) or not value.dtype.is_floating:
         return value
     before, again = tf.convert_to_tensor(before), tf.convert_to_tensor(again)

@@ -544,7 +544,7 @@ def kept_bytes(model, forward, input_spec):
     training step's backward pass reads: what a plan really keeps.
 
     Unlike `estimate`, which traces the step without recompute, this traces
-    it as `forward` runs it (a selective plan's replay included) and walks
+    it as `forward` runs it (a selective plan's replay included); both walk
     back from the gradients (`live_backward`), so operations nothing needs
     (a replay's matmul whose output only its own value would use) and the
     forward tensors only they read are left out, as TensorFlow prunes them.
@@ -945,9 +945,9 @@ def selective_plan_bytes(total, per_block, chosen, kept, gradient_bytes=None):
     its replay): the excess is counted throughout, so such an output counts
     twice at its block's moment (the excess was 0 MiB of MobileNetV2's 39.7
     estimated, 12 of ResNet50's 105, 43 of ConvNeXtTiny's 118 and 120 of
-    the residual MLP's 206, whose kernel outputs the figures miss). Where
-    it is smaller (the figures count forward tensors that only a pruned
-    backward operation reads), the figures stand, which reads high.
+    the residual MLP's 206, whose kernel outputs the figures miss, measured
+    when the figures still counted what pruned backward operations read).
+    Where it is smaller, the figures stand, which reads high.
 
     Args:
         total: bytes of all cached activations without recompute

@@ -384,6 +384,21 @@ def test_restore_building_an_unbuilt_model_leaves_its_rnn_states_at_zero():
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6)
 
 
+class LossSum(keras.metrics.Metric):
+    """A metric whose result is its variable itself, as in the example of
+    Keras' `Metric` docstring (settle raised on its `dtype`, a string)."""
+
+    def __init__(self, name):
+        super().__init__(name=name)
+        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+
+    def update_state(self, value):
+        self.total.assign_add(value)
+
+    def result(self):
+        return self.total
+
+
 class TrackedOwnStep(GradBoostModel):
     """An own train step (keras.io's GAN pattern): its update through
     `self.minimize`, its logs from trackers of its own."""
@@ -394,6 +409,7 @@ class TrackedOwnStep(GradBoostModel):
         self.fault = BadLog(name="fault")
         self.out = keras.layers.Dense(2, name="out")
         self.loss_mean = keras.metrics.Mean(name="own_loss")
+        self.loss_sum = LossSum(name="loss_sum")
 
     def call(self, x):
         return self.out(self.fault(self.d1(x)))
@@ -404,7 +420,8 @@ class TrackedOwnStep(GradBoostModel):
             loss = keras.ops.mean(keras.ops.square(self(x, training=True) - y))
         self.minimize(tape, loss, self.trainable_variables)
         self.loss_mean.update_state(loss)
-        return {"own_loss": self.loss_mean.result()}
+        self.loss_sum.update_state(loss)
+        return {"own_loss": self.loss_mean.result(), "loss_sum": self.loss_sum.result()}
 
 
 def test_skip_keeps_the_bad_step_out_of_an_own_steps_trackers():
@@ -419,7 +436,7 @@ def test_skip_keeps_the_bad_step_out_of_an_own_steps_trackers():
         # loss_scale="dynamic": the own step's update needs GradBoostModel's.
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss_scale="dynamic")
         history = model.fit(x[rows], y[rows], batch_size=5, shuffle=False, verbose=0, callbacks=callbacks)
-        runs.append((model, history.history["own_loss"]))
+        runs.append((model, [history.history[k] for k in ("own_loss", "loss_sum")]))
     (model, logged), (reference, expected) = runs
     assert np.isfinite(logged).all()
     np.testing.assert_allclose(logged, expected, rtol=1e-5)
