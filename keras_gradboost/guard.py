@@ -166,6 +166,8 @@ def settle(model, state, dropped, logs):
     built_here = [m for m in flat if any(id(v) not in saved for v in m.variables)]
     if not state.metric_variables and not built_here:
         return logs
+    if not _replica_local(state.metric_variables):
+        return logs
 
     def put_back():
         with hooks.autocast(None):
@@ -201,6 +203,19 @@ def settle(model, state, dropped, logs):
         else value
         for name, value in logs.items()
     }
+
+
+def _replica_local(variables):
+    """Whether a replica's step can assign `variables` inside a `tf.cond`:
+    one replica, or each replica its own copy (synchronization ON_READ, as
+    Keras 3.15 makes metric variables). A mirrored one (Keras 3.8's metric
+    variables under a strategy) needs a `merge_call`, which TensorFlow
+    forbids there; its metrics keep the dropped step (the NaN shows)."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return True
+    on_read = tf.VariableSynchronization.ON_READ
+    return all(getattr(v.value, "synchronization", on_read) == on_read for v in variables)
 
 
 def _flat_metrics(model):
