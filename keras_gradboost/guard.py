@@ -14,6 +14,7 @@ import tensorflow as tf
 from keras_gradboost import hooks
 from keras_gradboost import wrappers
 from keras_gradboost.step import CrossReplicaStep
+from keras_gradboost.step import when
 
 
 def nonfinite_indicator(loss, grads):
@@ -123,7 +124,7 @@ class StepState:
         when it has none."""
         variables = [
             v
-            for v in model.non_trainable_variables + hooks.untracked_state(model)
+            for v in hooks.forward_state(model, metrics=False)
             if tf.as_dtype(v.dtype).is_floating
         ]
         metrics = list(model.metrics_variables)
@@ -184,7 +185,7 @@ def settle(model, state, dropped, logs):
     means = [m for m in flat if isinstance(m, keras.metrics.Mean)]
     # (tf.identity reads now: tf.cast of a float32 variable is the variable.)
     counts_before = [tf.identity(m.count.value) for m in means] if is_dict else []
-    tf.cond(dropped, lambda: _run(put_back), _run_nothing)
+    when(dropped, put_back)
     if not is_dict:
         return logs
     fresh = model.get_metrics_result()  # read after the put-back (the same variables)
@@ -251,14 +252,6 @@ def _reread(dropped, applied, before, again, value):
     )
     again = tf.where(applied, again, tf.constant(float("nan"), value.dtype))
     return tf.where(tf.logical_and(dropped, same), again, value)
-
-
-def _run(fn):
-    fn()  # tf.cond's branches must match: both return nothing
-
-
-def _run_nothing():
-    pass
 
 
 class StateTap:

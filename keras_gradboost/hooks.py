@@ -65,6 +65,18 @@ def untracked_state(layer):
     return list(found.values())
 
 
+def forward_state(layer, metrics=True):
+    """The variables a forward pass of `layer` may write, which whatever
+    puts its state back after one (a dropped step, a replay, a probe, a
+    recomputed block) must cover: its non-trainable variables (moving
+    statistics, seed generators, frozen weights), a stateful RNN's states
+    (`untracked_state`) and, with `metrics`, its metrics' variables."""
+    found = [v for v in layer.variables if not v.trainable] + untracked_state(layer)
+    if metrics:
+        found += layer.metrics_variables
+    return list({id(v): v for v in found}.values())
+
+
 def compiled_metric_objects(model):
     """The `keras.metrics.Metric` objects given to `compile(metrics=...,
     weighted_metrics=...)`, built or not. Keras builds its container of

@@ -112,10 +112,7 @@ def locate_nonfinite(model, data):
     layers = hooks.flatten_layers(model, include_self=False)
     records = []  # (layer, inputs, outputs), in the order calls complete
 
-    saved = every_copy(
-        model.non_trainable_variables + hooks.untracked_state(model) + model.metrics_variables,
-        model.distribute_strategy,
-    )
+    saved = every_copy(hooks.forward_state(model), model.distribute_strategy)
     undos = record_calls(layers, records)
     try:
         with tf.GradientTape(persistent=True) as tape:

@@ -120,6 +120,20 @@ def nested_model():
     return model
 
 
+def frozen_base_classifier(cls=keras.Model, classes=3, seed=0):
+    """keras.io's transfer learning: a frozen MobileNetV2 base (alpha 0.35,
+    32x32 inputs, weights=None), global average pooling and a Dense head of
+    `classes` logits."""
+    keras.utils.set_random_seed(seed)
+    base = keras.applications.MobileNetV2(
+        input_shape=(32, 32, 3), include_top=False, weights=None, alpha=0.35
+    )
+    base.trainable = False
+    inputs = keras.Input((32, 32, 3))
+    pooled = keras.layers.GlobalAveragePooling2D()(base(inputs))
+    return cls(inputs, keras.layers.Dense(classes)(pooled))
+
+
 def stateful_rnn_model(cls=keras.Model, batch=4, seed=1):
     """Input((10, 4), batch_size=`batch`) -> LSTM "lstm" (stateful, with
     sequences) -> GRU "gru" (stateful) -> Dense(3), compiled with SGD: a

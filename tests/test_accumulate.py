@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import keras
+from conftest import frozen_base_classifier
 from conftest import max_weight_diff
 from conftest import rnn_states
 from conftest import small_model
@@ -284,14 +285,7 @@ def test_a_frozen_keras_applications_base_is_exact_and_not_warned_about():
     x, y = rng.random((16, 32, 32, 3), dtype="float32"), np.arange(16) % 3
     runs = []
     for steps, batch in ((1, 16), (4, 4)):
-        keras.utils.set_random_seed(0)
-        base = keras.applications.MobileNetV2(
-            input_shape=(32, 32, 3), include_top=False, weights=None, alpha=0.35
-        )
-        base.trainable = False
-        inputs = keras.Input((32, 32, 3))
-        pooled = keras.layers.GlobalAveragePooling2D()(base(inputs))
-        model = GradBoostModel(inputs, keras.layers.Dense(3)(pooled))
+        model = frozen_base_classifier(GradBoostModel)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no warning at all
             model.compile(

@@ -555,11 +555,7 @@ def split_times(model, batch, repeats=SPLIT_REPEATS):
         compile).
     """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-    saved = [
-        (v, np.array(v.numpy()))
-        for v in model.non_trainable_variables + hooks.untracked_state(model)
-    ]
-    saved += [(v, np.array(v.numpy())) for v in model.metrics_variables]
+    saved = [(v, np.array(v.numpy())) for v in hooks.forward_state(model)]
     functions = _probe_functions(model)
     try:
         return _time_interleaved(functions, (x, y, sample_weight), repeats)

@@ -88,9 +88,7 @@ def state_variables(layer):
     seed-generator states, moving statistics, frozen weights, a stateful
     RNN's states (`hooks.untracked_state`), the metrics its layers update
     (a replay's updates are dropped: the forward's count once)."""
-    found = [v for v in layer.variables if not v.trainable]
-    found += hooks.untracked_state(layer) + list(layer.metrics_variables)
-    return list({id(v): v for v in found}.values())
+    return hooks.forward_state(layer)
 
 
 def snapshot(variables):

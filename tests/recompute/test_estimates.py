@@ -7,6 +7,7 @@ import tensorflow as tf
 
 import keras
 
+from conftest import frozen_base_classifier
 from conftest import kept_for_backward
 from keras_gradboost import recompute
 from recompute.models import assert_same_state
@@ -215,20 +216,14 @@ def test_a_frozen_base_keeps_nothing_for_the_backward():
     # all. It must equal the estimate of the head alone on the base's output.
     from keras_gradboost import GradBoostModel
 
-    keras.utils.set_random_seed(0)
-    base = keras.applications.MobileNetV2(
-        input_shape=(32, 32, 3), include_top=False, weights=None, alpha=0.35
-    )
-    base.trainable = False
-    inputs = keras.Input((32, 32, 3))
-    pooled = keras.layers.GlobalAveragePooling2D()(base(inputs))
-    model = GradBoostModel(inputs, keras.layers.Dense(10)(pooled))
+    model = frozen_base_classifier(GradBoostModel, classes=10)
     frozen, _, _ = recompute.estimate(
         model, lambda v, p: model(v, training=True), tf.TensorSpec((16, 32, 32, 3)), []
     )
-    features = keras.Input((pooled.shape[-1],))
+    width = model.layers[-1].kernel.shape[0]  # the pooled features
+    features = keras.Input((width,))
     head = keras.Model(features, keras.layers.Dense(10)(features))
     alone, _, _ = recompute.estimate(
-        head, lambda v, p: head(v, training=True), tf.TensorSpec((16, pooled.shape[-1])), []
+        head, lambda v, p: head(v, training=True), tf.TensorSpec((16, width)), []
     )
-    assert frozen == alone == 16 * pooled.shape[-1] * 4
+    assert frozen == alone == 16 * width * 4
