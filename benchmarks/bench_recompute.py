@@ -198,15 +198,24 @@ def training_data(args):
 
 
 def application(args):
-    """`keras.applications.<args.app>` (weights=None), boosted."""
+    """`keras.applications.<args.app>` (weights=None), boosted. A name
+    `nested_<App>`: keras.io's fine-tuning pattern instead, the application
+    without its top called as a layer of a functional model, with a pooled
+    10-class head (everything trainable)."""
     import keras
 
     import keras_gradboost as kgb
 
     keras.utils.set_random_seed(0)
     shape = (args.pixels, args.pixels, 3)
-    built = getattr(keras.applications, args.app)(input_shape=shape, weights=None, classes=10)
-    return kgb.boost(built)
+    name = args.app.removeprefix("nested_")
+    app = getattr(keras.applications, name)
+    if name == args.app:
+        return kgb.boost(app(input_shape=shape, weights=None, classes=10))
+    base = app(input_shape=shape, weights=None, include_top=False)
+    inputs = keras.Input(shape)
+    pooled = keras.layers.GlobalAveragePooling2D()(base(inputs))
+    return kgb.boost(keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(pooled)))
 
 
 # keras-hub backbones built from constructor arguments (no weights), with a
@@ -306,7 +315,8 @@ def main():
     parser.add_argument("--apps", default="MobileNetV2,ResNet50")
     parser.add_argument("--pixels", type=int, default=64)
     parser.add_argument("--models", help="per-model table: residual_mlp, bert, gpt2, "
-                        "keras.applications names (comma-separated)")
+                        "keras.applications names, nested_<name> for the application "
+                        "called as a layer (fine-tuning; comma-separated)")
     parser.add_argument("--configs", default="baseline,auto,selective",
                         help="with --models: configurations; budget_F is a budget at "
                         "F times no recompute's estimate; blocks_GLOB[+GLOB] recomputes "

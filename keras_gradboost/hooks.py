@@ -187,7 +187,8 @@ def keras_mask(tensor):
     """The Keras mask a layer attached to `tensor` (an `Embedding(mask_zero=
     True)`, `Masking` or `compute_mask` of a custom layer), or None. Keras'
     losses read it (`backend.get_keras_mask`, private) to divide a batch's
-    loss by its valid entries."""
+    loss by its valid entries. Symbolic `KerasTensor`s of a functional graph
+    carry theirs too."""
     from keras.src.backend.common.masking import get_keras_mask
 
     return get_keras_mask(tensor)
@@ -786,6 +787,8 @@ def check():
     assert call_has_training_arg(model) in (True, False)
     masked = keras.layers.Masking()(tf.constant([[0.0], [1.0]]))
     assert keras_mask(masked).numpy().tolist() == [False, True]
+    symbolic = keras.Input((4,), dtype="int32")
+    assert keras_mask(keras.layers.Embedding(5, 3, mask_zero=True)(symbolic)) is not None
     assert is_functional(model)
     assert functional_init_arguments((inputs, inputs), {})
     with autocast("bfloat16"):

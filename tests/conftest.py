@@ -120,18 +120,25 @@ def nested_model():
     return model
 
 
-def frozen_base_classifier(cls=keras.Model, classes=3, seed=0):
-    """keras.io's transfer learning: a frozen MobileNetV2 base (alpha 0.35,
-    32x32 inputs, weights=None), global average pooling and a Dense head of
-    `classes` logits."""
+def base_classifier(cls=keras.Model, classes=3, seed=0, frozen=False, training=None):
+    """keras.io's transfer learning and fine-tuning: a MobileNetV2 base
+    (alpha 0.35, 32x32 inputs, weights=None, no top) called as a layer
+    (with `training=` when given), global average pooling and a Dense head
+    of `classes` logits; the base frozen with `frozen`."""
     keras.utils.set_random_seed(seed)
     base = keras.applications.MobileNetV2(
         input_shape=(32, 32, 3), include_top=False, weights=None, alpha=0.35
     )
-    base.trainable = False
+    base.trainable = not frozen
     inputs = keras.Input((32, 32, 3))
-    pooled = keras.layers.GlobalAveragePooling2D()(base(inputs))
+    features = base(inputs) if training is None else base(inputs, training=training)
+    pooled = keras.layers.GlobalAveragePooling2D()(features)
     return cls(inputs, keras.layers.Dense(classes)(pooled))
+
+
+def frozen_base_classifier(cls=keras.Model, classes=3, seed=0):
+    """`base_classifier` with the base frozen (keras.io's transfer learning)."""
+    return base_classifier(cls, classes, seed, frozen=True)
 
 
 def stateful_rnn_model(cls=keras.Model, batch=4, seed=1):

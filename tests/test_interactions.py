@@ -291,6 +291,17 @@ SPECIFIC = [
     _cell(dict(model="residual", recompute=("block_*", "inner_*"), accumulate_steps=K,
                steps_per_execution=3, optimizer="momentum", devices="mirrored",
                watcher="skip", bad=2), backup=True),
+    # "auto" cutting the graph of a functional layer (keras.io's fine-tuning
+    # pattern), whose calls run as a chain of its segments: x NaN replay, a
+    # float16 dynamic loss scale, accumulation and XLA with a restore
+    # (checked by recompute_check too); on MirroredStrategy with an own step
+    # calling minimize(), chunks of 3, resumed from a mid-window backup.
+    _cell(dict(model="nested", recompute="auto", scaling="dynamic16",
+               accumulate_steps=K, jit_compile=True, watcher="restore"),
+          recompute_check=True),
+    _cell(dict(model="nested", recompute="auto", accumulate_steps=K,
+               steps_per_execution=3, optimizer="momentum", devices="mirrored",
+               step="minimize", watcher="skip", bad=2), backup=True),
     # Accumulate x restore, plain SGD (no optimizer slots): micro-batch 4 is
     # accumulated, 5 is bad, 6 runs halted, the restore follows; the
     # window's stale micro-batch 4 must not reach the next update.
@@ -411,6 +422,17 @@ def test_pairwise_design_covers_every_allowed_pair():
     assert full == 60480 and len(rows) <= 24
 
 
+@pytest.mark.parametrize("scaling", ["none", "dynamic16"])
+def test_the_nested_model_recomputes_segments_of_its_tower(scaling):
+    # The "nested" cells meet the chain of a functional layer's segments
+    # only if "auto" chooses them there.
+    model = build("nested", GradBoostModel)
+    precision = "mixed_float16" if scaling == "dynamic16" else None
+    model.compile(optimizer="sgd", loss="mse", recompute="auto", precision=precision)
+    chosen = model.recompute_plan(batch_size=BATCH).recomputed
+    assert chosen and all(name.startswith("tower/") for name in chosen), chosen
+
+
 def test_epoch_schedule_by_hand():
     assert epoch_schedule(1, 1, "none", None) == [("update", [s]) for s in range(8)]
     assert epoch_schedule(4, 1, "skip", 5) == [("update", [0, 1, 2, 3]), ("update", [4, 6, 7])]
@@ -430,10 +452,21 @@ def test_epoch_schedule_by_hand():
 
 
 def build(kind, cls, seed=0):
-    """Dense(8, tanh) [-> two residual blocks] -> Dense(3)."""
+    """Dense(8, tanh) [-> two residual blocks | -> repeated 64 times, a
+    functional tower of Dense layers called as a layer (keras.io's
+    fine-tuning pattern, whose graph "auto" cuts), average pooling] ->
+    Dense(3)."""
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((5,))
     h = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
+    if kind == "nested":
+        inner = keras.Input((64, 8))
+        t = inner
+        for i in range(8):
+            small = keras.initializers.RandomNormal(stddev=0.1)
+            t = keras.layers.Dense(32, "tanh", kernel_initializer=small, name=f"tower_{i}")(t)
+        tower = keras.Model(inner, t, name="tower")
+        h = keras.layers.GlobalAveragePooling1D()(tower(keras.layers.RepeatVector(64)(h)))
     if kind == "residual":
         for i in (1, 2):
             small = keras.initializers.RandomNormal(stddev=0.1)

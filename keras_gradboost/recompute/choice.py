@@ -8,7 +8,9 @@ Two kinds of block:
 * for a functional model without such layers, a segment of its layer graph
   between two single-tensor cut points (Chen et al., 2016, "Training Deep Nets
   with Sublinear Memory Cost"), recomputed by running the model as a chain of
-  segments.
+  segments; likewise a segment of the graph of a functional model nested in
+  it (keras.io's fine-tuning pattern: a keras.applications base called as a
+  layer), whose calls then run as a chain of its segments.
 """
 
 import dataclasses
@@ -32,12 +34,15 @@ class Segment:
         layers: the layers it calls.
         last: whether it produces the model's outputs (never recomputed:
             the backward needs its insides first).
+        holder: the functional layer whose graph it cuts, when that is a
+            layer of the model (None: the model's own graph).
     """
 
     name: str
     model: keras.Model
     layers: list
     last: bool = False
+    holder: object = None
 
     def __call__(self, x):
         return self.model(x, training=True)
@@ -202,7 +207,7 @@ def segment_layouts(model):
     return all_cuts, list(dict.fromkeys(layouts))
 
 
-def segments(model, count=None, cuts=None):
+def segments(model, count=None, cuts=None, nested=False):
     """Splits a functional model's graph into segments at cut points.
 
     Args:
@@ -210,6 +215,8 @@ def segments(model, count=None, cuts=None):
         count: how many segments (about; at most the cut points + 1).
             Defaults to the square root of the number of layer calls.
         cuts: use exactly these cut indices instead (from `cut_points`).
+        nested: `model` is a layer of the model being trained (the
+            segments' `holder`, whose name prefixes theirs).
 
     Returns:
         A list of `Segment`s, at least 2, or `[]` if the graph has no cut
@@ -231,10 +238,55 @@ def segments(model, count=None, cuts=None):
             if layer not in layers:
                 layers.append(layer)
         name = f"{layers[0].name}..{layers[-1].name}" if len(layers) > 1 else layers[0].name
+        if nested:
+            name = f"{model.name}/{name}"
         piece = keras.Model(start_tensors, end_tensors, name=f"segment_{len(pieces)}")
-        pieces.append(Segment(name, piece, layers, last))
+        pieces.append(Segment(name, piece, layers, last, model if nested else None))
         start_tensors, start = end_tensors, index + 1
     return pieces
+
+
+def graph_of(model, pieces):
+    """The functional graph `pieces` (segments) cut: `model`'s own, or that
+    of the layer of `model` that holds them."""
+    return pieces[0].holder or model
+
+
+def resegment(model, pieces, cuts=None):
+    """The segments of the graph `pieces` cut (`graph_of`), at `cuts` (by
+    default about sqrt(n) of them, as `segments`)."""
+    graph = graph_of(model, pieces)
+    return segments(graph, cuts=cuts, nested=graph is not model)
+
+
+def nested_graphs(model, blocks):
+    """The functional layers among `blocks` (the nested blocks "auto" found)
+    whose own graph has cut points, when the blocks are few
+    (`NESTED_UP_TO`): a keras.applications base called as a layer is one
+    block, whose replay would hold all its activations at once, and its
+    graph can be cut like a model's. Not one whose input carries a Keras
+    mask, which does not cross the cut tensors."""
+    if not 0 < len(blocks) <= NESTED_UP_TO:
+        return []
+    return [
+        layer
+        for layer in blocks
+        if hooks.is_functional(layer)
+        and cut_points(layer)[1]
+        and not _receives_mask(model, layer)
+    ]
+
+
+def _receives_mask(model, layer):
+    """Whether a call of `layer` in the functional graphs of `model` (its
+    own and its functional layers') takes an input carrying a Keras mask."""
+    graphs = [model] + hooks.flatten_layers(model, include_self=False)
+    return any(
+        op is layer and any(hooks.keras_mask(t) is not None for t in inputs)
+        for graph in graphs
+        if hooks.is_functional(graph)
+        for op, inputs, _ in hooks.functional_nodes(graph)
+    )
 
 
 def _spread(all_cuts, calls, count=None):
@@ -319,6 +371,9 @@ def search_families(model):
     nested blocks (a 2-layer GPT-2), a third: those blocks and the blocks
     inside them (`inner_blocks`), recomputed inside their replays; a flat
     plan of so few blocks keeps a whole block's activations at its replay.
+    And of those blocks, each functional one whose graph can be cut
+    (`nested_graphs`: a keras.applications base called as a layer), a
+    segment between every two of its cut points.
 
     Returns:
         A list of `(layers, segments)` pairs, one of each pair empty.
@@ -334,6 +389,8 @@ def search_families(model):
         nested = [b for layer in layers for b in [layer] + inner_blocks(layer)]
         if len(nested) > len(layers):
             families.append((nested, []))
+    for graph in nested_graphs(model, layers):
+        families.append(([], segments(graph, cuts=cut_points(graph)[1], nested=True)))
     if hooks.is_functional(model):
         _, cuts = cut_points(model)
         if cuts:
@@ -373,7 +430,7 @@ def selective_blocks(model, setting):
         best = None
         for layers, pieces in search_families(model):
             if pieces:
-                pieces = segments(model)
+                pieces = resegment(model, pieces)
             parts = layers or [l for s in pieces if not s.last for l in s.layers]
             covered = len(selective.kernel_layers(parts))
             if best is None or covered > best[0]:

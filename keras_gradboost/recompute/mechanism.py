@@ -78,6 +78,20 @@ def probing(probe, layer_ids):
     return _handling(handle)
 
 
+def replacing(layer, run):
+    """The marked `layer`'s calls run `run(args, kwargs)` (the arguments of
+    its `call`) instead of its `call` inside this context; other marked
+    layers run as they are (a functional layer run as a chain of its
+    segments, `RecomputeSetup`)."""
+
+    def handle(marked, call, args, kwargs):
+        if marked is layer:
+            return run(args, kwargs)
+        return call(*args, **kwargs)
+
+    return _handling(handle)
+
+
 def _plain():
     """Inside a recomputed block, nested marked blocks run as they are."""
     return _handling(None)

@@ -34,10 +34,11 @@ from keras_gradboost.recompute.budget import estimated_peak
 from keras_gradboost.recompute.budget import groups_of
 from keras_gradboost.recompute.budget import merge
 from keras_gradboost.recompute.choice import choose
+from keras_gradboost.recompute.choice import graph_of
 from keras_gradboost.recompute.choice import nested_names
 from keras_gradboost.recompute.choice import search_families
+from keras_gradboost.recompute.choice import resegment
 from keras_gradboost.recompute.choice import segment_layouts
-from keras_gradboost.recompute.choice import segments
 from keras_gradboost.recompute.choice import selective_blocks
 from keras_gradboost.recompute.estimates import MIB
 from keras_gradboost.recompute.estimates import BlockEstimate
@@ -63,13 +64,15 @@ def _has_forward(model):
     return type(model).call is not keras.Model.call
 
 
-def _unsplit(blocks, total):
+def _unsplit(blocks, total, cut=()):
     """Why no plan saves, when one block of the finest layout holds most of
-    the activations: nothing inside it can be cut (a sentence; "" else)."""
+    the activations: nothing inside it can be cut (a sentence; "" else, and
+    when it is among `cut`, the names of the functional layers whose graphs
+    the search cut)."""
     if not blocks or not total:
         return ""
     largest = max(blocks, key=lambda b: b.cached_bytes)
-    if largest.cached_bytes < 0.5 * total:
+    if largest.cached_bytes < 0.5 * total or largest.name in cut:
         return ""
     return (
         f" One block, {largest.name!r}, holds ~{largest.cached_bytes / MIB:.1f} "
@@ -131,6 +134,12 @@ class RecomputeSetup:
             return list(range(len(self.segments)))
         return [id(layer) for layer in self.layers]
 
+    @property
+    def holder(self):
+        """The functional layer whose graph the segments cut (None: the
+        model's own graph, or no segments)."""
+        return self.segments[0].holder if self.segments else None
+
     def names(self):
         if self.segments:
             return {i: s.name for i, s in enumerate(self.segments)}
@@ -142,7 +151,7 @@ class RecomputeSetup:
         """Marks the candidate layers, so a plan can recompute them (and,
         for a selective plan, the kernel layers inside them, whose outputs
         it keeps)."""
-        for layer in self.layers:
+        for layer in self.layers + [self.holder] * (self.holder is not None):
             mechanism.mark(layer)
         if self.selective:
             parts = self.layers or [l for s in self.segments for l in s.layers]
@@ -232,7 +241,7 @@ class RecomputeSetup:
             if spec is not None:
                 self.resolve(model, spec)
         self.forwarded = False
-        with mechanism.active(self.chosen, selective=self.selective):
+        with self._calls(self.chosen):
             yield
         if self.pending:  # no call of `forward`, which chooses at the first batch
             if self.budget:
@@ -245,7 +254,7 @@ class RecomputeSetup:
                 )
             self.pending = False  # "auto": the blocks found at compile
         segments_chosen = any(i in self.chosen for i, s in enumerate(self.segments) if not s.last)
-        if segments_chosen and not self.forwarded:
+        if segments_chosen and self.holder is None and not self.forwarded:
             raise ValueError(
                 f"{name}.train_step runs a forward of its own, and "
                 f"recompute={self.setting!r} chose segments of the model's "
@@ -259,7 +268,7 @@ class RecomputeSetup:
         these keys), or recording each block's operations into `probe`."""
         self.forwarded = True
         chosen = self.chosen if only is None else set(only)
-        if self.segments:
+        if self.segments and self.holder is None:
             h = x
             # Each segment's call is Keras' entry call, which clears its
             # layers' losses: a layer used in two segments would lose the
@@ -282,14 +291,69 @@ class RecomputeSetup:
             for layer, loss in losses:
                 keras.layers.Layer.add_loss(layer, loss)
             return h
-        if probe is not None:
-            context = mechanism.probing(probe, self.keys)
-        else:
-            context = mechanism.active(chosen, selective=self.selective)
-        with context:
+        with self._calls(chosen, probe):
             if hooks.call_has_training_arg(model):
                 return model(x, training=True)
             return model(x)
+
+    def _calls(self, chosen, probe=None):
+        """The context in which the model's own call recomputes the `chosen`
+        blocks (or records each candidate's operations into `probe`): the
+        marked layers, or the calls of the functional layer whose graph the
+        segments cut, run as a chain of them (`_chain`)."""
+        if self.holder is not None:
+            return mechanism.replacing(self.holder, self._chain(chosen, probe))
+        if probe is not None:
+            return mechanism.probing(probe, self.keys)
+        return mechanism.active(chosen, selective=self.selective)
+
+    def _chain(self, chosen, probe):
+        """`run(args, kwargs)` for `mechanism.replacing`: a call of the
+        holder (a functional layer's `call(inputs, training=None, mask=None,
+        **kwargs)`) as the chain of its segments, each called as the holder
+        calls its layers (the same `training` and call-context arguments),
+        the `chosen` ones recomputed.
+
+        Raises:
+            ValueError: the call received a Keras mask, which would not
+                cross the cut tensors (`choice.nested_graphs` leaves out a
+                holder whose functional graph shows one).
+        """
+        holder = self.holder
+
+        def run(args, kwargs):
+            kwargs = dict(kwargs)
+            names = ("inputs", "training", "mask")
+            values = dict(zip(names, args))
+            values.update((n, kwargs.pop(n)) for n in names if n in kwargs)
+            if any(m is not None for m in tf.nest.flatten(values.get("mask"))):
+                raise ValueError(
+                    f"recompute={self.setting!r} cut the graph of {holder.name!r} "
+                    "into segments, and its call received a Keras mask, which "
+                    "does not cross the cut tensors: its masked layers would run "
+                    "unmasked. Name the blocks to recompute instead: "
+                    'recompute=["name", ...].'
+                )
+            h = values["inputs"]
+            for i, segment in enumerate(self.segments):
+                def call(x, segment=segment):
+                    return segment.model(x, training=values.get("training"), **kwargs)
+
+                if probe is not None:
+                    h = probe.run(i, call, h)
+                elif i in chosen and not segment.last:
+                    h = mechanism.recomputed(
+                        call,
+                        mechanism.state_variables(segment.model),
+                        segment.name,
+                        segment.model.trainable_variables,
+                        selective=self.selective,
+                    )(h)
+                else:
+                    h = call(h)
+            return h
+
+        return run
 
     # ----------------------------------------------------- budget and report
 
@@ -374,7 +438,7 @@ class RecomputeSetup:
         family, cuts, figures, _ = layouts[best.layout]
         layers, pieces, family_total, sizes = families[family]
         self.layers = layers
-        self.segments = segments(model, cuts=cuts) if pieces else []
+        self.segments = resegment(model, pieces, cuts) if pieces else []
         self.chosen = set(best.chosen)
         self.plan = self._plan((family_total, figures, sizes), self.batch_hint, model)
         # The figures the choice was made on: no recompute's peak from the
@@ -405,7 +469,11 @@ class RecomputeSetup:
                 f"~{estimated_peak(found[0]) / MIB:.1f} MiB"
                 + (f", the lowest plan's ~{lowest_peak / MIB:.1f} MiB" if plans else "")
                 + "): nothing is recomputed."
-                + _unsplit(self.plan.blocks, total)
+                + _unsplit(
+                    self.plan.blocks,
+                    total,
+                    {p[0].holder.name for _, p, _, _ in families if p and p[0].holder},
+                )
                 + " Lower the batch size (with accumulate_steps to keep the "
                 "effective batch) or use mixed precision to save memory."
                 + removable,
@@ -458,7 +526,7 @@ class RecomputeSetup:
             families.append((layers, pieces, family_total, sizes))
             mine = []
             if pieces:
-                all_cuts, cut_sets = segment_layouts(model)
+                all_cuts, cut_sets = segment_layouts(graph_of(model, pieces))
                 for cuts in cut_sets:
                     groups = groups_of(all_cuts, cuts)
                     keys = list(range(len(groups) - 1))  # the last is never recomputed
