@@ -215,6 +215,18 @@ def is_functional(model):
     return isinstance(model, functional_model_class())
 
 
+def layer_graph(layer):
+    """The functional graph whose calls `layer`'s `call` runs: `layer` itself
+    when functional, a built `keras.Sequential`'s inner one (the private
+    `Sequential._functional`, which its `call` runs), else None."""
+    if is_functional(layer):
+        return layer
+    if isinstance(layer, keras.Sequential):
+        inner = getattr(layer, "_functional", None)
+        return inner if is_functional(inner) else None
+    return None
+
+
 def functional_init_arguments(args, kwargs):
     """Whether `Model(*args, **kwargs)` asks for a functional model."""
     from keras.src.models.model import functional_init_arguments as _f
@@ -790,6 +802,10 @@ def check():
     symbolic = keras.Input((4,), dtype="int32")
     assert keras_mask(keras.layers.Embedding(5, 3, mask_zero=True)(symbolic)) is not None
     assert is_functional(model)
+    assert layer_graph(model) is model
+    stack = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    (_, ins, outs), = functional_nodes(layer_graph(stack))
+    assert ins[0] is stack.inputs[0] and outs == stack.outputs
     assert functional_init_arguments((inputs, inputs), {})
     with autocast("bfloat16"):
         assert current_autocast() == "bfloat16"

@@ -8,9 +8,10 @@ Two kinds of block:
 * for a functional model without such layers, a segment of its layer graph
   between two single-tensor cut points (Chen et al., 2016, "Training Deep Nets
   with Sublinear Memory Cost"), recomputed by running the model as a chain of
-  segments; likewise a segment of the graph of a functional model nested in
-  it (keras.io's fine-tuning pattern: a keras.applications base called as a
-  layer), whose calls then run as a chain of its segments.
+  segments; likewise a segment of the graph of a functional model or a
+  `Sequential` nested in it (keras.io's fine-tuning pattern: a
+  keras.applications base called as a layer), whose calls then run as a
+  chain of its segments.
 """
 
 import dataclasses
@@ -34,8 +35,9 @@ class Segment:
         layers: the layers it calls.
         last: whether it produces the model's outputs (never recomputed:
             the backward needs its insides first).
-        holder: the functional layer whose graph it cuts, when that is a
-            layer of the model (None: the model's own graph).
+        holder: the layer of the model whose call runs the graph it cuts
+            (a functional model or a `Sequential` called as a layer; None:
+            the model's own graph).
     """
 
     name: str
@@ -207,7 +209,7 @@ def segment_layouts(model):
     return all_cuts, list(dict.fromkeys(layouts))
 
 
-def segments(model, count=None, cuts=None, nested=False):
+def segments(model, count=None, cuts=None, holder=None):
     """Splits a functional model's graph into segments at cut points.
 
     Args:
@@ -215,8 +217,9 @@ def segments(model, count=None, cuts=None, nested=False):
         count: how many segments (about; at most the cut points + 1).
             Defaults to the square root of the number of layer calls.
         cuts: use exactly these cut indices instead (from `cut_points`).
-        nested: `model` is a layer of the model being trained (the
-            segments' `holder`, whose name prefixes theirs).
+        holder: the layer of the model being trained whose call runs
+            `model`'s graph (`hooks.layer_graph`), when it is not the model
+            itself: the segments' `holder`, whose name prefixes theirs.
 
     Returns:
         A list of `Segment`s, at least 2, or `[]` if the graph has no cut
@@ -238,10 +241,10 @@ def segments(model, count=None, cuts=None, nested=False):
             if layer not in layers:
                 layers.append(layer)
         name = f"{layers[0].name}..{layers[-1].name}" if len(layers) > 1 else layers[0].name
-        if nested:
-            name = f"{model.name}/{name}"
+        if holder is not None:
+            name = f"{holder.name}/{name}"
         piece = keras.Model(start_tensors, end_tensors, name=f"segment_{len(pieces)}")
-        pieces.append(Segment(name, piece, layers, last, model if nested else None))
+        pieces.append(Segment(name, piece, layers, last, holder))
         start_tensors, start = end_tensors, index + 1
     return pieces
 
@@ -249,42 +252,48 @@ def segments(model, count=None, cuts=None, nested=False):
 def graph_of(model, pieces):
     """The functional graph `pieces` (segments) cut: `model`'s own, or that
     of the layer of `model` that holds them."""
-    return pieces[0].holder or model
+    holder = pieces[0].holder
+    return model if holder is None else hooks.layer_graph(holder)
 
 
 def resegment(model, pieces, cuts=None):
     """The segments of the graph `pieces` cut (`graph_of`), at `cuts` (by
     default about sqrt(n) of them, as `segments`)."""
-    graph = graph_of(model, pieces)
-    return segments(graph, cuts=cuts, nested=graph is not model)
+    return segments(graph_of(model, pieces), cuts=cuts, holder=pieces[0].holder)
 
 
 def nested_graphs(model, blocks):
-    """The functional layers among `blocks` (the nested blocks "auto" found)
-    whose own graph has cut points, when the blocks are few
-    (`NESTED_UP_TO`): a keras.applications base called as a layer is one
+    """The functional layers and built `Sequential`s among `blocks` (the
+    nested blocks "auto" found) whose graph has cut points, when the blocks
+    are few
+    (`NESTED_UP_TO`), or else the one that holds more layers than all the
+    others together: a keras.applications base called as a layer is one
     block, whose replay would hold all its activations at once, and its
-    graph can be cut like a model's. Not one whose input carries a Keras
-    mask, which does not cross the cut tensors."""
-    if not 0 < len(blocks) <= NESTED_UP_TO:
-        return []
-    return [
+    graph can be cut like a model's. (Each costs a traced estimate.) Not
+    one whose input carries a Keras mask, which does not cross the cut
+    tensors."""
+    cuttable = [
         layer
         for layer in blocks
-        if hooks.is_functional(layer)
-        and cut_points(layer)[1]
+        if hooks.layer_graph(layer) is not None
+        and cut_points(hooks.layer_graph(layer))[1]
         and not _receives_mask(model, layer)
     ]
+    if len(blocks) <= NESTED_UP_TO:
+        return cuttable
+    size = {id(b): len(hooks.flatten_layers(b)) for b in blocks}
+    total = sum(size.values())
+    return [layer for layer in cuttable if 2 * size[id(layer)] > total]
 
 
 def _receives_mask(model, layer):
     """Whether a call of `layer` in the functional graphs of `model` (its
     own and its functional layers') takes an input carrying a Keras mask."""
-    graphs = [model] + hooks.flatten_layers(model, include_self=False)
+    graphs = [hooks.layer_graph(g) for g in hooks.flatten_layers(model)]
     return any(
         op is layer and any(hooks.keras_mask(t) is not None for t in inputs)
         for graph in graphs
-        if hooks.is_functional(graph)
+        if graph is not None
         for op, inputs, _ in hooks.functional_nodes(graph)
     )
 
@@ -389,8 +398,9 @@ def search_families(model):
         nested = [b for layer in layers for b in [layer] + inner_blocks(layer)]
         if len(nested) > len(layers):
             families.append((nested, []))
-    for graph in nested_graphs(model, layers):
-        families.append(([], segments(graph, cuts=cut_points(graph)[1], nested=True)))
+    for holder in nested_graphs(model, layers):
+        graph = hooks.layer_graph(holder)
+        families.append(([], segments(graph, cuts=cut_points(graph)[1], holder=holder)))
     if hooks.is_functional(model):
         _, cuts = cut_points(model)
         if cuts:
@@ -403,9 +413,11 @@ def search_families(model):
 def selective_blocks(model, setting):
     """The blocks of `recompute={"policy": "selective", "blocks": setting}`.
 
-    With `"auto"`: of the two kinds of plan (`search_families`: the nested
-    blocks, or the functional graph's ~sqrt(n) segments), the one whose
-    recomputed parts hold the most kernel layers: a selective plan keeps
+    With `"auto"`: of the kinds of plan (`search_families`: the nested
+    blocks, or a functional graph's ~sqrt(n) segments, the model's or a
+    functional layer's), the one whose recomputed parts hold the most
+    kernel layers (a functional layer whose graph is cut counting for its
+    segments only): a selective plan keeps
     their outputs and recomputes the rest, so it pays where it covers most
     of the model (ConvNeXt's 18 blocks sit inline, outside its nested
     `Sequential`s; a BERT's encoder layers are its nested blocks). The
@@ -428,11 +440,15 @@ def selective_blocks(model, setting):
         parts = layers
     else:
         best = None
-        for layers, pieces in search_families(model):
+        families = search_families(model)
+        # A functional layer whose graph is cut is served by its segments:
+        # replayed whole, its replay would hold all it rebuilds at once.
+        cut = [p[0].holder for _, p in families if p and p[0].holder is not None]
+        for layers, pieces in families:
             if pieces:
                 pieces = resegment(model, pieces)
             parts = layers or [l for s in pieces if not s.last for l in s.layers]
-            covered = len(selective.kernel_layers(parts))
+            covered = len(selective.kernel_layers([p for p in parts if p not in cut]))
             if best is None or covered > best[0]:
                 best = (covered, layers, pieces, parts)
         _, layers, pieces, parts = best

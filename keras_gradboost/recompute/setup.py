@@ -136,7 +136,7 @@ class RecomputeSetup:
 
     @property
     def holder(self):
-        """The functional layer whose graph the segments cut (None: the
+        """The layer whose call runs the graph the segments cut (None: the
         model's own graph, or no segments)."""
         return self.segments[0].holder if self.segments else None
 
@@ -309,10 +309,10 @@ class RecomputeSetup:
 
     def _chain(self, chosen, probe):
         """`run(args, kwargs)` for `mechanism.replacing`: a call of the
-        holder (a functional layer's `call(inputs, training=None, mask=None,
-        **kwargs)`) as the chain of its segments, each called as the holder
-        calls its layers (the same `training` and call-context arguments),
-        the `chosen` ones recomputed.
+        holder (a functional model's or a `Sequential`'s `call(inputs,
+        training=None, mask=None, **kwargs)`) as the chain of its segments,
+        each called as the holder calls its layers (the same `training` and
+        call-context arguments), the `chosen` ones recomputed.
 
         Raises:
             ValueError: the call received a Keras mask, which would not
