@@ -52,8 +52,24 @@ def check(model, setup, batch, rtol=None):
     Raises:
         RecomputeCheckError: naming the first block that changes a gradient.
     """
-    with _graph_rewrites_off():
+    with _graph_rewrites_off(), _quiet_retracing():
         _check(model, setup, batch, rtol)
+
+
+@contextlib.contextmanager
+def _quiet_retracing():
+    """TensorFlow's logger at ERROR while the check traces one function per
+    block: it warned, from the fifth block on, that they "triggered
+    tf.function retracing" and that "tracing is expensive", advice about
+    the user's code that does not apply (the check traces each on
+    purpose, once)."""
+    logger = tf.get_logger()
+    previous = logger.level
+    logger.setLevel("ERROR")
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
 
 
 @contextlib.contextmanager

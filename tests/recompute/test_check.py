@@ -93,3 +93,25 @@ def test_recompute_check_counts_the_losses_layers_add(data, monkeypatch):
             continue
         with pytest.raises(RecomputeCheckError, match="block 'block'"):
             model.fit(x, y, batch_size=16, verbose=0)
+
+
+def test_recompute_check_of_many_blocks_logs_no_retracing_advice(data):
+    # One traced function per block: from the fifth on, TensorFlow warned
+    # that they "triggered tf.function retracing", advice about the user's
+    # code that does not apply. The logger's level is set back after.
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = tf.get_logger()
+    level = logger.level
+    logger.addHandler(handler)
+    try:
+        x, y = data
+        model = residual_model(blocks_count=7)
+        train(model, x, y, recompute=["res_*"], recompute_check=True)
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if "retracing" in r.getMessage()]
+    assert logger.level == level

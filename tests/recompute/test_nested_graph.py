@@ -213,3 +213,33 @@ def test_auto_cuts_a_nested_sequential_and_trains_exactly_like_keras():
     assert plan.peak_bytes < 0.6 * plan.peak_bytes_without, plan
     np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-6)
     assert_same_state(reference, model)
+
+
+def _siamese(cls):
+    """One base called on two inputs (a siamese network)."""
+    keras.utils.set_random_seed(0)
+    base = keras.applications.MobileNetV2(
+        input_shape=(32, 32, 3), include_top=False, weights=None, alpha=0.35
+    )
+    a, b = keras.Input((32, 32, 3)), keras.Input((32, 32, 3))
+    pooled = [keras.layers.GlobalAveragePooling2D()(base(x)) for x in (a, b)]
+    return cls([a, b], keras.layers.Dense(3)(keras.layers.Concatenate()(pooled)))
+
+
+def test_a_base_called_twice_runs_its_chain_at_each_call():
+    x, y = _data(16)
+    twin = np.flip(x, axis=1).copy()
+    models = []
+    for cls, setting in ((keras.Model, None), (GradBoostModel, "auto")):
+        model = _siamese(cls)
+        kwargs = {"recompute": setting} if setting else {}
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            **kwargs,
+        )
+        model.fit([x, twin], y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        models.append(model)
+    chosen = models[1].recompute_plan().recomputed
+    assert chosen and all(name.startswith(f"{BASE}/") for name in chosen), chosen
+    assert_same_state(*models)
