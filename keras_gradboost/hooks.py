@@ -218,10 +218,12 @@ def is_functional(model):
 def layer_graph(layer):
     """The functional graph whose calls `layer`'s `call` runs: `layer` itself
     when functional, a built `keras.Sequential`'s inner one (the private
-    `Sequential._functional`, which its `call` runs), else None."""
-    if is_functional(layer):
+    `Sequential._functional`, which its `call` runs), else None (also for a
+    class that overrides their `call`: it may run something else)."""
+    functional = functional_model_class()
+    if is_functional(layer) and type(layer).call is functional.call:
         return layer
-    if isinstance(layer, keras.Sequential):
+    if isinstance(layer, keras.Sequential) and type(layer).call is keras.Sequential.call:
         inner = getattr(layer, "_functional", None)
         return inner if is_functional(inner) else None
     return None

@@ -288,9 +288,10 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 stack of them is split into its members), and segmentations
                 of a functional model's layer graph cut where one tensor
                 carries everything (about 2..n segments, sqrt(n) among
-                them; likewise the graph of a functional model called as a
-                layer, such as a keras.applications base being fine-tuned,
-                whose calls then run as a chain of its segments), when it
+                them; likewise the graph of a functional model or
+                `Sequential` called as a layer, such as a keras.applications
+                base being fine-tuned, whose calls then run as a chain of
+                its segments), when it
                 saves at least 10% (else nothing is
                 recomputed, with a warning; with batches of no fixed size,
                 the blocks, else about sqrt(n) segments); `{"budget_mb": N}`:

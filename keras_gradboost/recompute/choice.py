@@ -174,20 +174,62 @@ def cut_points(model):
     """
     calls = hooks.functional_nodes(model)
     outputs = {id(t) for t in tf.nest.flatten(model.outputs)}
-    last_use = {}
-    for i, (_, inputs, _) in enumerate(calls):
+    last_use, readers = {}, {}
+    for i, (layer, inputs, _) in enumerate(calls):
         for t in inputs:
             last_use[id(t)] = i
+            readers.setdefault(id(t), []).append(layer)
     cuts = []
+    retyped = _retyped(calls)
     live = {id(t) for t in tf.nest.flatten(model.inputs)}
     for i, (_, inputs, produced) in enumerate(calls):
         live |= {id(t) for t in produced}
         live = {t for t in live if last_use.get(t, -1) > i or t in outputs}
         if i < len(calls) - 1 and len(live) == 1 and len(produced) == 1:
             (only,) = live
-            if only == id(produced[0]) and only not in outputs:
+            if (
+                only == id(produced[0])
+                and only not in outputs
+                and _crossable(produced[0], readers.get(only, []), retyped)
+            ):
                 cuts.append(i)
     return calls, cuts
+
+
+def _retyped(calls):
+    """Whether a layer of the graph computes in another dtype than the graph
+    was built in (a mixed policy set after the model was built, as
+    `compile(precision=...)` does): its float outputs' symbolic dtype is
+    not its compute dtype."""
+    return any(
+        isinstance(layer, keras.layers.Layer)
+        and any(
+            t.dtype != layer.compute_dtype and keras.backend.is_float_dtype(t.dtype)
+            for t in produced
+        )
+        for layer, _, produced in calls
+    )
+
+
+def _crossable(tensor, readers, retyped):
+    """Whether a segment may start at `tensor`. No Keras mask may ride on it
+    (a recomputed segment's outputs are new tensors, without it). And the
+    segment (a functional model) converts it to its symbolic dtype: where
+    the graph is `retyped`, float32 where it computes in bfloat16, so only
+    where every reader casts its inputs to its own compute dtype anyway (a
+    layer that converts its inputs, or a functional model or `Sequential`,
+    which converts them to its `Input`'s dtype). A raw operation
+    (`x + y`, `keras.ops.sin(x)` in a functional graph; ConvNeXt's residual
+    add) computes in the dtype it is given: in float32 after the cut."""
+    if hooks.keras_mask(tensor) is not None:
+        return False
+    if not retyped:
+        return True
+    return all(
+        isinstance(r, keras.layers.Layer)
+        and (hooks.casts_inputs(r) or hooks.layer_graph(r) is not None)
+        for r in readers
+    )
 
 
 def segment_layouts(model):

@@ -127,6 +127,7 @@ class RecomputeSetup:
         # the batches have no fixed size).
         self.pending = self.budget or self.auto
         self.forwarded = False  # whether `forward` ran (in a model's own step)
+        self.chained = False  # whether a holder's chain ran (likewise)
 
     @property
     def keys(self):
@@ -227,9 +228,12 @@ class RecomputeSetup:
         input. Without them "auto" keeps the blocks found at compile, and a
         budget waits for GradBoostModel's forward (`super().train_step`).
 
-        A plan of graph segments is run by `forward` alone: when the step
-        made no call of it (its forward is its own), raises a `ValueError`
-        as the step's trace ends, before anything trains.
+        A plan of segments of the model's own graph is run by `forward`
+        alone: when the step made no call of it (its forward is its own),
+        raises a `ValueError` as the step's trace ends, before anything
+        trains. Segments of a layer's graph run inside that layer's calls,
+        whoever makes them; likewise a `ValueError` when the step made
+        none.
         """
         name = type(model).__name__
         if self.pending and hooks.is_functional(model):
@@ -240,7 +244,7 @@ class RecomputeSetup:
             spec = self._spec(model, (shape[0] if shape.rank else None) or self.batch_hint)
             if spec is not None:
                 self.resolve(model, spec)
-        self.forwarded = False
+        self.forwarded = self.chained = False
         with self._calls(self.chosen):
             yield
         if self.pending:  # no call of `forward`, which chooses at the first batch
@@ -254,6 +258,14 @@ class RecomputeSetup:
                 )
             self.pending = False  # "auto": the blocks found at compile
         segments_chosen = any(i in self.chosen for i, s in enumerate(self.segments) if not s.last)
+        if segments_chosen and self.holder is not None and not self.chained:
+            raise ValueError(
+                f"{name}.train_step made no call of {self.holder.name!r}, and "
+                f"recompute={self.setting!r} chose segments of its graph, "
+                "which run only inside its calls: they would be silently left "
+                "out. Call the model (or that layer) in the step, or name the "
+                'layers to recompute: recompute=["name", ...].'
+            )
         if segments_chosen and self.holder is None and not self.forwarded:
             raise ValueError(
                 f"{name}.train_step runs a forward of its own, and "
@@ -265,9 +277,15 @@ class RecomputeSetup:
 
     def forward(self, model, x, only=None, probe=None):
         """The training forward, recomputing the chosen blocks (or `only`
-        these keys), or recording each block's operations into `probe`."""
+        these keys), or recording each block's operations into `probe`.
+        `only=()`: the model's own call, without the segments' chain (the
+        reference `recompute_check` compares the chain with)."""
         self.forwarded = True
         chosen = self.chosen if only is None else set(only)
+        if only is not None and not chosen and probe is None:
+            if hooks.call_has_training_arg(model):
+                return model(x, training=True)
+            return model(x)
         if self.segments and self.holder is None:
             h = x
             # Each segment's call is Keras' entry call, which clears its
@@ -329,11 +347,14 @@ class RecomputeSetup:
             if any(m is not None for m in tf.nest.flatten(values.get("mask"))):
                 raise ValueError(
                     f"recompute={self.setting!r} cut the graph of {holder.name!r} "
-                    "into segments, and its call received a Keras mask, which "
-                    "does not cross the cut tensors: its masked layers would run "
-                    "unmasked. Name the blocks to recompute instead: "
-                    'recompute=["name", ...].'
+                    "into segments (its functional graph showed no Keras mask "
+                    "reaching it), and this call of it received one, which does "
+                    "not cross the cut tensors: its masked layers would run "
+                    "unmasked. Recompute it whole instead, "
+                    f"recompute=[{holder.name!r}], or name other blocks."
                 )
+            if probe is None:
+                self.chained = True
             h = values["inputs"]
             for i, segment in enumerate(self.segments):
                 def call(x, segment=segment):
@@ -507,8 +528,9 @@ class RecomputeSetup:
 
     def search(self, model, spec):
         """Estimates each kind of plan "auto" and a budget choose among
-        (`choice.search_families`: the nested blocks, and the flat graph's
-        segments) once at `spec`, and lists the plans.
+        (`choice.search_families`: the nested blocks, and the segments of
+        the model's graph or of a functional layer's) once at `spec`, and
+        lists the plans.
 
         Returns:
             `(total, families, layouts, found)`: bytes without recompute;

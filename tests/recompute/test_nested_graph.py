@@ -12,6 +12,7 @@ import tensorflow as tf
 import keras
 from conftest import base_classifier
 from keras_gradboost import GradBoostModel
+from keras_gradboost import hooks
 from keras_gradboost import recompute
 from keras_gradboost.recompute import choice
 from recompute.models import assert_same_state
@@ -125,15 +126,49 @@ class OwnStep(GradBoostModel):
         return {"loss": loss}
 
 
-def test_an_own_train_step_runs_the_base_as_its_segments():
+def _count_recomputed(monkeypatch):
+    """A list that grows by one at each recomputed block call traced."""
+    from keras_gradboost.recompute import mechanism
+
+    calls, original = [], mechanism.recomputed
+
+    def counted(*args, **kwargs):
+        calls.append(args[2] if len(args) > 2 else kwargs.get("name"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(mechanism, "recomputed", counted)
+    return calls
+
+
+def test_an_own_train_step_runs_the_base_as_its_segments(monkeypatch):
     # Top-level segments need GradBoostModel's forward (refused otherwise);
     # a nested base's run inside the model's own call, whoever calls it.
     reference = base_classifier(GradBoostModel)
     _fit(reference)
     model = base_classifier(OwnStep)
+    traced = _count_recomputed(monkeypatch)
     _fit(model, recompute="auto")
-    assert model.recompute_plan().recomputed[0].startswith(f"{BASE}/")
+    chosen = model.recompute_plan().recomputed
+    assert chosen[0].startswith(f"{BASE}/")
+    assert traced and set(traced) == set(chosen)  # the step's trace ran them
     assert_same_state(reference, model)
+
+
+class HeadOnly(GradBoostModel):
+    """An own `train_step` that never calls the base."""
+
+    def train_step(self, data):
+        x, _ = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self.layers[-1].kernel))
+        self.minimize(tape, loss, count=tf.shape(x)[0])
+        return {"loss": loss}
+
+
+def test_an_own_step_that_never_calls_the_base_is_refused():
+    model = base_classifier(HeadOnly)
+    with pytest.raises(ValueError, match=f"made no call of '{BASE}'.*silently left out"):
+        _fit(model, recompute="auto")
 
 
 def _masked(cls=GradBoostModel):
@@ -164,8 +199,24 @@ def test_a_base_that_receives_a_keras_mask_is_not_cut():
     setup = model._gradboost.recompute
     setup.layers, setup.segments = [], choice.segments(tower, holder=tower)
     setup.apply()
-    with pytest.raises(ValueError, match="'tower'.*received a Keras mask"):
+    with pytest.raises(ValueError, match=r"'tower' into segments.*received one.*recompute=\['tower'\]"):
         setup.forward(model, tf.ones((2, 6), "int32"))
+
+
+def test_no_cut_where_a_keras_mask_rides_on_the_tensor():
+    # A mask made inside the graph (Embedding(mask_zero=True)) rides on the
+    # tensors to the pooling that reads it; a recomputed segment's outputs
+    # are new tensors, without it: the pooling would run unmasked.
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(20, 16, mask_zero=True)(tokens)
+    for i in range(6):
+        h = keras.layers.Dense(16, activation="tanh", name=f"d{i}")(h)
+    tower = keras.Model(tokens, h, name="tower")
+    assert choice.cut_points(tower)[1] == []
+    outer = keras.Input((6,), dtype="int32")
+    model = keras.Model(outer, keras.layers.GlobalAveragePooling1D()(tower(outer)))
+    assert choice.nested_graphs(model, [tower]) == []
 
 
 def test_selective_auto_takes_the_base_segments_and_equals_no_recompute():
@@ -226,7 +277,8 @@ def _siamese(cls):
     return cls([a, b], keras.layers.Dense(3)(keras.layers.Concatenate()(pooled)))
 
 
-def test_a_base_called_twice_runs_its_chain_at_each_call():
+def test_a_base_called_twice_runs_its_chain_at_each_call(monkeypatch):
+    traced = _count_recomputed(monkeypatch)
     x, y = _data(16)
     twin = np.flip(x, axis=1).copy()
     models = []
@@ -242,4 +294,81 @@ def test_a_base_called_twice_runs_its_chain_at_each_call():
         models.append(model)
     chosen = models[1].recompute_plan().recomputed
     assert chosen and all(name.startswith(f"{BASE}/") for name in chosen), chosen
+    # Each chosen segment recomputed at both calls of the base, per trace.
+    assert sorted(set(traced)) == sorted(chosen)
+    assert all(traced.count(name) % 2 == 0 for name in chosen)
     assert_same_state(*models)
+
+
+def _ops_graph(inputs):
+    """Residual blocks whose adds are raw operations (`x + f(x)` on
+    KerasTensors, as keras.applications.ConvNeXt's), each followed by a
+    Dense layer: cut points before a raw add, and before a Dense alone."""
+    t = keras.layers.Dense(32, name="stem")(inputs)
+    for i in range(6):
+        t = t + keras.ops.sin(keras.layers.Dense(32, name=f"d{i}")(t))
+        t = keras.layers.Dense(32, name=f"mix{i}")(t)
+    return t
+
+
+def _ops_model(cls, nested):
+    keras.utils.set_random_seed(0)
+    x = keras.Input((64, 8))
+    if nested:
+        inner = keras.Input((64, 8))
+        h = keras.Model(inner, _ops_graph(inner), name="tower")(x)
+    else:
+        h = _ops_graph(x)
+    return cls(x, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h)))
+
+
+@pytest.mark.filterwarnings("ignore:recompute=")
+@pytest.mark.parametrize("nested", [True, False], ids=["tower", "model"])
+def test_precision_set_at_compile_cuts_no_graph_before_a_raw_operation(nested):
+    # compile(precision=...) sets the layers' policies after the graph was
+    # built in float32: a segment converts its input to float32, and a raw
+    # add after the cut computed in float32 where the model computes in
+    # bfloat16 (a silent difference). Such cuts are left out.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 64, 8)).astype("float32")
+    y = rng.normal(size=(32, 3)).astype("float32")
+    models = []
+    for setting in (None, {"budget_mb": 0.01}):
+        model = _ops_model(GradBoostModel, nested)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1), loss="mse",
+            precision="mixed_bfloat16", recompute=setting,
+        )
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        models.append(model)
+    assert models[1].recompute_plan().recomputed  # cut where the readers cast
+    assert_same_state(*models, atol=0)
+    # The cuts left: after each raw add (read by a Dense alone), none where
+    # a raw add reads the tensor.
+    graph = models[1].get_layer("tower") if nested else models[1]
+    calls, cuts = choice.cut_points(graph)
+    read_raw = {
+        id(t) for op, inputs, _ in calls if not isinstance(op, keras.layers.Layer)
+        for t in inputs
+    }
+    assert sum(not isinstance(calls[i][0], keras.layers.Layer) for i in cuts) == 6
+    assert not [i for i in cuts if id(calls[i][2][0]) in read_raw]
+
+
+def test_a_functional_class_with_its_own_call_is_not_cut():
+    # Its `call` may run something else than its graph (keras-hub has such
+    # classes): the chain of its graph's segments would replace it.
+    class Doubled(keras.Model):
+        def call(self, inputs, training=None):
+            return super().call(inputs, training=training) * 2.0
+
+    inner = keras.Input((8,))
+    h = inner
+    for i in range(4):
+        h = keras.layers.Dense(8, name=f"d{i}")(h)
+    doubled, plain = Doubled(inner, h), keras.Model(inner, h)
+    assert hooks.layer_graph(plain) is plain
+    assert hooks.layer_graph(doubled) is None
+    x = keras.Input((8,))
+    model = keras.Model(x, doubled(x))
+    assert choice.nested_graphs(model, [doubled]) == []
