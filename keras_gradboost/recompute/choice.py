@@ -45,6 +45,41 @@ class Segment:
     layers: list
     last: bool = False
     holder: object = None
+    readers_cast: bool = True
+
+    def check_input(self, tensor):
+        """Raises unless `tensor`, arriving at this segment (not the
+        first), reaches its layers as it would without the cut.
+
+        The segment's functional model converts it to the dtype the graph
+        gave it. Where the dtype policy changed after the cut points were
+        chosen (a policy set by `compile(precision=...)` after a selective
+        plan or "auto" without fixed shapes chose them at compile, or
+        `precision="measure"` switching), that narrows it, or widens it
+        before a reader that computes in the dtype it is given
+        (`readers_cast` False).
+
+        Raises:
+            ValueError: naming the segment, both dtypes and what to do.
+        """
+        expected = tf.as_dtype(tf.nest.flatten(self.model.inputs)[0].dtype)
+        got = tensor.dtype
+        if got == expected or not (got.is_floating and expected.is_floating):
+            return
+        if expected.size > got.size and self.readers_cast:
+            return  # widened, and every reader casts it back
+        raise ValueError(
+            f"Cannot run the recompute segment {self.name!r} exactly: its input "
+            f"arrives as {got.name}, and the segment (a functional model over "
+            f"the graph, built in {expected.name}) converts it to "
+            f"{expected.name}, "
+            + ("losing precision" if expected.size < got.size else
+               "and a layer or operation reading it computes in the dtype it is given")
+            + ": the dtype policy changed after its cut points were chosen. Set "
+            "the policy before building the model "
+            "(keras.mixed_precision.set_global_policy), or name the blocks to "
+            'recompute: recompute=["name", ...].'
+        )
 
     def __call__(self, x):
         return self.model(x, training=True)
@@ -190,7 +225,7 @@ def cut_points(model):
             if (
                 only == id(produced[0])
                 and only not in outputs
-                and _crossable(produced[0], readers.get(only, []), retyped)
+                and _crossable(produced[0], readers.get(only, []), retyped, calls[i][0])
             ):
                 cuts.append(i)
     return calls, cuts
@@ -211,7 +246,7 @@ def _retyped(calls):
     )
 
 
-def _crossable(tensor, readers, retyped):
+def _crossable(tensor, readers, retyped, producer=None):
     """Whether a segment may start at `tensor`. No Keras mask may ride on it
     (a recomputed segment's outputs are new tensors, without it). And the
     segment (a functional model) converts it to its symbolic dtype: where
@@ -220,14 +255,24 @@ def _crossable(tensor, readers, retyped):
     layer that converts its inputs, or a functional model or `Sequential`,
     which converts them to its `Input`'s dtype). A raw operation
     (`x + y`, `keras.ops.sin(x)` in a functional graph; ConvNeXt's residual
-    add) computes in the dtype it is given: in float32 after the cut."""
+    add) computes in the dtype it is given: in float32 after the cut; so
+    does a layer with `autocast=False`. Nor where the graph's dtype is
+    narrower than its `producer`'s compute dtype (built in bfloat16,
+    computing in float32): the conversion would round it.
+    (`Segment.check_input` refuses, at run time, a cut whose dtype changed
+    since it was chosen.)"""
     if hooks.keras_mask(tensor) is not None:
         return False
     if not retyped:
         return True
+    if isinstance(producer, keras.layers.Layer) and (
+        tf.as_dtype(tensor.dtype).is_floating
+        and tf.as_dtype(tensor.dtype).size < tf.as_dtype(producer.compute_dtype).size
+    ):
+        return False
     return all(
         isinstance(r, keras.layers.Layer)
-        and (hooks.casts_inputs(r) or hooks.layer_graph(r) is not None)
+        and ((hooks.casts_inputs(r) and r.autocast) or hooks.layer_graph(r) is not None)
         for r in readers
     )
 
@@ -272,6 +317,10 @@ def segments(model, count=None, cuts=None, holder=None):
         return []
     if cuts is None:
         cuts = _spread(all_cuts, len(calls), count)
+    readers = {}
+    for layer, inputs, _ in calls:
+        for t in inputs:
+            readers.setdefault(id(t), []).append(layer)
     pieces = []
     start_tensors = model.input
     start = 0
@@ -286,7 +335,8 @@ def segments(model, count=None, cuts=None, holder=None):
         if holder is not None:
             name = f"{holder.name}/{name}"
         piece = keras.Model(start_tensors, end_tensors, name=f"segment_{len(pieces)}")
-        pieces.append(Segment(name, piece, layers, last, holder))
+        cast = not pieces or _crossable(start_tensors, readers.get(id(start_tensors), []), True)
+        pieces.append(Segment(name, piece, layers, last, holder, cast))
         start_tensors, start = end_tensors, index + 1
     return pieces
 

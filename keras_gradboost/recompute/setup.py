@@ -283,9 +283,7 @@ class RecomputeSetup:
         self.forwarded = True
         chosen = self.chosen if only is None else set(only)
         if only is not None and not chosen and probe is None:
-            if hooks.call_has_training_arg(model):
-                return model(x, training=True)
-            return model(x)
+            return _own_call(model, x)
         if self.segments and self.holder is None:
             h = x
             # Each segment's call is Keras' entry call, which clears its
@@ -293,26 +291,12 @@ class RecomputeSetup:
             # first one's. Collected here and added once, after.
             with hooks.collecting_losses() as losses:
                 for i, segment in enumerate(self.segments):
-                    if probe is not None:
-                        h = probe.run(i, segment, h)
-                    elif i in chosen and not segment.last:
-                        state = mechanism.state_variables(segment.model)
-                        h = mechanism.recomputed(
-                            segment,
-                            state,
-                            segment.name,
-                            segment.model.trainable_variables,
-                            selective=self.selective,
-                        )(h)
-                    else:
-                        h = segment(h)
+                    h = self._run_segment(i, segment, segment, h, chosen, probe)
             for layer, loss in losses:
                 keras.layers.Layer.add_loss(layer, loss)
             return h
         with self._calls(chosen, probe):
-            if hooks.call_has_training_arg(model):
-                return model(x, training=True)
-            return model(x)
+            return _own_call(model, x)
 
     def _calls(self, chosen, probe=None):
         """The context in which the model's own call recomputes the `chosen`
@@ -360,21 +344,27 @@ class RecomputeSetup:
                 def call(x, segment=segment):
                     return segment.model(x, training=values.get("training"), **kwargs)
 
-                if probe is not None:
-                    h = probe.run(i, call, h)
-                elif i in chosen and not segment.last:
-                    h = mechanism.recomputed(
-                        call,
-                        mechanism.state_variables(segment.model),
-                        segment.name,
-                        segment.model.trainable_variables,
-                        selective=self.selective,
-                    )(h)
-                else:
-                    h = call(h)
+                h = self._run_segment(i, segment, call, h, chosen, probe)
             return h
 
         return run
+
+    def _run_segment(self, i, segment, call, h, chosen, probe):
+        """Segment `i` of a chain on `h`: `call(h)` through `probe`,
+        recomputed when chosen (never the last), or as it is."""
+        if i:
+            segment.check_input(h)
+        if probe is not None:
+            return probe.run(i, call, h)
+        if i in chosen and not segment.last:
+            return mechanism.recomputed(
+                call,
+                mechanism.state_variables(segment.model),
+                segment.name,
+                segment.model.trainable_variables,
+                selective=self.selective,
+            )(h)
+        return call(h)
 
     # ----------------------------------------------------- budget and report
 
@@ -650,6 +640,13 @@ class RecomputeSetup:
                 total, per_block, self.chosen, kept, plan.gradient_bytes
             )
         return plan
+
+
+def _own_call(model, x):
+    """The model's own training call on `x`."""
+    if hooks.call_has_training_arg(model):
+        return model(x, training=True)
+    return model(x)
 
 
 def _eigen_convolutions(model):

@@ -66,7 +66,7 @@ def test_auto_cuts_a_nested_base_and_trains_exactly_like_keras(kind):
     expected = _fit(reference)
     model = BUILDS[kind](GradBoostModel)
     # recompute_check (one traced step per segment) once: it compares each
-    # segment's gradients with the chain's without recompute.
+    # segment's gradients with the model's own call.
     history = _fit(model, recompute="auto", recompute_check=kind == "training=False")
     plan = model.recompute_plan()
     # Segments of the base's graph, named by it; before, "auto" chose none.
@@ -341,7 +341,8 @@ def test_precision_set_at_compile_cuts_no_graph_before_a_raw_operation(nested):
         )
         model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
         models.append(model)
-    assert models[1].recompute_plan().recomputed  # cut where the readers cast
+    chosen = models[1].recompute_plan().recomputed  # cut where the readers cast
+    assert chosen and all(n.startswith("tower/") for n in chosen) == nested, chosen
     assert_same_state(*models, atol=0)
     # The cuts left: after each raw add (read by a Dense alone), none where
     # a raw add reads the tensor.
@@ -372,3 +373,23 @@ def test_a_functional_class_with_its_own_call_is_not_cut():
     x = keras.Input((8,))
     model = keras.Model(x, doubled(x))
     assert choice.nested_graphs(model, [doubled]) == []
+
+
+@pytest.mark.filterwarnings("ignore:recompute=")
+def test_a_cut_whose_dtype_changed_since_it_was_chosen_is_refused():
+    # Selective "auto" chooses its segments at compile, before the policy
+    # compile(precision=...) sets: a cut before a raw add was chosen in
+    # float32, and the add would compute in float32 where the model
+    # computes in bfloat16. Refused at the first trace, before training.
+    x = np.zeros((16, 64, 8), "float32")
+    y = np.zeros((16, 3), "float32")
+    model = _ops_model(GradBoostModel, nested=False)
+    model.compile(
+        optimizer="sgd", loss="mse", precision="mixed_bfloat16",
+        recompute={"policy": "selective"},
+    )
+    before = [v.numpy() for v in model.trainable_variables]
+    with pytest.raises(ValueError, match="arrives as bfloat16.*converts it to float32.*policy changed"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    for a, v in zip(before, model.trainable_variables):
+        np.testing.assert_array_equal(a, v.numpy())
