@@ -209,11 +209,11 @@ def cut_points(model):
     """
     calls = hooks.functional_nodes(model)
     outputs = {id(t) for t in tf.nest.flatten(model.outputs)}
-    last_use, readers = {}, {}
-    for i, (layer, inputs, _) in enumerate(calls):
+    last_use = {}
+    for i, (_, inputs, _) in enumerate(calls):
         for t in inputs:
             last_use[id(t)] = i
-            readers.setdefault(id(t), []).append(layer)
+    readers = _readers(calls)
     cuts = []
     retyped = _retyped(calls)
     live = {id(t) for t in tf.nest.flatten(model.inputs)}
@@ -229,6 +229,15 @@ def cut_points(model):
             ):
                 cuts.append(i)
     return calls, cuts
+
+
+def _readers(calls):
+    """Per tensor id, the operations of `calls` that read it."""
+    found = {}
+    for op, inputs, _ in calls:
+        for t in inputs:
+            found.setdefault(id(t), []).append(op)
+    return found
 
 
 def _retyped(calls):
@@ -317,10 +326,7 @@ def segments(model, count=None, cuts=None, holder=None):
         return []
     if cuts is None:
         cuts = _spread(all_cuts, len(calls), count)
-    readers = {}
-    for layer, inputs, _ in calls:
-        for t in inputs:
-            readers.setdefault(id(t), []).append(layer)
+    readers = _readers(calls)
     pieces = []
     start_tensors = model.input
     start = 0
@@ -357,8 +363,7 @@ def resegment(model, pieces, cuts=None):
 def nested_graphs(model, blocks):
     """The functional layers and built `Sequential`s among `blocks` (the
     nested blocks "auto" found) whose graph has cut points, when the blocks
-    are few
-    (`NESTED_UP_TO`), or else the one that holds more layers than all the
+    are few (`NESTED_UP_TO`), or else the one that holds more layers than all the
     others together: a keras.applications base called as a layer is one
     block, whose replay would hold all its activations at once, and its
     graph can be cut like a model's. (Each costs a traced estimate.) Not
