@@ -53,11 +53,10 @@ class Segment:
 
         The segment's functional model converts it to the dtype the graph
         gave it. Where the dtype policy changed after the cut points were
-        chosen (a policy set by `compile(precision=...)` after a selective
-        plan or "auto" without fixed shapes chose them at compile, or
-        `precision="measure"` switching), that narrows it, or widens it
-        before a reader that computes in the dtype it is given
-        (`readers_cast` False).
+        chosen, that narrows it, or widens it before a reader that computes
+        in the dtype it is given (`readers_cast` False). A guard:
+        `RecomputeSetup` chooses again at a trace under another policy
+        (`_settle`).
 
         Raises:
             ValueError: naming the segment, both dtypes and what to do.
@@ -255,6 +254,25 @@ def _retyped(calls):
     )
 
 
+def retyped(model):
+    """Whether a functional graph of `model` (its own, or one it calls as a
+    layer) computes in another dtype than it was built in, which leaves out
+    the cut points that an operation computing in the dtype it is given
+    reads (`_crossable`)."""
+    graphs = {id(g): g for g in map(hooks.layer_graph, hooks.flatten_layers(model)) if g}
+    return any(_retyped(hooks.functional_nodes(g)) for g in graphs.values())
+
+
+RETYPED_NOTE = (
+    " Under a mixed policy set after the model was built (as "
+    "`compile(precision=...)` sets it), no cut is made where an operation "
+    "that computes in the dtype it is given reads the tensor (a raw "
+    "`x + f(x)`, a layer with autocast=False): the cut would run it in the "
+    "dtype the graph was built in. Set the policy before building the model "
+    "(keras.mixed_precision.set_global_policy) to cut there."
+)
+
+
 def _crossable(tensor, readers, retyped, producer=None):
     """Whether a segment may start at `tensor`. No Keras mask may ride on it
     (a recomputed segment's outputs are new tensors, without it). And the
@@ -440,7 +458,8 @@ def choose(model, setting):
             if hooks.is_functional(model)
             else "is not a functional model (whose graph could be cut). "
         )
-        + "Name the layers to recompute instead: recompute=[\"name\", ...]."
+        + (RETYPED_NOTE[1:] + " Or name" if retyped(model) else "Name")
+        + " the layers to recompute instead: recompute=[\"name\", ...]."
     )
 
 

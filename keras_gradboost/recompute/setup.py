@@ -33,11 +33,13 @@ from keras_gradboost.recompute.budget import candidates
 from keras_gradboost.recompute.budget import estimated_peak
 from keras_gradboost.recompute.budget import groups_of
 from keras_gradboost.recompute.budget import merge
+from keras_gradboost.recompute.choice import RETYPED_NOTE
 from keras_gradboost.recompute.choice import choose
 from keras_gradboost.recompute.choice import graph_of
 from keras_gradboost.recompute.choice import nested_names
 from keras_gradboost.recompute.choice import search_families
 from keras_gradboost.recompute.choice import resegment
+from keras_gradboost.recompute.choice import retyped
 from keras_gradboost.recompute.choice import segment_layouts
 from keras_gradboost.recompute.choice import selective_blocks
 from keras_gradboost.recompute.estimates import MIB
@@ -64,11 +66,11 @@ def _has_forward(model):
     return type(model).call is not keras.Model.call
 
 
-def _unsplit(blocks, total, cut=()):
+def _unsplit(blocks, total, cut=(), retyped=False):
     """Why no plan saves, when one block of the finest layout holds most of
     the activations: nothing inside it can be cut (a sentence; "" else, and
     when it is among `cut`, the names of the functional layers whose graphs
-    the search cut)."""
+    the search cut), and with `retyped` (`choice.retyped`) why not."""
     if not blocks or not total:
         return ""
     largest = max(blocks, key=lambda b: b.cached_bytes)
@@ -82,7 +84,7 @@ def _unsplit(blocks, total, cut=()):
         "`mask_zero=True` or `Masking`, or cells that each read the two before "
         "them, as NASNet's do): recomputing it whole "
         "replays all of it at once in its backward, so the peak stays about "
-        "the same."
+        "the same." + (RETYPED_NOTE if retyped else "")
     )
 
 
@@ -110,22 +112,12 @@ class RecomputeSetup:
         self.plan = None  # the RecomputePlan made for a budget
         self.measured = None  # (peak bytes, batch size) of the last fit
         self._level = None
-        if self.selective:
-            self.layers, self.segments = selective_blocks(model, setting["blocks"])
-        elif not self.budget:
-            self.layers, self.segments = choose(model, setting)
-        if not self.budget:
-            self.chosen = set(self.keys) - {
-                i for i, s in enumerate(self.segments) if s.last
-            }
-        if self.selective and setting["blocks"] == "auto" and len(self.layers) > 1:
-            # The last block's replay would come first in the backward, while
-            # everything else is kept: the same peak without it.
-            self.chosen.discard(id(self.layers[-1]))
-        # A budget, and "auto", choose at the first traced batch, from the
-        # estimates at its batch size ("auto" keeps the choice above when
-        # the batches have no fixed size).
-        self.pending = self.budget or self.auto
+        # The choice made under each dtype signature of the layers (cut
+        # points depend on it: `_settle`).
+        self._choices = {}
+        self._choose(model)
+        # The signature the choice was made under (a budget: none yet).
+        self._signature = None if self.budget else _dtype_signature(model)
         self.forwarded = False  # whether `forward` ran (in a model's own step)
         self.chained = False  # whether a holder's chain ran (likewise)
 
@@ -145,6 +137,54 @@ class RecomputeSetup:
         if self.segments:
             return {i: s.name for i, s in enumerate(self.segments)}
         return nested_names(self.layers)
+
+    def _choose(self, model):
+        """The choice that needs no batch, under the layers' dtype policies
+        now: named blocks, a selective plan's, "auto"'s default (kept when
+        the batches have no fixed size); a budget and "auto" choose again at
+        the first traced batch (`pending`)."""
+        self.layers, self.segments, self.chosen, self.plan = [], [], set(), None
+        if self.selective:
+            self.layers, self.segments = selective_blocks(model, self.setting["blocks"])
+        elif not self.budget:
+            self.layers, self.segments = choose(model, self.setting)
+        if not self.budget:
+            self.chosen = set(self.keys) - {
+                i for i, s in enumerate(self.segments) if s.last
+            }
+        if self.selective and self.setting["blocks"] == "auto" and len(self.layers) > 1:
+            # The last block's replay would come first in the backward, while
+            # everything else is kept: the same peak without it.
+            self.chosen.discard(id(self.layers[-1]))
+        self.pending = self.budget or self.auto
+
+    def _settle(self, model):
+        """Makes the choice the one for the layers' dtype policies now.
+
+        A graph's cut points depend on them (`choice.cut_points` leaves out
+        a cut before a raw operation once a mixed policy retypes the graph),
+        and they change after this setup first chose, at compile:
+        `compile(precision=...)` sets its policy after, and
+        `precision="measure"` switches between its candidates, each traced
+        under its own. The choice made under each signature is kept, so a
+        candidate traced again (or reported) finds its own. Named blocks do
+        not depend on it."""
+        if not (self.auto or self.budget or self.selective):
+            return
+        signature = _dtype_signature(model)
+        if self._signature is None:  # a budget, which chooses from here
+            self._signature = signature
+        if signature == self._signature:
+            return
+        keep = ("layers", "segments", "chosen", "plan", "pending")
+        self._choices[self._signature] = {k: getattr(self, k) for k in keep}
+        if signature in self._choices:
+            for k, v in self._choices[signature].items():
+                setattr(self, k, v)
+        else:
+            self._choose(model)
+            self.apply()
+        self._signature = signature
 
     # -------------------------------------------------------------- lifecycle
 
@@ -175,6 +215,7 @@ class RecomputeSetup:
         """Settles what the training forward needs from the first traced
         batch `x`: a budget's choice, or else the input specs. Call it
         outside any tape, before `forward`."""
+        self._settle(model)
         if self.pending:
             self.resolve(model, x)
         elif self.input_spec is None:
@@ -189,6 +230,7 @@ class RecomputeSetup:
             RecomputeCheckError: naming the first block that changes a
                 gradient.
         """
+        self._settle(model)
         if self.pending:
             x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
             self.resolve(model, x)
@@ -236,6 +278,7 @@ class RecomputeSetup:
         none.
         """
         name = type(model).__name__
+        self._settle(model)
         if self.pending and hooks.is_functional(model):
             first = next(iter(tf.nest.flatten(data)), None)
             shape = tf.TensorShape(getattr(first, "shape", None))  # numpy's too
@@ -484,6 +527,7 @@ class RecomputeSetup:
                     self.plan.blocks,
                     total,
                     {p[0].holder.name for _, p, _, _ in families if p and p[0].holder},
+                    retyped(model),
                 )
                 + " Lower the batch size (with accumulate_steps to keep the "
                 "effective batch) or use mixed precision to save memory."
@@ -596,6 +640,7 @@ class RecomputeSetup:
     def report(self, model, batch_size=None):
         """A `RecomputePlan` with estimates when the input shapes are known,
         and the last fit's measured peak when it ran at that batch size."""
+        self._settle(model)
         batch_size = batch_size or self.batch_hint
         plan = self._report(model, batch_size)
         if self.measured is not None and plan.batch_size is not None and (
@@ -640,6 +685,14 @@ class RecomputeSetup:
                 total, per_block, self.chosen, kept, plan.gradient_bytes
             )
         return plan
+
+
+def _dtype_signature(model):
+    """The compute dtype and autocast of each of `model`'s layers."""
+    return tuple(
+        (layer.compute_dtype, getattr(layer, "autocast", True))
+        for layer in hooks.flatten_layers(model)
+    )
 
 
 def _own_call(model, x):

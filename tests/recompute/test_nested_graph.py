@@ -13,6 +13,7 @@ import keras
 from conftest import base_classifier
 from keras_gradboost import GradBoostModel
 from keras_gradboost import hooks
+from keras_gradboost import precision_measure
 from keras_gradboost import recompute
 from keras_gradboost.recompute import choice
 from recompute.models import assert_same_state
@@ -375,21 +376,126 @@ def test_a_functional_class_with_its_own_call_is_not_cut():
     assert choice.nested_graphs(model, [doubled]) == []
 
 
+def _raw_read_cuts(graph):
+    """The cut points of `graph` (under its layers' policies now) that a
+    raw operation reads."""
+    calls, cuts = choice.cut_points(graph)
+    read_raw = {
+        id(t) for op, inputs, _ in calls if not isinstance(op, keras.layers.Layer)
+        for t in inputs
+    }
+    return [i for i in cuts if id(calls[i][2][0]) in read_raw]
+
+
 @pytest.mark.filterwarnings("ignore:recompute=")
-def test_a_cut_whose_dtype_changed_since_it_was_chosen_is_refused():
-    # Selective "auto" chooses its segments at compile, before the policy
-    # compile(precision=...) sets: a cut before a raw add was chosen in
-    # float32, and the add would compute in float32 where the model
-    # computes in bfloat16. Refused at the first trace, before training.
-    x = np.zeros((16, 64, 8), "float32")
-    y = np.zeros((16, 3), "float32")
-    model = _ops_model(GradBoostModel, nested=False)
-    model.compile(
-        optimizer="sgd", loss="mse", precision="mixed_bfloat16",
-        recompute={"policy": "selective"},
-    )
-    before = [v.numpy() for v in model.trainable_variables]
+@pytest.mark.parametrize("setting", [{"policy": "selective"}, "auto"], ids=["selective", "auto"])
+def test_a_plan_chosen_at_compile_takes_the_cuts_of_the_policy_compile_sets(setting):
+    # Selective "auto", and "auto" on batches of no fixed size, choose at
+    # compile, before compile(precision=...) sets the policy: in float32 a
+    # cut before a raw add is fine, and under the policy the add would
+    # compute in float32 after it. They used to refuse at the first trace;
+    # the plan is now made again under the policy the step traces with.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 64, 8)).astype("float32")
+    y = rng.normal(size=(32, 3)).astype("float32")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)  # no fixed batch size
+    models = []
+    for recompute_setting in (None, setting):
+        model = _ops_model(GradBoostModel, nested=False)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1), loss="mse",
+            precision="mixed_bfloat16", recompute=recompute_setting,
+        )
+        if recompute_setting is not None:
+            plan = model.recompute_plan()  # reported under the policy, before fit
+        model.fit(data, epochs=2, verbose=0)
+        models.append(model)
+    assert_same_state(*models, atol=0)
+    assert model.recompute_plan().recomputed == plan.recomputed
+    setup = model._gradboost.recompute
+    assert len(setup.segments) > 2 and set(setup.chosen)
+    # No segment starts where a raw add reads (each reader casts).
+    assert all(s.readers_cast for s in setup.segments[1:])
+    assert not _raw_read_cuts(model)
+
+
+@pytest.mark.filterwarnings("ignore:recompute=")
+@pytest.mark.parametrize("winner", ["float32", "mixed_bfloat16"])
+def test_measured_precision_recomputes_with_each_candidate_s_own_cuts(monkeypatch, winner):
+    # precision="measure" traces float32 and mixed_bfloat16 in turn: "auto"
+    # chose at the float32 trace (cutting before the raw adds), and the
+    # bfloat16 candidate's trace then refused those cuts mid-fit. Each
+    # candidate now traces with its own plan, and the plan reported is the
+    # winner's. Exact: the same measured fit without recompute.
+    from test_precision_measure import FakeClock
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(160, 64, 8)).astype("float32")
+    y = rng.normal(size=(160, 3)).astype("float32")
+    ms = {"float32": 2.0, "mixed_bfloat16": 9.0}
+    if winner != "float32":
+        ms = {"float32": 9.0, "mixed_bfloat16": 2.0}
+    models = []
+    for setting in (None, "auto"):
+        model = _ops_model(GradBoostModel, nested=True)
+        monkeypatch.setattr(precision_measure, "perf_counter", FakeClock(model, ms))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1), loss="mse", precision="measure",
+            recompute=setting,
+        )
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        assert model.precision_measurement.policy == winner
+        models.append(model)
+    assert_same_state(*models, atol=0)
+    chosen = model.recompute_plan().recomputed
+    assert chosen and all(n.startswith("tower/") for n in chosen), chosen
+    # The plan is the winner's: in bfloat16 no segment starts where a raw
+    # add reads (in float32 some may).
+    setup = model._gradboost.recompute
+    raw_starts = [s.name for s in setup.segments[1:] if not s.readers_cast]
+    assert bool(raw_starts) == (winner == "float32"), raw_starts
+    assert bool(_raw_read_cuts(model.get_layer("tower"))) == (winner == "float32")
+
+
+def test_a_segment_refuses_an_input_whose_dtype_changed_since_its_cut_was_chosen():
+    # The guard behind the re-made plans: a segment of a graph built in
+    # float32 whose input arrives in bfloat16 and is read by a raw add.
+    model = _ops_model(keras.Model, nested=False)
+    pieces = choice.segments(model, cuts=choice.cut_points(model)[1])
+    raw = next(p for p in pieces[1:] if not p.readers_cast)
     with pytest.raises(ValueError, match="arrives as bfloat16.*converts it to float32.*policy changed"):
-        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        raw.check_input(tf.zeros((2, 64, 32), "bfloat16"))
+    raw.check_input(tf.zeros((2, 64, 32), "float32"))
+
+
+def _raw_residuals(cls, head):
+    """Dense layers each added to its input by a raw add (then a Dense
+    `head`, or not): in float32 a cut after each add; under a policy set
+    after building, none where a raw add reads (the head's input only)."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((16,))
+    h = keras.layers.Dense(16)(x)
+    for _ in range(6):
+        h = h + keras.layers.Dense(16, activation="tanh")(h)
+    return cls(x, keras.layers.Dense(16)(h) if head else h)
+
+
+@pytest.mark.parametrize("head", [True, False], ids=["head", "adds"])
+def test_no_cut_under_a_policy_set_after_building_says_why(head):
+    # "auto" recomputes nothing (a cut before the head alone), or finds
+    # nothing to recompute (no cut at all): both say that a raw operation
+    # reads each point, and to set the policy before building.
+    x, y = np.zeros((16, 16), "float32"), np.zeros((16, 16), "float32")
+    assert len(choice.cut_points(_raw_residuals(keras.Model, head))[1]) >= 6
+    model = _raw_residuals(GradBoostModel, head)
+    model.compile(optimizer="sgd", loss="mse", precision="mixed_bfloat16", recompute="auto")
+    before = [v.numpy() for v in model.trainable_variables]
+    why = "raw `x \\+ f\\(x\\)`.*set_global_policy"
+    if head:
+        with pytest.warns(UserWarning, match="nothing is recomputed.*" + why):
+            model.fit(x, y, batch_size=8, verbose=0)
+        return
+    with pytest.raises(ValueError, match="no single-tensor cut point.*" + why):
+        model.fit(x, y, batch_size=8, verbose=0)
     for a, v in zip(before, model.trainable_variables):
         np.testing.assert_array_equal(a, v.numpy())
