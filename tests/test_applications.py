@@ -117,6 +117,25 @@ def test_boosted_with_recompute_trains_like_plain_keras(name, options):
         assert xla_convolutions(boosted, x[:BATCH]) == 0
 
 
+@pytest.mark.filterwarnings("ignore:recompute=")
+def test_convnext_selective_under_compile_precision_equals_no_recompute():
+    """ConvNeXt's residual adds are raw operations: under the mixed policy
+    compile(precision=...) sets after the model was built, a segment may
+    not start where one reads. A selective plan chooses at compile, before
+    the policy is set, and used to refuse at the first trace; it chooses
+    again under the policy and trains as no recompute does, exactly."""
+    models = []
+    for setting in (None, {"policy": "selective"}):
+        model = compile_model(
+            kgb.boost(application("ConvNeXtTiny")),
+            precision="mixed_bfloat16", recompute=setting,
+        )
+        models.append(fit(model))
+    assert max_diff(*models) == 0.0
+    recomputed = models[1].recompute_plan().recomputed
+    assert any(".." in name for name in recomputed), recomputed  # graph segments
+
+
 def _middle_conv(model):
     convs = [l for l in model.layers if type(l) is keras.layers.Conv2D]
     return convs[len(convs) // 2]
