@@ -1643,8 +1643,10 @@ def boost(model):
 
     A functional or Sequential model becomes a `GradBoostModel` over the same
     layer graph (same layers, same weights, same `model.layers`). Any other
-    model (subclassed, or a Sequential without a known input) is wrapped: the
-    new model calls it, and so shares its layers and weights.
+    model (subclassed, a functional or Sequential class that overrides
+    `call`, which may run something else than its graph, or a Sequential
+    without a known input) is wrapped: the new model calls it, and so shares
+    its layers and weights.
 
     A model whose class has its own `train_step`, `test_step`,
     `predict_step` or `compute_loss` (Keras' "customizing fit()" pattern:
@@ -1698,7 +1700,9 @@ def boost(model):
         )
     if own_steps(model):
         return _boost_in_place(model)
-    if hooks.is_functional(model) or isinstance(model, keras.Sequential):
+    # Only where its `call` runs its graph: a class that overrides `call`
+    # may run something else, which the wrapper keeps.
+    if hooks.layer_graph(model) is not None:
         try:
             inputs, outputs = model.inputs, model.outputs
         except (AttributeError, ValueError):

@@ -118,15 +118,43 @@ def _subclassed():
     return model
 
 
-@pytest.mark.parametrize("build", [small_model, _sequential, _subclassed])
+class HalvedGraph(keras.Model):
+    """A functional class whose `call` runs more than its graph."""
+
+    def call(self, inputs, training=None):
+        return super().call(inputs, training=training) * 0.5
+
+
+def _functional_with_own_call():
+    return small_model(HalvedGraph)
+
+
+class HalvedSequential(keras.Sequential):
+    def call(self, inputs, training=None, mask=None):
+        return super().call(inputs, training=training, mask=mask) * 0.5
+
+
+def _sequential_with_own_call():
+    keras.utils.set_random_seed(0)
+    return HalvedSequential(
+        [keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)]
+    )
+
+
+@pytest.mark.parametrize("build", [
+    small_model, _sequential, _subclassed, _functional_with_own_call, _sequential_with_own_call,
+])
 def test_boost_shares_weights_and_trains_the_original(regression_data, build):
     x, y = regression_data
     original = build()
     reference = build()
     boosted = boost(original)
     assert isinstance(boosted, GradBoostModel)
-    # Graphs of layers are rebuilt as a functional GradBoostModel; others wrapped.
-    assert isinstance(boosted, FunctionalGradBoostModel) == (build is not _subclassed)
+    # Graphs of layers are rebuilt as a functional GradBoostModel; others
+    # wrapped, and so is a class whose `call` overrides its graph's (a
+    # rebuilt graph dropped it: predictions 2x the original's, silently).
+    rebuilt = build in (small_model, _sequential)
+    assert isinstance(boosted, FunctionalGradBoostModel) == rebuilt
     ids = {id(v) for v in original.weights}
     assert ids and ids == {id(v) for v in boosted.weights}
     boosted.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=2)

@@ -427,6 +427,13 @@ def _spread(all_cuts, calls, count=None):
     return cuts
 
 
+def own_graph_cuttable(model):
+    """Whether the model's own `call` runs its functional graph, which a
+    plan may then run as a chain of segments instead: not when its class
+    overrides `call` (it may run something else than the graph)."""
+    return hooks.layer_graph(model) is model
+
+
 def choose(model, setting):
     """The blocks for a `recompute` setting that needs no shapes.
 
@@ -446,18 +453,23 @@ def choose(model, setting):
     layers = auto_layer_blocks(model)
     if layers:
         return layers, []
-    if hooks.is_functional(model):
+    if own_graph_cuttable(model):
         pieces = segments(model)
         if pieces:
             return [], pieces
+    if own_graph_cuttable(model):
+        why = "its layer graph has no single-tensor cut point. "
+    elif hooks.is_functional(model):
+        why = (
+            f"its class {type(model).__name__} overrides `call`, which may run "
+            "something else than its layer graph (so the graph is not cut). "
+        )
+    else:
+        why = "is not a functional model (whose graph could be cut). "
     raise ValueError(
         'recompute="auto" found nothing to recompute in model '
         f"{model.name!r}: it has no layer that holds layers and "
-        + (
-            "its layer graph has no single-tensor cut point. "
-            if hooks.is_functional(model)
-            else "is not a functional model (whose graph could be cut). "
-        )
+        + why
         + (RETYPED_NOTE[1:] + " Or name" if retyped(model) else "Name")
         + " the layers to recompute instead: recompute=[\"name\", ...]."
     )
@@ -477,7 +489,7 @@ def budget_candidates(model):
     """
     layers = auto_layer_blocks(model)
     pieces = []
-    if not layers and hooks.is_functional(model):
+    if not layers and own_graph_cuttable(model):
         _, cuts = cut_points(model)
         pieces = segments(model, cuts=cuts) if cuts else []
     if not layers and not pieces:
@@ -517,7 +529,7 @@ def search_families(model):
     for holder in nested_graphs(model, layers):
         graph = hooks.layer_graph(holder)
         families.append(([], segments(graph, cuts=cut_points(graph)[1], holder=holder)))
-    if hooks.is_functional(model):
+    if own_graph_cuttable(model):
         _, cuts = cut_points(model)
         if cuts:
             families.append(([], segments(model, cuts=cuts)))

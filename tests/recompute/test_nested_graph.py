@@ -499,3 +499,54 @@ def test_no_cut_under_a_policy_set_after_building_says_why(head):
         model.fit(x, y, batch_size=8, verbose=0)
     for a, v in zip(before, model.trainable_variables):
         np.testing.assert_array_equal(a, v.numpy())
+
+
+class Halved(GradBoostModel):
+    """A functional class whose `call` runs more than its graph."""
+
+    def call(self, inputs, training=None):
+        return super().call(inputs, training=training) * 0.5
+
+
+def _halved(blocks):
+    keras.utils.set_random_seed(0)
+    x = keras.Input((8,))
+    h = x
+    for i in range(4):
+        if blocks:
+            pair = [keras.layers.Dense(8, activation="tanh") for _ in range(2)]
+            h = keras.Sequential(pair, name=f"block_{i}")(h)
+        else:
+            h = keras.layers.Dense(8, activation="tanh")(h)
+    return Halved(x, h)
+
+
+@pytest.mark.parametrize(
+    "setting", ["auto", {"budget_mb": 0.001}, {"policy": "selective"}],
+    ids=["auto", "budget", "selective"],
+)
+def test_a_model_class_with_its_own_call_keeps_it(setting):
+    # Its graph has cut points, and a plan of its own graph's segments runs
+    # them instead of its `call`: the halving was silently dropped (a
+    # budget trained off no recompute). Only nested blocks may be chosen:
+    # with them, training equals no recompute; without, it says why.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 8)).astype("float32")
+    y = np.ones((16, 8), "float32")
+    assert choice.cut_points(_halved(blocks=False))[1]
+    models = []
+    for recompute_setting in (None, setting):
+        model = _halved(blocks=True)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", recompute=recompute_setting)
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        models.append(model)
+    assert_same_state(*models, atol=0)
+    recomputed = models[1].recompute_plan().recomputed
+    assert recomputed and all(n.startswith("block_") for n in recomputed), recomputed
+    model = _halved(blocks=False)
+    before = [v.numpy() for v in model.trainable_variables]
+    with pytest.raises(ValueError, match="its class Halved overrides `call`.*Name the layers"):
+        model.compile(optimizer="sgd", loss="mse", recompute=setting)
+        model.fit(x, y, batch_size=8, verbose=0)
+    for a, v in zip(before, model.trainable_variables):
+        np.testing.assert_array_equal(a, v.numpy())
