@@ -216,10 +216,15 @@ class InterruptAt(keras.callbacks.Callback):
         self.at = (epoch, batch)
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
+        self.epoch, self.ends = epoch, 0
 
     def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
+        # The last batch of the call that ended, counted here: with
+        # steps_per_execution > 1, Keras 3.8 passes the call's first batch
+        # as `batch`, later versions its last.
+        self.ends += 1
+        last = self.ends * int(self.model.steps_per_execution) - 1
+        if (self.epoch, last) == self.at:
             raise RuntimeError("interrupted")
 
 
