@@ -136,7 +136,9 @@ def test_boost_keeps_compute_loss_and_predict_step():
     assert max_weight_diff(fit(no_penalty), plain) > 1e-3
     x, _ = data()
     predicted = boosted.predict(x[:4], verbose=0)
-    np.testing.assert_allclose(predicted["doubled"], 2.0 * boosted(x[:4]).numpy(), rtol=1e-6)
+    # (The compiled predict and the eager call round apart: 1.3e-6 relative
+    # on Keras 3.8.)
+    np.testing.assert_allclose(predicted["doubled"], 2.0 * boosted(x[:4]).numpy(), rtol=1e-5)
 
 
 def refused_before_any_update(cls, options):
