@@ -201,18 +201,20 @@ def application(args):
     """`keras.applications.<args.app>` (weights=None), boosted. A name
     `nested_<App>`: keras.io's fine-tuning pattern instead, the application
     without its top called as a layer of a functional model, with a pooled
-    10-class head (everything trainable)."""
+    10-class head (everything trainable); `frozen_<App>`: the same with the
+    base frozen (keras.io's transfer learning)."""
     import keras
 
     import keras_gradboost as kgb
 
     keras.utils.set_random_seed(0)
     shape = (args.pixels, args.pixels, 3)
-    name = args.app.removeprefix("nested_")
+    name = args.app.removeprefix("nested_").removeprefix("frozen_")
     app = getattr(keras.applications, name)
     if name == args.app:
         return kgb.boost(app(input_shape=shape, weights=None, classes=10))
     base = app(input_shape=shape, weights=None, include_top=False)
+    base.trainable = not args.app.startswith("frozen_")
     inputs = keras.Input(shape)
     pooled = keras.layers.GlobalAveragePooling2D()(base(inputs))
     return kgb.boost(keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(pooled)))

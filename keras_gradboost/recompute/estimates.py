@@ -381,8 +381,36 @@ def estimate(model, forward, input_spec, keys, selective=False, owned=None):
     for figures in per_block.values():  # a temporary not placed: at every moment
         for field in ("workspace", "after_workspace", "before_workspace"):
             figures[field] = max(figures[field], anywhere)
+    working = _forward_working(forward_ops)
+    for figures in per_block.values():
+        figures["forward_working"] = working
     sizes = {name: _bytes(t) for name, t in cached.items()}
     return total, per_block, sizes
+
+
+def _forward_working(forward_ops):
+    """The largest working set of one forward operation: the float tensors
+    it reads and writes, alive together. A floor under the training peak,
+    whatever is recomputed: where the backward keeps little (a frozen
+    keras.applications base, whose backward TensorFlow prunes), the peak is
+    the forward's largest BatchNormalization or convolution with its input
+    (MobileNetV2 at 64x64, batch 16: the moments gave 6.4 MiB where the
+    steps requested 12.5). Weight reads and operations whose output shares
+    its input's buffer (`_ALIASES`) are left out."""
+    worst = 0
+    for op in forward_ops:
+        if op.type in _ALIASES or op.type in ("ReadVariableOp", "Const", "Placeholder"):
+            continue
+        reads = [t for t in op.inputs if not _from_weight(t)]
+        worst = max(
+            worst, sum(_bytes(t) for t in list(op.outputs) + reads if t.dtype.is_floating)
+        )
+    return worst
+
+
+def _working_floor(per_block):
+    """`_forward_working`, as the figures carry it (0 without blocks)."""
+    return max((f.get("forward_working", 0) for f in per_block.values()), default=0)
 
 
 def _workspaces(graph, forward_ops, trainable, model):
@@ -753,7 +781,8 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
     freed; figures without it, such as a merged segment layout's, count
     them all at every moment). The peak
     is the largest of those moments and the end of the forward, on top of
-    the recomputed blocks' inputs. So recomputing the last block saves at
+    the recomputed blocks' inputs (a training peak: at least the forward's
+    largest operation, `_forward_working`). So recomputing the last block saves at
     most what is made after it (a head's activations, freed before its
     replay): its rebuild comes first, while everything else is still kept.
 
@@ -796,7 +825,10 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
     kept_inside = {key: 0 if key in chosen else held[key] for key in top}
     outside_at = _outside(per_block, max(0, kept - sum(kept_inside.values())))
     worst, unplaced = _backward_peak(top, kept_inside, inside, outside_at, gradient_bytes)
-    return sum(extra.values()) + worst + unplaced
+    peak = sum(extra.values()) + worst + unplaced
+    if gradient_bytes is None:
+        return peak
+    return max(peak, _working_floor(per_block))
 
 
 def _outside(per_block, outside):
@@ -975,4 +1007,7 @@ def selective_plan_bytes(total, per_block, chosen, kept, gradient_bytes=None):
     worst, unplaced = _backward_peak(
         top, holds, everything, _outside(per_block, outside), gradient_bytes
     )
-    return worst + unplaced + max(0, kept - figured)
+    peak = worst + unplaced + max(0, kept - figured)
+    if gradient_bytes is None:
+        return peak
+    return max(peak, _working_floor(per_block))
