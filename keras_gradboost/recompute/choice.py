@@ -198,9 +198,10 @@ def _shorten(names, limit=20):
     return names[:limit] + [f"... {len(names) - limit} more"]
 
 
-def cut_points(model):
+def cut_points(model, as_built=False):
     """Indices `i` of the calls of a functional model's graph after which one
-    tensor alone carries everything later calls need.
+    tensor alone carries everything later calls need (with `as_built`, as
+    if its layers computed in the dtypes the graph was built in).
 
     Returns:
         `(calls, cuts)`: the graph's calls (`hooks.functional_nodes`) and the
@@ -214,7 +215,7 @@ def cut_points(model):
             last_use[id(t)] = i
     readers = _readers(calls)
     cuts = []
-    retyped = _retyped(calls)
+    retyped = not as_built and _retyped(calls)
     live = {id(t) for t in tf.nest.flatten(model.inputs)}
     for i, (_, inputs, produced) in enumerate(calls):
         live |= {id(t) for t in produced}
@@ -256,11 +257,13 @@ def _retyped(calls):
 
 def retyped(model):
     """Whether a functional graph of `model` (its own, or one it calls as a
-    layer) computes in another dtype than it was built in, which leaves out
-    the cut points that an operation computing in the dtype it is given
-    reads (`_crossable`)."""
+    layer) has fewer cut points than as built: it computes in another dtype
+    than it was built in, and an operation computing in the dtype it is
+    given reads a tensor that would be one (`_crossable`)."""
     graphs = {id(g): g for g in map(hooks.layer_graph, hooks.flatten_layers(model)) if g}
-    return any(_retyped(hooks.functional_nodes(g)) for g in graphs.values())
+    return any(
+        len(cut_points(g)[1]) < len(cut_points(g, as_built=True)[1]) for g in graphs.values()
+    )
 
 
 RETYPED_NOTE = (

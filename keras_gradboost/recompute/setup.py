@@ -112,10 +112,11 @@ class RecomputeSetup:
         self.plan = None  # the RecomputePlan made for a budget
         self.measured = None  # (peak bytes, batch size) of the last fit
         self._level = None
-        # The choice made under each dtype signature of the layers (cut
-        # points depend on it: `_settle`).
-        self._choices = {}
-        self._choose(model)
+        # `(signature, choice)`: the choice made under each dtype signature
+        # of the layers (cut points depend on it: `_settle`).
+        self._choices = []
+        for k, v in self._choice(model).items():
+            setattr(self, k, v)
         # The signature the choice was made under (a budget: none yet).
         self._signature = None if self.budget else _dtype_signature(model)
         self.forwarded = False  # whether `forward` ran (in a model's own step)
@@ -138,25 +139,27 @@ class RecomputeSetup:
             return {i: s.name for i, s in enumerate(self.segments)}
         return nested_names(self.layers)
 
-    def _choose(self, model):
+    def _choice(self, model):
         """The choice that needs no batch, under the layers' dtype policies
-        now: named blocks, a selective plan's, "auto"'s default (kept when
-        the batches have no fixed size); a budget and "auto" choose again at
-        the first traced batch (`pending`)."""
-        self.layers, self.segments, self.chosen, self.plan = [], [], set(), None
+        now, as attribute values (`_KEPT`): named blocks, a selective plan's,
+        "auto"'s default (kept when the batches have no fixed size); a
+        budget and "auto" choose again at the first traced batch
+        (`pending`). Changes nothing (it may raise)."""
+        layers, segments = [], []
         if self.selective:
-            self.layers, self.segments = selective_blocks(model, self.setting["blocks"])
+            layers, segments = selective_blocks(model, self.setting["blocks"])
         elif not self.budget:
-            self.layers, self.segments = choose(model, self.setting)
+            layers, segments = choose(model, self.setting)
+        chosen = set()
         if not self.budget:
-            self.chosen = set(self.keys) - {
-                i for i, s in enumerate(self.segments) if s.last
-            }
-        if self.selective and self.setting["blocks"] == "auto" and len(self.layers) > 1:
+            keys = range(len(segments)) if segments else [id(layer) for layer in layers]
+            chosen = set(keys) - {i for i, s in enumerate(segments) if s.last}
+        if self.selective and self.setting["blocks"] == "auto" and len(layers) > 1:
             # The last block's replay would come first in the backward, while
             # everything else is kept: the same peak without it.
-            self.chosen.discard(id(self.layers[-1]))
-        self.pending = self.budget or self.auto
+            chosen.discard(id(layers[-1]))
+        values = (layers, segments, chosen, None, self.budget or self.auto)
+        return dict(zip(_KEPT, values))
 
     def _settle(self, model):
         """Makes the choice the one for the layers' dtype policies now.
@@ -166,23 +169,28 @@ class RecomputeSetup:
         and they change after this setup first chose, at compile:
         `compile(precision=...)` sets its policy after, and
         `precision="measure"` switches between its candidates, each traced
-        under its own. The choice made under each signature is kept, so a
-        candidate traced again (or reported) finds its own. Named blocks do
-        not depend on it."""
+        under its own. The choice made under each is kept, so a candidate
+        traced again (or reported) finds its own. Layers built since (a
+        subclassed model's nested `Sequential`s, at its first call) change
+        nothing. Named blocks do not depend on it. Raises as `_choice` does,
+        changing nothing.
+        """
         if not (self.auto or self.budget or self.selective):
             return
         signature = _dtype_signature(model)
         if self._signature is None:  # a budget, which chooses from here
             self._signature = signature
-        if signature == self._signature:
+        if _same_policies(signature, self._signature):
+            self._signature = signature
             return
-        keep = ("layers", "segments", "chosen", "plan", "pending")
-        self._choices[self._signature] = {k: getattr(self, k) for k in keep}
-        if signature in self._choices:
-            for k, v in self._choices[signature].items():
-                setattr(self, k, v)
-        else:
-            self._choose(model)
+        cached = next((c for sig, c in self._choices if _same_policies(sig, signature)), None)
+        state = cached if cached is not None else self._choice(model)
+        self._choices = [
+            (sig, c) for sig, c in self._choices if not _same_policies(sig, self._signature)
+        ] + [(self._signature, {k: getattr(self, k) for k in _KEPT})]
+        for k, v in state.items():
+            setattr(self, k, v)
+        if cached is None:
             self.apply()
         self._signature = signature
 
@@ -687,12 +695,21 @@ class RecomputeSetup:
         return plan
 
 
+# What `RecomputeSetup._choice` sets, and `_settle` keeps per signature.
+_KEPT = ("layers", "segments", "chosen", "plan", "pending")
+
+
 def _dtype_signature(model):
-    """The compute dtype and autocast of each of `model`'s layers."""
-    return tuple(
-        (layer.compute_dtype, getattr(layer, "autocast", True))
+    """Per layer of `model` (by id), its compute dtype and autocast."""
+    return {
+        id(layer): (layer.compute_dtype, getattr(layer, "autocast", True))
         for layer in hooks.flatten_layers(model)
-    )
+    }
+
+
+def _same_policies(a, b):
+    """Whether two `_dtype_signature`s agree on the layers both have."""
+    return all(a[k] == b[k] for k in a.keys() & b.keys())
 
 
 def _own_call(model, x):

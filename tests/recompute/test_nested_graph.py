@@ -389,7 +389,7 @@ def _raw_read_cuts(graph):
 
 @pytest.mark.filterwarnings("ignore:recompute=")
 @pytest.mark.parametrize("setting", [{"policy": "selective"}, "auto"], ids=["selective", "auto"])
-def test_a_plan_chosen_at_compile_takes_the_cuts_of_the_policy_compile_sets(setting):
+def test_a_plan_chosen_at_compile_takes_the_cuts_of_the_policy_compile_sets(setting, monkeypatch):
     # Selective "auto", and "auto" on batches of no fixed size, choose at
     # compile, before compile(precision=...) sets the policy: in float32 a
     # cut before a raw add is fine, and under the policy the add would
@@ -408,15 +408,16 @@ def test_a_plan_chosen_at_compile_takes_the_cuts_of_the_policy_compile_sets(sett
         )
         if recompute_setting is not None:
             plan = model.recompute_plan()  # reported under the policy, before fit
+            traced = _count_recomputed(monkeypatch)
         model.fit(data, epochs=2, verbose=0)
         models.append(model)
     assert_same_state(*models, atol=0)
     assert model.recompute_plan().recomputed == plan.recomputed
+    assert plan.recomputed and set(traced) == set(plan.recomputed)  # what trained
     setup = model._gradboost.recompute
-    assert len(setup.segments) > 2 and set(setup.chosen)
+    assert len(setup.segments) > 2
     # No segment starts where a raw add reads (each reader casts).
     assert all(s.readers_cast for s in setup.segments[1:])
-    assert not _raw_read_cuts(model)
 
 
 @pytest.mark.filterwarnings("ignore:recompute=")
@@ -438,6 +439,8 @@ def test_measured_precision_recomputes_with_each_candidate_s_own_cuts(monkeypatc
     models = []
     for setting in (None, "auto"):
         model = _ops_model(GradBoostModel, nested=True)
+        if setting:
+            traced = _count_recomputed(monkeypatch)
         monkeypatch.setattr(precision_measure, "perf_counter", FakeClock(model, ms))
         model.compile(
             optimizer=keras.optimizers.SGD(0.1), loss="mse", precision="measure",
@@ -454,6 +457,10 @@ def test_measured_precision_recomputes_with_each_candidate_s_own_cuts(monkeypatc
     setup = model._gradboost.recompute
     raw_starts = [s.name for s in setup.segments[1:] if not s.readers_cast]
     assert bool(raw_starts) == (winner == "float32"), raw_starts
+    # Both candidates traced recomputes, of plans that differ: the float32
+    # one's and the winner's.
+    assert set(chosen) <= set(traced)
+    assert len(set(traced)) > len(set(chosen)) or winner == "float32"
     assert bool(_raw_read_cuts(model.get_layer("tower"))) == (winner == "float32")
 
 
@@ -550,3 +557,57 @@ def test_a_model_class_with_its_own_call_keeps_it(setting):
         model.fit(x, y, batch_size=8, verbose=0)
     for a, v in zip(before, model.trainable_variables):
         np.testing.assert_array_equal(a, v.numpy())
+
+
+class TwoStacks(GradBoostModel):
+    """A subclassed model whose `Sequential`s are built at its first call:
+    its layers grow then (their inner models appear)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = keras.Sequential([keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(8)])
+        self.b = keras.Sequential([keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(8)])
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.filterwarnings("ignore:recompute=")
+def test_layers_built_at_the_first_call_keep_the_plan_that_trained(monkeypatch):
+    # Layers appearing after the plan was chosen are no change of policy:
+    # the plan reported after fit is the one that trained (it was chosen
+    # again, reported as a new trial, with a "nothing is recomputed"
+    # warning, and a retrace would have chosen once more).
+    keras.utils.set_random_seed(0)
+    model = TwoStacks()
+    model.compile(optimizer="sgd", loss="mse", recompute="auto")
+    traced = _count_recomputed(monkeypatch)
+    x = np.random.default_rng(0).random((16, 8)).astype("float32")
+    model.fit(x, x, batch_size=8, verbose=0)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        recomputed = model.recompute_plan().recomputed
+    assert recomputed and {n.split("/")[-1] for n in recomputed} == set(traced)
+    assert not model._gradboost.recompute.pending
+
+
+def test_a_policy_with_nothing_to_cut_keeps_the_earlier_plan():
+    # Under a policy where the graph has no cut point, the plan cannot be
+    # made (a ValueError, each time); the plan made before stays for its
+    # policy, instead of an empty one saved over it.
+    from keras_gradboost import precision
+
+    model = _raw_residuals(GradBoostModel, head=False)
+    model.compile(optimizer="sgd", loss="mse", recompute="auto")
+    x = np.zeros((8, 16), "float32")
+    model.fit(x, x, batch_size=8, verbose=0)  # the plan is made, in float32
+    before = model.recompute_plan().recomputed
+    assert before
+    precision.apply_policy(model, "mixed_bfloat16")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="no single-tensor cut point"):
+            model.recompute_plan()
+    precision.apply_policy(model, "float32")
+    assert model.recompute_plan().recomputed == before
