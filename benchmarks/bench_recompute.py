@@ -30,6 +30,14 @@ Measured, per configuration:
 
     python benchmarks/bench_recompute.py [--rounds 3] [--quick]
 
+`--precision P` compiles every configuration with `precision=P` (the
+policy set after the model is built: no cut where a raw operation reads,
+`choice.cut_points`); `--global-policy P` sets the global policy before
+building instead. Memory table only:
+
+    python benchmarks/bench_recompute.py --models ConvNeXtTiny --depthwise native \
+        --configs baseline,auto,selective --precision mixed_bfloat16
+
 `--models ... --time` instead times, in one process per model, no
 recompute against itself (A/A), "auto" and selective recompute: pairs of
 back-to-back `fit`s in alternating order (`fit_rounds.paired`, tf.data
@@ -89,6 +97,10 @@ def worker(args):
     config = args.worker
     size = dict(blocks=args.blocks, width=args.width)
     kwargs = {}
+    if args.global_policy:  # before the model is built: its graph in that dtype
+        keras.mixed_precision.set_global_policy(args.global_policy)
+    if args.precision:
+        kwargs["precision"] = args.precision
     if config.startswith("rematscope_") and not (args.app or args.hub):
         with keras.RematScope(mode=config.split("_", 1)[1]):
             model = zoo.residual_mlp(cls=keras.Model, **size)
@@ -153,7 +165,7 @@ def worker(args):
         rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         - rss_before,
     )
-    if hasattr(model, "recompute_plan") and kwargs:
+    if hasattr(model, "recompute_plan") and "recompute" in kwargs:
         plan = model.recompute_plan()
         result["recomputed"] = len(plan.recomputed)
         result["estimate_bytes"] = plan.bytes_with
@@ -267,12 +279,18 @@ def estimates(args):
     import keras  # noqa: F401
     from keras_gradboost import zoo
 
-    if args.app or args.hub:
-        model = application(args) if args.app else hub_model(args)
-    else:
-        model = zoo.residual_mlp(blocks=args.blocks, width=args.width)
+    if args.global_policy:
+        keras.mixed_precision.set_global_policy(args.global_policy)
+    try:
+        if args.app or args.hub:
+            model = application(args) if args.app else hub_model(args)
+        else:
+            model = zoo.residual_mlp(blocks=args.blocks, width=args.width)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(),
-                  recompute="auto", depthwise=args.depthwise, pointwise=args.pointwise)
+                  recompute="auto", depthwise=args.depthwise, pointwise=args.pointwise,
+                  precision=args.precision)
     plan = model.recompute_plan(batch_size=args.batch)
     if plan.bytes_without is None:  # inputs of unknown length: estimated at fit
         x, y = training_data(args)
@@ -296,7 +314,9 @@ def run(config, args):
     ] + (["--jit"] if args.jit else []) + (["--app", args.app] if args.app else []) + (
         ["--hub", args.hub] if args.hub else []) + (
         ["--depthwise", args.depthwise] if args.depthwise else []) + (
-        ["--pointwise", args.pointwise] if args.pointwise else [])
+        ["--pointwise", args.pointwise] if args.pointwise else []) + (
+        ["--precision", args.precision] if args.precision else []) + (
+        ["--global-policy", args.global_policy] if args.global_policy else [])
     out = subprocess.run(command, capture_output=True, text=True, timeout=1200)
     for line in reversed(out.stdout.splitlines()):
         if line.startswith("{"):
@@ -318,7 +338,8 @@ def main():
     parser.add_argument("--pixels", type=int, default=64)
     parser.add_argument("--models", help="per-model table: residual_mlp, bert, gpt2, "
                         "keras.applications names, nested_<name> for the application "
-                        "called as a layer (fine-tuning; comma-separated)")
+                        "called as a layer (fine-tuning), frozen_<name> for the same "
+                        "with the base frozen (transfer learning; comma-separated)")
     parser.add_argument("--configs", default="baseline,auto,selective",
                         help="with --models: configurations; budget_F is a budget at "
                         "F times no recompute's estimate; blocks_GLOB[+GLOB] recomputes "
@@ -328,6 +349,12 @@ def main():
                         help='compile(depthwise="native") in every configuration')
     parser.add_argument("--pointwise", choices=["matmul"],
                         help='compile(pointwise="matmul") in every configuration')
+    parser.add_argument("--precision", choices=["mixed_bfloat16", "mixed_float16"],
+                        help="compile(precision=...) in every configuration (the "
+                        "policy set after the model is built; memory table only)")
+    parser.add_argument("--global-policy", choices=["mixed_bfloat16", "mixed_float16"],
+                        help="keras.mixed_precision.set_global_policy before the model "
+                        "is built (memory table only)")
     parser.add_argument("--time", action="store_true",
                         help="with --models: step time only, paired in one process")
     parser.add_argument("--time-worker", help=argparse.SUPPRESS)
@@ -335,6 +362,8 @@ def main():
     parser.add_argument("--hub", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if (args.precision or args.global_policy) and (args.time or args.sweep):
+        parser.error("--precision and --global-policy apply to the --models memory table")
     if args.worker:
         return worker(args)
     if args.time_worker:
@@ -503,7 +532,11 @@ def per_model(args):
         table.append((name, plan.peak_bytes_without, results))
     print(
         f"\nRecompute per model: each configuration in its own process, "
-        f"{args.rounds} round(s) in alternating order; float32, Adam, "
+        f"{args.rounds} round(s) in alternating order; "
+        + (f"compile(precision={args.precision!r})" if args.precision else
+           f"global policy {args.global_policy} set before building" if args.global_policy
+           else "float32")
+        + ", Adam, "
         f"{'XLA' if args.jit else 'no XLA'}; "
         f"keras.applications at {args.pixels}x{args.pixels}, batch 16; keras-hub "
         f"(width 256, 4 heads, sequences of {HUB_LENGTH}, dropout 0.1), batch 16; "
