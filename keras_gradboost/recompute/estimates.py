@@ -403,18 +403,27 @@ def _forward_working(forward_ops):
     and each lives until its layer's forward (8 Dense(1024) layers under
     mixed_bfloat16, recomputed: 16 MiB of casts at the start, where the
     moments gave 8.3 MiB)."""
-    worst, casts = 0, 0
+    worst, casts = 0, {}
     for op in forward_ops:
         if op.type in _ALIASES or op.type in ("ReadVariableOp", "Const", "Placeholder"):
             continue
         if op.type == "Cast" and _from_weight(op.inputs[0]):
-            casts += _bytes(op.outputs[0]) if op.outputs[0].dtype.is_floating else 0
+            if op.outputs[0].dtype.is_floating:  # once per weight and dtype
+                casts[(_weight_handle(op.inputs[0]), op.outputs[0].dtype)] = _bytes(op.outputs[0])
             continue
         reads = [t for t in op.inputs if not _from_weight(t)]
         worst = max(
             worst, sum(_bytes(t) for t in list(op.outputs) + reads if t.dtype.is_floating)
         )
-    return max(worst, casts)
+    return max(worst, sum(casts.values()))
+
+
+def _weight_handle(tensor):
+    """The name of the variable handle whose value `tensor` is (through
+    casts and reshapes; `_from_weight`)."""
+    while tensor.op.type in _WEIGHT_PATH and tensor.op.inputs:
+        tensor = tensor.op.inputs[0]
+    return tensor.op.inputs[0].name if tensor.op.inputs else tensor.name
 
 
 def _working_floor(per_block):

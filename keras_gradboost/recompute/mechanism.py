@@ -628,8 +628,9 @@ def _after(gates, tensors):
     firsts = [tf.cast(tf.reshape(g, [-1])[:1], tf.float32) for g in gates]
     flag = tf.cast(tf.reduce_max(tf.concat(firsts, 0)), tf.bool)
     zero = tf.where(tf.equal(flag, flag), 0.0, float("nan"))
+    # Minus zero: `-0.0 - 0.0` is -0.0 (plus would give +0.0).
     return [
-        t + tf.cast(zero, t.dtype)
+        t - tf.cast(zero, t.dtype)
         if t.dtype.is_floating or t.dtype.is_integer
         else tf.identity(t)
         for t in tensors
