@@ -421,14 +421,16 @@ def _forward_working(forward_ops):
 def _weight_handle(tensor):
     """The name of the variable handle whose value `tensor` is (through
     casts and reshapes; `_from_weight`)."""
-    while tensor.op.type in _WEIGHT_PATH and tensor.op.inputs:
-        tensor = tensor.op.inputs[0]
-    return tensor.op.inputs[0].name if tensor.op.inputs else tensor.name
+    read = _weight_root(tensor)
+    return read.op.inputs[0].name if read.op.inputs else read.name
 
 
-def _working_floor(per_block):
-    """`_forward_working`, as the figures carry it (0 without blocks)."""
-    return max((f.get("forward_working", 0) for f in per_block.values()), default=0)
+def _with_floor(peak, per_block, gradient_bytes):
+    """A plan's `peak`, and for a training peak (`gradient_bytes` given) at
+    least `_forward_working`, as the figures carry it (0 without blocks)."""
+    if gradient_bytes is None:
+        return peak
+    return max(peak, max((f.get("forward_working", 0) for f in per_block.values()), default=0))
 
 
 def _workspaces(graph, forward_ops, trainable, model):
@@ -683,9 +685,14 @@ def _by_weight(op):
 
 def _from_weight(tensor):
     """Whether `tensor` is a variable's value (through casts and reshapes)."""
+    return _weight_root(tensor).op.type == "ReadVariableOp"
+
+
+def _weight_root(tensor):
+    """`tensor` followed back through casts and reshapes (`_WEIGHT_PATH`)."""
     while tensor.op.type in _WEIGHT_PATH and tensor.op.inputs:
         tensor = tensor.op.inputs[0]
-    return tensor.op.type == "ReadVariableOp"
+    return tensor
 
 
 def _bias_added(op):
@@ -843,10 +850,7 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
     kept_inside = {key: 0 if key in chosen else held[key] for key in top}
     outside_at = _outside(per_block, max(0, kept - sum(kept_inside.values())))
     worst, unplaced = _backward_peak(top, kept_inside, inside, outside_at, gradient_bytes)
-    peak = sum(extra.values()) + worst + unplaced
-    if gradient_bytes is None:
-        return peak
-    return max(peak, _working_floor(per_block))
+    return _with_floor(sum(extra.values()) + worst + unplaced, per_block, gradient_bytes)
 
 
 def _outside(per_block, outside):
@@ -1025,7 +1029,4 @@ def selective_plan_bytes(total, per_block, chosen, kept, gradient_bytes=None):
     worst, unplaced = _backward_peak(
         top, holds, everything, _outside(per_block, outside), gradient_bytes
     )
-    peak = worst + unplaced + max(0, kept - figured)
-    if gradient_bytes is None:
-        return peak
-    return max(peak, _working_floor(per_block))
+    return _with_floor(worst + unplaced + max(0, kept - figured), per_block, gradient_bytes)

@@ -107,16 +107,14 @@ class RecomputeSetup:
         self.auto = setting == "auto"
         self.batch_hint = setting.get("batch_size") if self.budget else None
         self.input_spec = None  # per-example specs, seen at the first trace
-        self.layers, self.segments = [], []
-        self.chosen = set()  # keys: id(layer), or segment index
-        self.plan = None  # the RecomputePlan made for a budget
         self.measured = None  # (peak bytes, batch size) of the last fit
         self._level = None
         # `(signature, choice)`: the choice made under each dtype signature
         # of the layers (cut points depend on it: `_settle`).
         self._choices = []
-        for k, v in self._choice(model).items():
-            setattr(self, k, v)
+        # layers, segments, chosen (keys: id(layer), or segment index), plan
+        # (the RecomputePlan made for a budget or "auto"), pending.
+        self._take(self._choice(model))
         # The signature the choice was made under (a budget: none yet).
         self._signature = None if self.budget else _dtype_signature(model)
         self.forwarded = False  # whether `forward` ran (in a model's own step)
@@ -188,11 +186,15 @@ class RecomputeSetup:
         self._choices = [
             (sig, c) for sig, c in self._choices if not _same_policies(sig, self._signature)
         ] + [(self._signature, {k: getattr(self, k) for k in _KEPT})]
-        for k, v in state.items():
-            setattr(self, k, v)
+        self._take(state)
         if cached is None:
             self.apply()
         self._signature = signature
+
+    def _take(self, choice):
+        """Sets the attributes of a choice (`_KEPT`, from `_choice`)."""
+        for k, v in choice.items():
+            setattr(self, k, v)
 
     # -------------------------------------------------------------- lifecycle
 
