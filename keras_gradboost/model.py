@@ -1162,9 +1162,9 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
 
     def _checks_steps(self):
         """Whether the update checks each step's finiteness (a loss scale,
-        or a NaNWatcher's watch)."""
+        or a NaNWatcher's watch); False before compile()."""
         rt = self._gradboost
-        return rt.scaler is not None or rt.facts.checks_gradients
+        return rt.scaler is not None or bool(rt.facts and rt.facts.checks_gradients)
 
     def _update(self, grads, batch_loss, n, state=None):
         """Checks, records and applies (or accumulates) one micro-batch's

@@ -99,6 +99,7 @@ def merge(per_block, sizes, groups):
             "after_workspace": per_block[group[-1]].get("after_workspace", 0),
             "before_workspace": first.get("before_workspace", 0),
             "forward_working": first.get("forward_working", 0),
+            "gradients_pile_up": first.get("gradients_pile_up"),
         }
     return merged
 

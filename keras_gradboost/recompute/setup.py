@@ -47,7 +47,7 @@ from keras_gradboost.recompute.estimates import BlockEstimate
 from keras_gradboost.recompute.estimates import RecomputePlan
 from keras_gradboost.recompute.estimates import eigen_convolution_kernels
 from keras_gradboost.recompute.estimates import estimate
-from keras_gradboost.recompute.estimates import gradients_pile_up
+from keras_gradboost.recompute.estimates import step_gradients_pile_up
 from keras_gradboost.recompute.estimates import kept_bytes
 from keras_gradboost.recompute.estimates import plan_bytes
 from keras_gradboost.recompute.estimates import selective_plan_bytes
@@ -108,6 +108,7 @@ class RecomputeSetup:
         self.batch_hint = setting.get("batch_size") if self.budget else None
         self.input_spec = None  # per-example specs, seen at the first trace
         self.measured = None  # (peak bytes, batch size) of the last fit
+        self.traced_pile_up = _NOT_TRACED
         self._level = None
         # `(signature, choice)`: the choice made under each dtype signature
         # of the layers (cut points depend on it: `_settle`).
@@ -225,6 +226,7 @@ class RecomputeSetup:
         """Settles what the training forward needs from the first traced
         batch `x`: a budget's choice, or else the input specs. Call it
         outside any tape, before `forward`."""
+        self._note_step(model)
         self._settle(model)
         if self.pending:
             self.resolve(model, x)
@@ -288,6 +290,7 @@ class RecomputeSetup:
         none.
         """
         name = type(model).__name__
+        self._note_step(model)
         self._settle(model)
         if self.pending and hooks.is_functional(model):
             first = next(iter(tf.nest.flatten(data)), None)
@@ -454,7 +457,21 @@ class RecomputeSetup:
             self.keys,
             selective=self.selective,
             owned={id(l): l.trainable_variables for l in self.layers} or None,
+            pile_up=self._pile_up(model),
         )
+
+    def _pile_up(self, model):
+        """`step_gradients_pile_up` of the step traced last (a NaNWatcher
+        attached during a `fit` is gone after it), or of the model now
+        before any trace."""
+        if self.traced_pile_up is _NOT_TRACED:
+            return step_gradients_pile_up(model)
+        return self.traced_pile_up
+
+    def _note_step(self, model):
+        """Records, at a trace of the training step, whether its gradients
+        pile up (`_pile_up`)."""
+        self.traced_pile_up = step_gradients_pile_up(model)
 
     def resolve(self, model, x):
         """Chooses the blocks of "auto" or `{"budget_mb": N}` (at the first
@@ -641,7 +658,7 @@ class RecomputeSetup:
             gradient_bytes=gradients,
             peak_bytes=plan_bytes(total, per_block, sizes, self.chosen, gradients),
             peak_bytes_without=plan_bytes(total, per_block, sizes, (), gradients),
-            gradients_pile_up=gradients_pile_up(),
+            gradients_pile_up=self._pile_up(model),
             eigen_convolutions=_eigen_convolutions(model),
             xla_temporary_bytes=temporary,
             xla_temporary_layer=layer.name if layer is not None else None,
@@ -670,7 +687,11 @@ class RecomputeSetup:
             if not self.auto:
                 return RecomputePlan(setting=self.setting)
             # "auto" without a batch size: the blocks chosen at compile().
-        if self.plan is not None and batch_size == self.plan.batch_size:
+        if (
+            self.plan is not None
+            and batch_size == self.plan.batch_size
+            and self.plan.gradients_pile_up == self._pile_up(model)
+        ):
             return self.plan
         spec = self._spec(model, batch_size)
         if spec is None:
@@ -696,6 +717,9 @@ class RecomputeSetup:
             )
         return plan
 
+
+# `RecomputeSetup.traced_pile_up` before any trace.
+_NOT_TRACED = object()
 
 # What `RecomputeSetup._choice` sets, and `_settle` keeps per signature.
 _KEPT = ("layers", "segments", "chosen", "plan", "pending")
