@@ -500,6 +500,13 @@ def budget_candidates(model):
     return layers, pieces
 
 
+def _own_train_step(model):
+    """Whether `model`'s class defines its own `train_step`."""
+    from keras_gradboost.model import own_steps  # model.py imports this package
+
+    return "train_step" in own_steps(model)
+
+
 def search_families(model):
     """The kinds of plan "auto" and a budget choose among, each estimated
     from its own trace: the nested blocks "auto" would recompute (if any),
@@ -514,6 +521,11 @@ def search_families(model):
     And of those blocks, each functional one whose graph can be cut
     (`nested_graphs`: a keras.applications base called as a layer), a
     segment between every two of its cut points.
+
+    A model with a `train_step` of its own gets the segments of its own
+    graph only when there is nothing else: GradBoostModel's forward alone
+    runs them, and its step may run its own (which raises at its first
+    trace), where nested blocks and a layer's segments run in any forward.
 
     Returns:
         A list of `(layers, segments)` pairs, one of each pair empty.
@@ -532,7 +544,7 @@ def search_families(model):
     for holder in nested_graphs(model, layers):
         graph = hooks.layer_graph(holder)
         families.append(([], segments(graph, cuts=cut_points(graph)[1], holder=holder)))
-    if own_graph_cuttable(model):
+    if own_graph_cuttable(model) and not (families and _own_train_step(model)):
         _, cuts = cut_points(model)
         if cuts:
             families.append(([], segments(model, cuts=cuts)))

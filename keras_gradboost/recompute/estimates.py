@@ -71,7 +71,9 @@ class RecomputePlan:
             alive plus the gradients alive (the weights' of the block being
             differentiated, or of a stem or a head at theirs: TensorFlow
             applies each variable's update as soon as its gradient exists;
-            every gradient throughout when `gradients_pile_up`), and the
+            every gradient throughout when `gradients_pile_up`, with the
+            buffers of the optimizer's update of the largest weight:
+            `updates.update_temporaries`), and the
             working buffers of the backward of the convolutions there
             (`eigen_convolutions`, `xla_temporary_bytes`); None when not
             estimated.
@@ -327,7 +329,9 @@ class _Probe:
         self.calls.setdefault(key, []).append((start, end, inputs, flat))
         return outputs
 
-def estimate(model, forward, input_spec, keys, selective=False, owned=None, pile_up=None):
+def estimate(
+    model, forward, input_spec, keys, selective=False, owned=None, pile_up=None, updates=0
+):
     """Traces one training step and measures what each block keeps.
 
     Args:
@@ -344,6 +348,9 @@ def estimate(model, forward, input_spec, keys, selective=False, owned=None, pile
             layer's), for `tied_inner_blocks`; None: not recorded.
         pile_up: why every gradient is alive at the end of the backward
             (`gradients_pile_up`), or None; carried in the figures.
+        updates: how many buffers of a variable's size the optimizer's
+            update of one variable holds (`updates.update_temporaries`);
+            carried in the figures.
 
     Returns:
         `(bytes_without, per_block, sizes)`: total cached bytes; per key a
@@ -387,6 +394,7 @@ def estimate(model, forward, input_spec, keys, selective=False, owned=None, pile
     for figures in per_block.values():
         figures["forward_working"] = working
         figures["gradients_pile_up"] = pile_up
+        figures["update_temporaries"] = updates
     sizes = {name: _bytes(t) for name, t in cached.items()}
     return total, per_block, sizes
 
@@ -816,7 +824,10 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
 
     Gradients: TensorFlow's executor runs each variable's optimizer update
     as soon as its gradient exists, so gradients do not pile up (unless
-    grappler's dependency optimizer is off: `gradients_pile_up`). At the
+    grappler's dependency optimizer is off, or the update waits for every
+    gradient: `updates.gradients_pile_up`; then the updates run together at
+    the end, and the buffers of the largest weight's,
+    `updates.update_temporaries`, count too). At the
     moment of a block, the gradients of the weights it reads are counted
     alive, and the gradient flowing through it (as large as its largest
     tensor). Weights read outside every block have moments of their own:
@@ -930,6 +941,11 @@ def _nested_moments(per_block, parent, chosen):
     return held, moment
 
 
+def with_pile_up(per_block, pile_up):
+    """Copies of the figures with `gradients_pile_up` set to `pile_up`."""
+    return {key: {**figures, "gradients_pile_up": pile_up} for key, figures in per_block.items()}
+
+
 def _block_gradients(per_block, gradient_bytes):
     """The gradients alive at each moment of the backward (`plan_bytes`),
     all zero when `gradient_bytes` is None.
@@ -953,7 +969,13 @@ def _block_gradients(per_block, gradient_bytes):
     after_buffers = {key: figures.get("after_workspace", 0) for key, figures in per_block.items()}
     first = max((figures.get("before_workspace", 0) for figures in per_block.values()), default=0)
     if any(figures.get("gradients_pile_up") for figures in per_block.values()):
-        return buffers, after_buffers, first, gradient_bytes
+        # The updates run together once the backward ends: the buffers of
+        # the largest weight's (`updates.update_temporaries`) on top.
+        temporaries = max((f.get("update_temporaries", 0) for f in per_block.values()), default=0)
+        largest = max(
+            (b for f in per_block.values() for b in f.get("weights", {}).values()), default=0
+        )
+        return buffers, after_buffers, first, gradient_bytes + temporaries * largest
     placed, grads, after = {}, {}, {}
     for key, figures in per_block.items():
         mine = {n: b for n, b in figures.get("weights", {}).items() if n not in placed}
@@ -964,82 +986,6 @@ def _block_gradients(per_block, gradient_bytes):
         placed.update(figures.get("after", {}))
         placed.update(figures.get("before", {}))
     return grads, after, first, max(0, gradient_bytes - sum(placed.values()))
-
-
-def gradients_pile_up(optimizer=None, checked=False):
-    """Why every gradient of a training step is alive at the end of its
-    backward, or None when TensorFlow's executor applies each variable's
-    update as soon as its gradient exists.
-
-    They pile up when grappler's dependency optimizer is off
-    (`tf.config.optimizer` options `dependency_optimization=False` or
-    `disable_meta_optimizer`): the updates wait for the whole backward.
-    Measured on ResNet50 (64x64, batch 16) with `recompute="auto"`: the
-    steps requested 145.4 MiB with the dependency optimizer off, against
-    51.4 with it on; the estimate with every gradient alive read 132.1, the
-    one by moments 50.1.
-
-    When the step checks its gradients before its update (`checked`: a
-    GradBoostModel's loss scale or `NaNWatcher`, which never apply a bad
-    update): ResNet50, "auto", Adam: 165.9 MiB requested with a NaNWatcher,
-    146.7 with `precision="mixed_float16"`, where the estimate by moments
-    read 50.1 and 54.2.
-
-    And when the optimizer's update needs every gradient first: a Keras
-    optimizer with `global_clipnorm` (the norm is over all of them), with
-    its own `gradient_accumulation_steps` (one `tf.cond` takes them all), or
-    with `use_ema`, and a `keras.optimizers.LossScaleOptimizer` (one
-    finiteness check over them all). Measured on ResNet50 with "auto", Adam:
-    140.2, 136.2, 126.2 and 140.2 MiB requested where the estimate by
-    moments read 50.1 (2.5-2.8x low; 50.7 with plain Adam, or with
-    `clipnorm`, which clips each gradient on its own, or with
-    GradBoostModel's `accumulate_steps`, which adds each as it comes).
-
-    Args:
-        optimizer: the model's optimizer, or None.
-        checked: whether the step checks every gradient's finiteness before
-            its update.
-
-    Returns:
-        A str, or None.
-    """
-    options = tf.config.optimizer.get_experimental_options()
-    if options.get("disable_meta_optimizer") or options.get("dependency_optimization", True) is False:
-        return (
-            "grappler's dependency optimizer is off in tf.config.optimizer, so "
-            "the optimizer's updates wait for the whole backward"
-        )
-    if checked:
-        return (
-            "each step's gradients are checked for finiteness before its update "
-            "(a loss scale, or a NaNWatcher)"
-        )
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return (
-            "keras.optimizers.LossScaleOptimizer checks every gradient is finite "
-            "before the first update"
-        )
-    for attribute, why in _HOLDING_OPTIONS:
-        if getattr(optimizer, attribute, None):
-            return f"the optimizer's {attribute} {why}"
-    return None
-
-
-def step_gradients_pile_up(model):
-    """`gradients_pile_up` of `model`'s training step as it is traced now
-    (whether it checks its gradients: a loss scale, an attached
-    NaNWatcher)."""
-    checks = getattr(model, "_checks_steps", None)  # GradBoostModel's
-    return gradients_pile_up(getattr(model, "optimizer", None), bool(checks and checks()))
-
-
-# The Keras optimizer options whose update waits for every gradient
-# (`gradients_pile_up`), and why.
-_HOLDING_OPTIONS = (
-    ("global_clipnorm", "needs the norm of every gradient before the first update"),
-    ("gradient_accumulation_steps", "adds or applies every gradient in one tf.cond"),
-    ("use_ema", "(measured: its moving averages' updates come after every update)"),
-)
 
 
 def selective_plan_bytes(total, per_block, chosen, kept, gradient_bytes=None):

@@ -47,11 +47,13 @@ from keras_gradboost.recompute.estimates import BlockEstimate
 from keras_gradboost.recompute.estimates import RecomputePlan
 from keras_gradboost.recompute.estimates import eigen_convolution_kernels
 from keras_gradboost.recompute.estimates import estimate
-from keras_gradboost.recompute.estimates import step_gradients_pile_up
+from keras_gradboost.recompute.updates import step_gradients_pile_up
+from keras_gradboost.recompute.updates import update_temporaries
 from keras_gradboost.recompute.estimates import kept_bytes
 from keras_gradboost.recompute.estimates import plan_bytes
 from keras_gradboost.recompute.estimates import selective_plan_bytes
 from keras_gradboost.recompute.estimates import tied_inner_blocks
+from keras_gradboost.recompute.estimates import with_pile_up
 
 # "auto" recomputes only where its best plan is estimated to save at least
 # this share of the activation memory: the estimates leave out the
@@ -457,13 +459,16 @@ class RecomputeSetup:
             self.keys,
             selective=self.selective,
             owned={id(l): l.trainable_variables for l in self.layers} or None,
-            pile_up=self._pile_up(model),
+            pile_up=step_gradients_pile_up(model, watched=False),
+            updates=update_temporaries(getattr(model, "optimizer", None)),
         )
 
     def _pile_up(self, model):
         """`step_gradients_pile_up` of the step traced last (a NaNWatcher
         attached during a `fit` is gone after it), or of the model now
-        before any trace."""
+        before any trace. The estimates "auto" and a budget choose by leave
+        out a NaNWatcher's (`_estimate`), so `recompute_plan()` before `fit`
+        shows what `fit` recomputes; the plan's peaks count it."""
         if self.traced_pile_up is _NOT_TRACED:
             return step_gradients_pile_up(model)
         return self.traced_pile_up
@@ -522,11 +527,21 @@ class RecomputeSetup:
         self.segments = resegment(model, pieces, cuts) if pieces else []
         self.chosen = set(best.chosen)
         self.plan = self._plan((family_total, figures, sizes), self.batch_hint, model)
-        # The figures the choice was made on: no recompute's peak from the
-        # finest layout (`candidates`), and the chosen plan's.
-        self.plan.peak_bytes_without = found[0].peak
-        self.plan.peak_bytes = best.peak if best.chosen else found[0].peak
         self.pending = False
+        if self.plan.gradients_pile_up == step_gradients_pile_up(model, watched=False):
+            # The figures the choice was made on: no recompute's peak from
+            # the finest layout (`candidates`), and the chosen plan's.
+            self.plan.peak_bytes_without = found[0].peak
+            self.plan.peak_bytes = best.peak if best.chosen else found[0].peak
+        elif self.budget and fits and self.plan.peak_bytes > self.setting["budget_mb"] * MIB:
+            warnings.warn(
+                f"recompute={self.setting!r}: the plan chosen is estimated at "
+                f"~{self.plan.peak_bytes / MIB:.1f} MiB in this fit, over the "
+                f"budget: {self.plan.gradients_pile_up}, which holds every "
+                f"gradient (~{self.plan.gradient_bytes / MIB:.1f} MiB) until the "
+                "backward ends. Raise the budget by that much, or train without it.",
+                stacklevel=2,
+            )
         if fits:
             return
         temporary = self.plan.xla_temporary_bytes  # found by `_plan` above
@@ -636,6 +651,7 @@ class RecomputeSetup:
 
     def _plan(self, estimated, batch_size, model):
         total, per_block, sizes = estimated
+        per_block = with_pile_up(per_block, self._pile_up(model))
         gradients = _gradient_bytes(model)
         names = self.names()
         rows = [
@@ -713,7 +729,11 @@ class RecomputeSetup:
             kept = kept_bytes(model, lambda v, _: self.forward(model, v), spec)
             plan.bytes_with = selective_plan_bytes(total, per_block, self.chosen, kept)
             plan.peak_bytes = selective_plan_bytes(
-                total, per_block, self.chosen, kept, plan.gradient_bytes
+                total,
+                with_pile_up(per_block, plan.gradients_pile_up),
+                self.chosen,
+                kept,
+                plan.gradient_bytes,
             )
         return plan
 

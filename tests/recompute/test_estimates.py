@@ -56,9 +56,11 @@ def test_with_the_dependency_optimizer_off_every_gradient_counts_throughout():
     model.compile(optimizer="sgd", loss="mse", recompute="auto")
     plan = model.recompute_plan(batch_size=256)
     weights = sum(np.asarray(v).nbytes for v in model.trainable_variables)
+    # And SGD's update of the largest weight: its scaled gradient.
+    update = max(np.asarray(v).nbytes for v in model.trainable_variables)
     assert plan.gradients_pile_up
-    assert plan.peak_bytes == plan.bytes_with + weights
-    assert plan.peak_bytes_without == plan.bytes_without + weights
+    assert plan.peak_bytes == plan.bytes_with + weights + update
+    assert plan.peak_bytes_without == plan.bytes_without + weights + update
     assert "every gradient alive (grappler's dependency optimizer is off" in str(plan)
 
 
@@ -230,9 +232,9 @@ def test_a_frozen_base_keeps_nothing_for_the_backward():
     assert frozen == alone == 16 * width * 4
 
 
-def _piled_up_setting(kind):
+def _update_setting(kind):
     """`(optimizer, callbacks)` of a step whose update waits for every
-    gradient (`recompute.gradients_pile_up`)."""
+    gradient (`updates.gradients_pile_up`)."""
     from keras_gradboost.callbacks import NaNWatcher
 
     if kind == "global_clipnorm":
@@ -242,15 +244,11 @@ def _piled_up_setting(kind):
     return keras.optimizers.SGD(0.01), [NaNWatcher(action="skip", verbose=0)]
 
 
-@pytest.mark.parametrize("kind", ["global_clipnorm", "loss_scale_optimizer", "nan_watcher"])
-def test_the_peak_estimate_holds_every_gradient_when_the_update_waits_for_all(
-    kind, requested_peak
-):
-    # 8 Dense(1024) layers (4 MiB of gradient each) and a batch of 16: the
-    # gradients are the peak. An update that needs every gradient first (a
-    # global norm, one finiteness check) holds them all until the backward
-    # ends; the estimate counted one at a time, 4.6 MiB where the steps
-    # requested ~40. Measured as users run, graph rewrites on.
+def _wide_mlp_peak(kind, requested_peak):
+    """`(bytes requested by 2 steps, the plan)` of 8 Dense(1024) layers
+    (4 MiB weights) at batch 16 (64 KiB activations), 6 recomputed, with
+    the `_update_setting` `kind`: the gradients and the update are the
+    peak. Measured as users run, graph rewrites on."""
     before = grappler(False)
     try:
         x = np.random.default_rng(0).random((32, 1024)).astype("float32")
@@ -262,7 +260,7 @@ def test_the_peak_estimate_holds_every_gradient_when_the_update_waits_for_all(
         for i in range(8):
             h = keras.layers.Dense(1024, activation="relu", name=f"d{i}")(h)
         model = GradBoostModel(inputs, keras.layers.Dense(10, name="head")(h))
-        optimizer, callbacks = _piled_up_setting(kind)
+        optimizer, callbacks = _update_setting(kind)
         model.compile(
             optimizer=optimizer,
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -274,12 +272,82 @@ def test_the_peak_estimate_holds_every_gradient_when_the_update_waits_for_all(
             model.fit(data, steps_per_epoch=2, epochs=1, verbose=0, callbacks=callbacks)
 
         requested = sorted(requested_peak.requested_peak(steps) for _ in range(3))[1]
-        plan = model.recompute_plan()
+        return requested, model.recompute_plan()
     finally:
         grappler(before)
+
+
+@pytest.mark.parametrize("kind", ["global_clipnorm", "loss_scale_optimizer", "nan_watcher"])
+def test_the_peak_estimate_holds_every_gradient_when_the_update_waits_for_all(
+    kind, requested_peak
+):
+    # An update that needs every gradient first (a global norm, one
+    # finiteness check) holds them all until the backward ends; the
+    # estimate counted one at a time: 4.6 MiB where the steps requested ~33.
+    requested, plan = _wide_mlp_peak(kind, requested_peak)
     assert plan.gradients_pile_up, plan
     assert "every gradient alive" in str(plan)
     assert 0.85 * plan.peak_bytes <= requested <= 1.15 * plan.peak_bytes, (
         requested / 2**20,
         plan.peak_bytes / 2**20,
     )
+
+
+@pytest.mark.parametrize(
+    "optimizer, buffers",
+    [
+        (keras.optimizers.SGD(0.01), 1),
+        (keras.optimizers.Adam(), 2),
+        (keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), 2),
+        (None, 0),
+    ],
+)
+def test_update_temporaries_traces_a_copy_of_the_optimizer(optimizer, buffers):
+    # The copy is traced in a graph of its own: the optimizer itself is
+    # neither built nor stepped.
+    from keras_gradboost.recompute.updates import update_temporaries
+
+    assert update_temporaries(optimizer) == buffers
+    if optimizer is not None:
+        assert not optimizer.built
+        assert int(optimizer.iterations.numpy()) == 0
+
+
+def test_update_temporaries_is_0_for_an_optimizer_it_cannot_copy():
+    from keras_gradboost.recompute.updates import update_temporaries
+
+    class NeedsAnArgument(keras.optimizers.SGD):
+        def __init__(self, special, **kwargs):
+            super().__init__(**kwargs)
+            self.special = special
+
+    assert update_temporaries(NeedsAnArgument(special=3)) == 0
+
+
+def test_a_budget_met_without_a_nan_watcher_warns_when_one_holds_every_gradient():
+    # The budget chooses as recompute_plan() before fit() shows (without the
+    # NaNWatcher a fit attaches); with it every gradient waits for the
+    # check, and the plan's estimate in that fit is over the budget.
+    from keras_gradboost.callbacks import NaNWatcher
+
+    grappler(False)  # the default set-up (the fixture restores it)
+    x = np.random.default_rng(0).random((32, 1024)).astype("float32")
+    y = np.arange(32) % 10
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((1024,))
+    h = inputs
+    for i in range(4):
+        h = keras.layers.Dense(1024, activation="relu", name=f"d{i}")(h)
+    model = GradBoostModel(inputs, keras.layers.Dense(10)(h))
+    model.compile(
+        optimizer="sgd",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        recompute={"budget_mb": 12, "batch_size": 16},
+    )
+    before = model.recompute_plan()
+    assert before.peak_bytes < 12 * 2**20 and not before.gradients_pile_up
+    with pytest.warns(UserWarning, match="over the budget: each step's gradients are checked"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[NaNWatcher(verbose=0)])
+    after = model.recompute_plan()
+    assert after.recomputed == before.recomputed
+    assert after.peak_bytes > 16 * 2**20 and after.gradients_pile_up

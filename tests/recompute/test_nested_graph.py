@@ -611,3 +611,49 @@ def test_a_policy_with_nothing_to_cut_keeps_the_earlier_plan():
             model.recompute_plan()
     precision.apply_policy(model, "float32")
     assert model.recompute_plan().recomputed == before
+
+
+class OwnForwardStep(GradBoostModel):
+    """A train_step of its own, whose forward is the model's own call."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x, y, self(x, training=True), training=True)
+        self.minimize(tape, loss)
+        return {"loss": loss}
+
+
+def _two_residual_blocks(cls):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    h = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
+    for i in (1, 2):
+        block = keras.Sequential(
+            [keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(8)], name=f"block_{i}"
+        )
+        h = keras.layers.Add()([h, block(h)])
+    return cls(inputs, keras.layers.Dense(3, name="out")(h))
+
+
+def test_auto_with_an_own_train_step_chooses_what_its_forward_runs():
+    # With every gradient held to the end (global_clipnorm), "auto" found
+    # the segments of the model's own graph lowest, which only
+    # GradBoostModel's forward runs: the first trace raised. Nested blocks
+    # run in any forward.
+    x = np.random.default_rng(0).random((16, 5)).astype("float32")
+    y = np.random.default_rng(1).random((16, 3)).astype("float32")
+    weights = {}
+    for setting in (None, "auto"):
+        model = _two_residual_blocks(OwnForwardStep)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1, global_clipnorm=1.0),
+            loss="mse",
+            recompute=setting,
+        )
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+        weights[setting] = model.get_weights()
+        if setting:
+            assert model.recompute_plan(batch_size=4).recomputed == ["block_1", "block_2"]
+    for a, b in zip(weights[None], weights["auto"]):
+        np.testing.assert_array_equal(a, b)
