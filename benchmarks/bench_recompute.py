@@ -38,6 +38,17 @@ building instead. Memory table only:
     python benchmarks/bench_recompute.py --models ConvNeXtTiny --depthwise native \
         --configs baseline,auto,selective --precision mixed_bfloat16
 
+`--update U` trains every configuration with an update that waits for
+every gradient (`updates.gradients_pile_up`): Adam with `global_clipnorm`
+(`global_clipnorm`), wrapped in a `LossScaleOptimizer`
+(`loss_scale_optimizer`), with Keras' `gradient_accumulation_steps=2`
+(`optimizer_accumulation`), or with a `NaNWatcher` (`nan_watcher`: the
+steps run through `fit`, where the watcher is attached). Memory table
+only:
+
+    python benchmarks/bench_recompute.py --models ResNet50 --configs baseline,auto \
+        --update nan_watcher
+
 `--models ... --time` instead times, in one process per model, no
 recompute against itself (A/A), "auto" and selective recompute: pairs of
 back-to-back `fit`s in alternating order (`fit_rounds.paired`, tf.data
@@ -119,7 +130,7 @@ def worker(args):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.compile(
-            optimizer="adam",
+            optimizer=optimizer(args),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=bool(args.hub)),
             jit_compile=args.jit,
             **kwargs,
@@ -132,10 +143,15 @@ def worker(args):
     )
     result = {"config": config}
     rss_before = _rss_bytes()
+    callbacks = []
+    if args.update == "nan_watcher":
+        from keras_gradboost.callbacks import NaNWatcher
+
+        callbacks = [NaNWatcher(action="skip", verbose=0)]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model.fit(data, steps_per_epoch=2, epochs=1, verbose=0)
+            model.fit(data, steps_per_epoch=2, epochs=1, verbose=0, callbacks=callbacks)
     except Exception as error:  # noqa: BLE001 - reported in the table
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))  # Keras' bold markers
         lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -146,6 +162,9 @@ def worker(args):
     iterator = iter(data)
 
     def steps():  # --steps calls of the compiled train function, one host sync
+        if callbacks:  # attached by fit alone
+            model.fit(data, steps_per_epoch=args.steps, epochs=1, verbose=0, callbacks=callbacks)
+            return
         for _ in range(args.steps):
             logs = model.train_function(iterator)
         float(logs["loss"])
@@ -171,6 +190,19 @@ def worker(args):
         result["estimate_bytes"] = plan.bytes_with
         result["peak_estimate_bytes"] = plan.peak_bytes
     print(json.dumps(result))
+
+
+def optimizer(args):
+    """Adam, with `--update`'s option."""
+    import keras
+
+    if args.update == "global_clipnorm":
+        return keras.optimizers.Adam(global_clipnorm=1.0)
+    if args.update == "optimizer_accumulation":
+        return keras.optimizers.Adam(gradient_accumulation_steps=2)
+    if args.update == "loss_scale_optimizer":
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())
+    return keras.optimizers.Adam()
 
 
 def _recompute_setting(config):
@@ -288,7 +320,7 @@ def estimates(args):
             model = zoo.residual_mlp(blocks=args.blocks, width=args.width)
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(),
+    model.compile(optimizer=optimizer(args), loss=keras.losses.SparseCategoricalCrossentropy(),
                   recompute="auto", depthwise=args.depthwise, pointwise=args.pointwise,
                   precision=args.precision)
     plan = model.recompute_plan(batch_size=args.batch)
@@ -316,7 +348,8 @@ def run(config, args):
         ["--depthwise", args.depthwise] if args.depthwise else []) + (
         ["--pointwise", args.pointwise] if args.pointwise else []) + (
         ["--precision", args.precision] if args.precision else []) + (
-        ["--global-policy", args.global_policy] if args.global_policy else [])
+        ["--global-policy", args.global_policy] if args.global_policy else []) + (
+        ["--update", args.update] if args.update else [])
     out = subprocess.run(command, capture_output=True, text=True, timeout=1200)
     for line in reversed(out.stdout.splitlines()):
         if line.startswith("{"):
@@ -355,6 +388,10 @@ def main():
     parser.add_argument("--global-policy", choices=["mixed_bfloat16", "mixed_float16"],
                         help="keras.mixed_precision.set_global_policy before the model "
                         "is built (memory table only)")
+    parser.add_argument("--update", choices=["global_clipnorm", "loss_scale_optimizer",
+                                             "optimizer_accumulation", "nan_watcher"],
+                        help="an update that waits for every gradient in every "
+                        "configuration (memory table only)")
     parser.add_argument("--time", action="store_true",
                         help="with --models: step time only, paired in one process")
     parser.add_argument("--time-worker", help=argparse.SUPPRESS)
@@ -362,8 +399,10 @@ def main():
     parser.add_argument("--hub", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if (args.precision or args.global_policy) and (args.time or args.sweep):
-        parser.error("--precision and --global-policy apply to the --models memory table")
+    if (args.precision or args.global_policy or args.update) and (args.time or args.sweep):
+        parser.error(
+            "--precision, --global-policy and --update apply to the --models memory table"
+        )
     if args.worker:
         return worker(args)
     if args.time_worker:
@@ -536,7 +575,7 @@ def per_model(args):
         + (f"compile(precision={args.precision!r})" if args.precision else
            f"global policy {args.global_policy} set before building" if args.global_policy
            else "float32")
-        + ", Adam, "
+        + ", Adam" + (f" ({args.update})" if args.update else "") + ", "
         f"{'XLA' if args.jit else 'no XLA'}; "
         f"keras.applications at {args.pixels}x{args.pixels}, batch 16; keras-hub "
         f"(width 256, 4 heads, sequences of {HUB_LENGTH}, dropout 0.1), batch 16; "

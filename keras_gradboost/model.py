@@ -1160,11 +1160,19 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             and any(overwrites_with_gradient(v) for v in self.trainable_weights)
         )
 
-    def _checks_steps(self):
+    def _checks_steps(self, watches=True):
         """Whether the update checks each step's finiteness (a loss scale,
-        or a NaNWatcher's watch); False before compile()."""
+        `step_facts.checks_gradients`, or a NaNWatcher's watch; without
+        `watches`, as before the first watch attached); False before
+        compile()."""
         rt = self._gradboost
-        return rt.scaler is not None or bool(rt.facts and rt.facts.checks_gradients)
+        if rt.scaler is not None:
+            return True
+        if rt.facts is None:
+            return False
+        if rt.watches and not watches:
+            return bool(rt.checks_before_watch)
+        return bool(rt.facts.checks_gradients)
 
     def _update(self, grads, batch_loss, n, state=None):
         """Checks, records and applies (or accumulates) one micro-batch's
@@ -1473,6 +1481,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         self._build_optimizer()
         if rt.recompute is not None:  # a budget's batch size (binds only then)
             rt.recompute.before_fit(lambda: _bind_fit_args(args, kwargs))
+            rt.recompute.note_fit(self, _bind_fit_args(args, kwargs).get("callbacks"))
         replicas = self.distribute_strategy.num_replicas_in_sync
         if rt.config.accumulate_steps == 1 and rt.scaler is None and replicas == 1:
             return super().fit(*args, **kwargs)  # (nothing to do at an epoch's end)

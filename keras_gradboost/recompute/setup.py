@@ -47,13 +47,13 @@ from keras_gradboost.recompute.estimates import BlockEstimate
 from keras_gradboost.recompute.estimates import RecomputePlan
 from keras_gradboost.recompute.estimates import eigen_convolution_kernels
 from keras_gradboost.recompute.estimates import estimate
-from keras_gradboost.recompute.updates import step_gradients_pile_up
-from keras_gradboost.recompute.updates import update_temporaries
 from keras_gradboost.recompute.estimates import kept_bytes
 from keras_gradboost.recompute.estimates import plan_bytes
 from keras_gradboost.recompute.estimates import selective_plan_bytes
 from keras_gradboost.recompute.estimates import tied_inner_blocks
 from keras_gradboost.recompute.estimates import with_pile_up
+from keras_gradboost.recompute.updates import step_gradients_pile_up
+from keras_gradboost.recompute.updates import update_temporaries
 
 # "auto" recomputes only where its best plan is estimated to save at least
 # this share of the activation memory: the estimates leave out the
@@ -110,7 +110,8 @@ class RecomputeSetup:
         self.batch_hint = setting.get("batch_size") if self.budget else None
         self.input_spec = None  # per-example specs, seen at the first trace
         self.measured = None  # (peak bytes, batch size) of the last fit
-        self.traced_pile_up = _NOT_TRACED
+        self.fit_pile_up = _NOT_FITTED
+        self._updates = None  # (optimizer, update_temporaries of it)
         self._level = None
         # `(signature, choice)`: the choice made under each dtype signature
         # of the layers (cut points depend on it: `_settle`).
@@ -228,7 +229,6 @@ class RecomputeSetup:
         """Settles what the training forward needs from the first traced
         batch `x`: a budget's choice, or else the input specs. Call it
         outside any tape, before `forward`."""
-        self._note_step(model)
         self._settle(model)
         if self.pending:
             self.resolve(model, x)
@@ -292,7 +292,6 @@ class RecomputeSetup:
         none.
         """
         name = type(model).__name__
-        self._note_step(model)
         self._settle(model)
         if self.pending and hooks.is_functional(model):
             first = next(iter(tf.nest.flatten(data)), None)
@@ -459,24 +458,38 @@ class RecomputeSetup:
             self.keys,
             selective=self.selective,
             owned={id(l): l.trainable_variables for l in self.layers} or None,
-            pile_up=step_gradients_pile_up(model, watched=False),
-            updates=update_temporaries(getattr(model, "optimizer", None)),
+            pile_up=step_gradients_pile_up(model),
+            update_bytes=self._update_bytes(model),
         )
 
-    def _pile_up(self, model):
-        """`step_gradients_pile_up` of the step traced last (a NaNWatcher
-        attached during a `fit` is gone after it), or of the model now
-        before any trace. The estimates "auto" and a budget choose by leave
-        out a NaNWatcher's (`_estimate`), so `recompute_plan()` before `fit`
-        shows what `fit` recomputes; the plan's peaks count it."""
-        if self.traced_pile_up is _NOT_TRACED:
-            return step_gradients_pile_up(model)
-        return self.traced_pile_up
+    def _update_bytes(self, model):
+        """The buffers of the optimizer's update of the model's largest
+        weight (`update_temporaries`, traced once per optimizer)."""
+        optimizer = getattr(model, "optimizer", None)
+        if self._updates is None or self._updates[0] is not optimizer:
+            self._updates = (optimizer, update_temporaries(optimizer))
+        largest = max((_variable_bytes(v) for v in model.trainable_variables), default=0)
+        return self._updates[1] * largest
 
-    def _note_step(self, model):
-        """Records, at a trace of the training step, whether its gradients
-        pile up (`_pile_up`)."""
-        self.traced_pile_up = step_gradients_pile_up(model)
+    def _pile_up(self, model):
+        """`step_gradients_pile_up` of the current or last `fit` (`note_fit`:
+        with its NaNWatcher, gone after it), or of the model now before any
+        `fit`. The estimates "auto" and a budget choose by leave out a
+        NaNWatcher (`_estimate`), so `recompute_plan()` before `fit` shows
+        what `fit` recomputes; the plan's peaks count it."""
+        if self.fit_pile_up is _NOT_FITTED:
+            return step_gradients_pile_up(model, watcher=_watched(model))
+        return self.fit_pile_up
+
+    def note_fit(self, model, callbacks):
+        """Records at the start of a `fit` whether its gradients pile up:
+        with a `NaNWatcher` among its `callbacks` (a list, a Keras
+        `CallbackList` or None), or a watch attached, they do."""
+        from keras_gradboost.callbacks.nan_watcher import NaNWatcher  # imports the model
+
+        found = getattr(callbacks, "callbacks", callbacks) or []
+        watcher = any(isinstance(c, NaNWatcher) for c in found) or _watched(model)
+        self.fit_pile_up = step_gradients_pile_up(model, watcher=watcher)
 
     def resolve(self, model, x):
         """Chooses the blocks of "auto" or `{"budget_mb": N}` (at the first
@@ -528,18 +541,21 @@ class RecomputeSetup:
         self.chosen = set(best.chosen)
         self.plan = self._plan((family_total, figures, sizes), self.batch_hint, model)
         self.pending = False
-        if self.plan.gradients_pile_up == step_gradients_pile_up(model, watched=False):
+        if self.plan.gradients_pile_up == step_gradients_pile_up(model):
             # The figures the choice was made on: no recompute's peak from
             # the finest layout (`candidates`), and the chosen plan's.
             self.plan.peak_bytes_without = found[0].peak
             self.plan.peak_bytes = best.peak if best.chosen else found[0].peak
-        elif self.budget and fits and self.plan.peak_bytes > self.setting["budget_mb"] * MIB:
+        elif self.budget and self.plan.peak_bytes > self.setting["budget_mb"] * MIB:
+            over = self.plan.peak_bytes - self.setting["budget_mb"] * MIB
             warnings.warn(
                 f"recompute={self.setting!r}: the plan chosen is estimated at "
-                f"~{self.plan.peak_bytes / MIB:.1f} MiB in this fit, over the "
-                f"budget: {self.plan.gradients_pile_up}, which holds every "
-                f"gradient (~{self.plan.gradient_bytes / MIB:.1f} MiB) until the "
-                "backward ends. Raise the budget by that much, or train without it.",
+                f"~{self.plan.peak_bytes / MIB:.1f} MiB in this fit, "
+                f"~{over / MIB:.1f} MiB over the budget: "
+                f"{self.plan.gradients_pile_up}, which holds every gradient "
+                f"(~{self.plan.gradient_bytes / MIB:.1f} MiB) until the backward "
+                "ends. Raise the budget by that much, or train without the "
+                "NaNWatcher.",
                 stacklevel=2,
             )
         if fits:
@@ -738,8 +754,14 @@ class RecomputeSetup:
         return plan
 
 
-# `RecomputeSetup.traced_pile_up` before any trace.
-_NOT_TRACED = object()
+# `RecomputeSetup.fit_pile_up` before any `fit`.
+_NOT_FITTED = object()
+
+
+def _watched(model):
+    """Whether a NaNWatcher's watch is attached to `model` now."""
+    checks = getattr(model, "_checks_steps", None)  # GradBoostModel's
+    return bool(checks and checks()) and not checks(watches=False)
 
 # What `RecomputeSetup._choice` sets, and `_settle` keeps per signature.
 _KEPT = ("layers", "segments", "chosen", "plan", "pending")
@@ -802,13 +824,14 @@ def _flatten_with_paths(spec):
 def _gradient_bytes(model):
     """Bytes of the trainable variables' gradients (one per variable, in its
     dtype); `plan_bytes` places each at its moment of the backward."""
-    total = 0
-    for v in model.trainable_variables:
-        count = 1
-        for d in v.shape:
-            count *= int(d)
-        total += count * tf.as_dtype(v.dtype).size
-    return total
+    return sum(_variable_bytes(v) for v in model.trainable_variables)
+
+
+def _variable_bytes(variable):
+    count = 1
+    for d in variable.shape:
+        count *= int(d)
+    return count * tf.as_dtype(variable.dtype).size
 
 
 def _memory_level():

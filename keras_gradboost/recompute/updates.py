@@ -4,9 +4,20 @@ variable's size its update of one variable holds at once
 (`update_temporaries`). The training peak estimates (`estimates.plan_bytes`)
 count both."""
 
+import warnings
+
 import keras
 import numpy as np
 import tensorflow as tf
+
+
+# The Keras optimizer options whose update waits for every gradient
+# (`gradients_pile_up`), and why.
+_HOLDING_OPTIONS = (
+    ("global_clipnorm", "needs the norm of every gradient before the first update"),
+    ("gradient_accumulation_steps", "adds or applies every gradient in one tf.cond"),
+    ("use_ema", "updates its moving averages after every update (measured)"),
+)
 
 
 def gradients_pile_up(optimizer=None, checked=False):
@@ -24,19 +35,18 @@ def gradients_pile_up(optimizer=None, checked=False):
 
     When the step checks its gradients before its update (`checked`: a
     GradBoostModel's loss scale or `NaNWatcher`, which never apply a bad
-    update): ResNet50, "auto", Adam: 165.9 MiB requested with a NaNWatcher,
-    146.7 with `precision="mixed_float16"`, where the estimate by moments
-    read 50.1 and 54.2.
+    update), and when the optimizer's update needs every gradient first.
+    ResNet50, "auto", Adam (`bench_recompute.py --update`): the figures
+    are in `benchmarks/RESULTS.md`; before, the estimate by moments read
+    50.1 MiB where such steps requested 141-167.
 
-    And when the optimizer's update needs every gradient first: a Keras
-    optimizer with `global_clipnorm` (the norm is over all of them), with
-    its own `gradient_accumulation_steps` (one `tf.cond` takes them all), or
-    with `use_ema`, and a `keras.optimizers.LossScaleOptimizer` (one
-    finiteness check over them all). Measured on ResNet50 with "auto", Adam:
-    140.2, 136.2, 126.2 and 140.2 MiB requested where the estimate by
-    moments read 50.1 (2.5-2.8x low; 50.7 with plain Adam, or with
-    `clipnorm`, which clips each gradient on its own, or with
-    GradBoostModel's `accumulate_steps`, which adds each as it comes).
+    The optimizers that do: a Keras optimizer with `global_clipnorm` (the
+    norm is over all of them), with its own `gradient_accumulation_steps`
+    (one `tf.cond` takes them all), or with `use_ema` (measured), and a
+    `keras.optimizers.LossScaleOptimizer` (one finiteness check over them
+    all). Not `clipnorm`, which clips each gradient on its own, nor
+    GradBoostModel's `accumulate_steps`, which adds each as it comes
+    (measured: as plain Adam).
 
     Args:
         optimizer: the model's optimizer, or None.
@@ -68,27 +78,16 @@ def gradients_pile_up(optimizer=None, checked=False):
     return None
 
 
-def step_gradients_pile_up(model, watched=True):
-    """`gradients_pile_up` of `model`'s training step as it is traced now:
-    whether it checks its gradients (a loss scale, or, when `watched`, a
-    NaNWatcher attached for the current `fit`)."""
-    if watched:
-        checks = getattr(model, "_checks_steps", None)  # GradBoostModel's
-        checked = bool(checks and checks())
-    else:
-        runtime = getattr(model, "_gradboost", None)  # GradBoostModel's
-        checked = getattr(runtime, "scaler", None) is not None
+def step_gradients_pile_up(model, watcher=False):
+    """`gradients_pile_up` of `model`'s training step: whether it checks its
+    gradients (a loss scale, `step_facts.checks_gradients` set; and when
+    `watcher`, a NaNWatcher: the `fit` has one) or its optimizer waits.
+    A watch attached only for the current `fit` counts through `watcher`
+    alone, so the same model gives the same answer before and during a
+    `fit` without one."""
+    checks = getattr(model, "_checks_steps", None)  # GradBoostModel's
+    checked = watcher or bool(checks and checks(watches=False))
     return gradients_pile_up(getattr(model, "optimizer", None), checked)
-
-
-# The Keras optimizer options whose update waits for every gradient
-# (`gradients_pile_up`), and why.
-_HOLDING_OPTIONS = (
-    ("global_clipnorm", "needs the norm of every gradient before the first update"),
-    ("gradient_accumulation_steps", "adds or applies every gradient in one tf.cond"),
-    ("use_ema", "(measured: its moving averages' updates come after every update)"),
-)
-
 
 
 def update_temporaries(optimizer):
@@ -98,7 +97,7 @@ def update_temporaries(optimizer):
     the updates run together once the backward ends, and the training peak
     estimates count those of the largest weight (`estimates.plan_bytes`):
     ResNet50 (64x64, batch 16, "auto", Adam) with a NaNWatcher requested
-    171.8 MiB, estimated 127.5 without them and 146.4 with them.
+    167.0 MiB, estimated 131.5 without them and 150.1 with them.
 
     Not where each update runs as its gradient arrives: on ResNet50 the
     estimate by moments read 50.1 MiB against 50.7 requested, and 71.4 with
@@ -110,25 +109,36 @@ def update_temporaries(optimizer):
     and a scratch variable, in a graph of their own that nothing runs (the
     model's optimizer and a distribution strategy's scope are left alone),
     each tensor alive from the operation that makes it to its last reader
-    in the order traced. 0 when the optimizer cannot be copied (a
-    `from_config` that fails) or traced.
+    in the order traced. Operations inside a `tf.cond` (Keras'
+    `gradient_accumulation_steps`) are not seen. 0 when the optimizer
+    cannot be copied from its config; 0 with a warning when its copy
+    cannot be traced.
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if not isinstance(inner, keras.optimizers.Optimizer):
         return 0
-    try:
-        with tf.init_scope():  # eager, also during a trace: the config reads values
-            config = inner.get_config()
-        with tf.Graph().as_default() as graph:
+    with tf.init_scope():  # eager, also during a trace: the config reads values
+        config = inner.get_config()
+    with tf.Graph().as_default() as graph:
+        try:
             copy = type(inner).from_config(config)
+        except (TypeError, ValueError, KeyError):  # an optimizer of the user's
+            return 0
+        try:
             variable = keras.Variable(np.zeros(_SCRATCH_SHAPE, "float32"), name="scratch")
             copy.build([variable])
             gradient = tf.compat.v1.placeholder(tf.float32, _SCRATCH_SHAPE)
             start = len(graph.get_operations())
             copy.apply([gradient], [variable])
             operations = graph.get_operations()[start:]
-    except Exception:  # any optimizer of the user's: no figure rather than a failure
-        return 0
+        except Exception as error:  # noqa: BLE001 - an estimate short of it, said
+            warnings.warn(
+                f"The training peak estimates leave out the buffers of "
+                f"{type(inner).__name__}'s update: its copy could not be traced "
+                f"({type(error).__name__}: {error}).",
+                stacklevel=2,
+            )
+            return 0
     return round(_peak_bytes(operations) / (4 * np.prod(_SCRATCH_SHAPE)))
 
 
