@@ -36,9 +36,8 @@ def gradients_pile_up(optimizer=None, checked=False):
     When the step checks its gradients before its update (`checked`: a
     GradBoostModel's loss scale or `NaNWatcher`, which never apply a bad
     update), and when the optimizer's update needs every gradient first.
-    ResNet50, "auto", Adam (`bench_recompute.py --update`): the figures
-    are in `benchmarks/RESULTS.md`; before, the estimate by moments read
-    50.1 MiB where such steps requested 141-167.
+    ResNet50, "auto", Adam (`bench_recompute.py --update`): such steps
+    requested 140-189 MiB where the estimate by moments read 50.1.
 
     The optimizers that do: a Keras optimizer with `global_clipnorm` (the
     norm is over all of them), with its own `gradient_accumulation_steps`
@@ -46,7 +45,8 @@ def gradients_pile_up(optimizer=None, checked=False):
     `keras.optimizers.LossScaleOptimizer` (one finiteness check over them
     all). Not `clipnorm`, which clips each gradient on its own, nor
     GradBoostModel's `accumulate_steps`, which adds each as it comes
-    (measured: as plain Adam).
+    (measured: as plain Adam). Keras' accumulation may read high: 141.0
+    MiB requested through `fit`, 50.3 by train-function calls.
 
     Args:
         optimizer: the model's optimizer, or None.
@@ -97,7 +97,7 @@ def update_temporaries(optimizer):
     the updates run together once the backward ends, and the training peak
     estimates count those of the largest weight (`estimates.plan_bytes`):
     ResNet50 (64x64, batch 16, "auto", Adam) with a NaNWatcher requested
-    167.0 MiB, estimated 131.5 without them and 150.1 with them.
+    167.0-188.6 MiB, estimated 131.2 without them and 150.1 with them.
 
     Not where each update runs as its gradient arrives: on ResNet50 the
     estimate by moments read 50.1 MiB against 50.7 requested, and 71.4 with
