@@ -464,7 +464,10 @@ class RecomputeSetup:
 
     def _update_bytes(self, model):
         """The buffers of the optimizer's update of the model's largest
-        weight (`update_temporaries`, traced once per optimizer)."""
+        weight (`update_temporaries`, traced once per optimizer), where the
+        gradients pile up (the figure counts nowhere else); else 0."""
+        if not (step_gradients_pile_up(model) or self._pile_up(model)):
+            return 0
         optimizer = getattr(model, "optimizer", None)
         if self._updates is None or self._updates[0] is not optimizer:
             self._updates = (optimizer, update_temporaries(optimizer))

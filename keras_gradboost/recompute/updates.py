@@ -110,9 +110,8 @@ def update_temporaries(optimizer):
     model's optimizer and a distribution strategy's scope are left alone),
     each tensor alive from the operation that makes it to its last reader
     in the order traced. Operations inside a `tf.cond` (Keras'
-    `gradient_accumulation_steps`) are not seen. 0 when the optimizer
-    cannot be copied from its config; 0 with a warning when its copy
-    cannot be traced.
+    `gradient_accumulation_steps`) are not seen. 0 with a warning when the
+    optimizer cannot be copied from its config, or its copy traced.
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if not isinstance(inner, keras.optimizers.Optimizer):
@@ -122,7 +121,13 @@ def update_temporaries(optimizer):
     with tf.Graph().as_default() as graph:
         try:
             copy = type(inner).from_config(config)
-        except (TypeError, ValueError, KeyError):  # an optimizer of the user's
+        except (TypeError, ValueError, KeyError) as error:  # an optimizer of the user's
+            warnings.warn(
+                f"The training peak estimates leave out the buffers of "
+                f"{type(inner).__name__}'s update: it could not be copied from "
+                f"its config ({type(error).__name__}: {error}).",
+                stacklevel=2,
+            )
             return 0
         try:
             variable = keras.Variable(np.zeros(_SCRATCH_SHAPE, "float32"), name="scratch")
