@@ -100,6 +100,7 @@ def merge(per_block, sizes, groups):
             "before_workspace": first.get("before_workspace", 0),
             "forward_working": first.get("forward_working", 0),
             "gradients_pile_up": first.get("gradients_pile_up"),
+            "update_buffers": first.get("update_buffers", 0),
             "update_bytes": first.get("update_bytes", 0),
         }
     return merged

@@ -51,6 +51,7 @@ from keras_gradboost.recompute.estimates import kept_bytes
 from keras_gradboost.recompute.estimates import plan_bytes
 from keras_gradboost.recompute.estimates import selective_plan_bytes
 from keras_gradboost.recompute.estimates import tied_inner_blocks
+from keras_gradboost.recompute.estimates import variable_bytes
 from keras_gradboost.recompute.estimates import with_pile_up
 from keras_gradboost.recompute.updates import step_gradients_pile_up
 from keras_gradboost.recompute.updates import update_temporaries
@@ -459,20 +460,16 @@ class RecomputeSetup:
             selective=self.selective,
             owned={id(l): l.trainable_variables for l in self.layers} or None,
             pile_up=step_gradients_pile_up(model),
-            update_bytes=self._update_bytes(model),
+            update_buffers=self._update_buffers(model),
         )
 
-    def _update_bytes(self, model):
-        """The buffers of the optimizer's update of the model's largest
-        weight (`update_temporaries`, traced once per optimizer), where the
-        gradients pile up (the figure counts nowhere else); else 0."""
-        if not (step_gradients_pile_up(model) or self._pile_up(model)):
-            return 0
+    def _update_buffers(self, model):
+        """`update_temporaries` of the model's optimizer, traced once per
+        optimizer."""
         optimizer = getattr(model, "optimizer", None)
         if self._updates is None or self._updates[0] is not optimizer:
             self._updates = (optimizer, update_temporaries(optimizer))
-        largest = max((_variable_bytes(v) for v in model.trainable_variables), default=0)
-        return self._updates[1] * largest
+        return self._updates[1]
 
     def _pile_up(self, model):
         """`step_gradients_pile_up` of the current or last `fit` (`note_fit`:
@@ -827,14 +824,7 @@ def _flatten_with_paths(spec):
 def _gradient_bytes(model):
     """Bytes of the trainable variables' gradients (one per variable, in its
     dtype); `plan_bytes` places each at its moment of the backward."""
-    return sum(_variable_bytes(v) for v in model.trainable_variables)
-
-
-def _variable_bytes(variable):
-    count = 1
-    for d in variable.shape:
-        count *= int(d)
-    return count * tf.as_dtype(variable.dtype).size
+    return sum(variable_bytes(v) for v in model.trainable_variables)
 
 
 def _memory_level():

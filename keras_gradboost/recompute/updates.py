@@ -93,17 +93,21 @@ def step_gradients_pile_up(model, watcher=False):
 def update_temporaries(optimizer):
     """How many buffers of a variable's size the optimizer's update of one
     variable holds at once, its gradient aside (SGD: 1, the scaled
-    gradient; Adam: 2). Where the gradients pile up (`gradients_pile_up`),
-    the updates run together once the backward ends, and the training peak
-    estimates count those of the largest weight (`estimates.plan_bytes`):
+    gradient; Adam: 2). The training peak estimates count them
+    (`estimates.plan_bytes`).
+
+    Where the gradients pile up (`gradients_pile_up`), the updates run
+    together once the backward ends, with those of the largest weight:
     ResNet50 (64x64, batch 16, "auto", Adam) with a NaNWatcher requested
     167.0-188.6 MiB, estimated 131.2 without them and 150.1 with them.
 
-    Not where each update runs as its gradient arrives: on ResNet50 the
-    estimate by moments read 50.1 MiB against 50.7 requested, and 71.4 with
-    Adam's buffers counted at each moment. (Where the weights dwarf the
-    activations the estimate then reads low: 8 Dense(1024) layers, batch
-    16, SGD: 4.6 MiB estimated, 8.6 requested.)
+    Where each update runs as its gradient arrives, at its weight's moment
+    of the backward: 8 Dense(1024) layers at batch 16, where the weights
+    dwarf the activations, requested 8.0 MiB with SGD (a copy of the
+    weight the backward still reads) and 16.0 with Adam, where the
+    estimate without them read 4.6, and reads 8.6 and 12.6 with them (two
+    of Adam's updates overlap there). ResNet50's "auto" estimate stays at
+    50.1 against 50.7 requested.
 
     Traced on a copy of the optimizer (a `LossScaleOptimizer`'s inner one)
     and a scratch variable, in a graph of their own that nothing runs (the
