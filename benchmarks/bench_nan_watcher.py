@@ -25,6 +25,7 @@ watcher's own ops alone.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -40,6 +41,7 @@ from fit_rounds import paired  # noqa: E402
 from fit_rounds import ratio  # noqa: E402
 from fit_rounds import step_ms  # noqa: E402
 from fit_rounds import time_fit  # noqa: E402
+from keras_gradboost import step as step_lib  # noqa: E402
 from keras_gradboost.callbacks import NaNWatcher  # noqa: E402
 
 
@@ -64,7 +66,8 @@ def main(argv=None):
     # whose finiteness guard gives Keras' own "no non-finite update".
     pairs = {name: [] for name in (
         "keras A/A", "keras", "keras anchor", "keras vs anchor",
-        "gradboost", "gradboost anchor", "gradboost vs anchor")}
+        "gradboost", "gradboost anchor", "gradboost vs anchor",
+        "keras in turn", "gradboost in turn")}
     for _ in range(args.instances):
         for kind in ("keras", "gradboost"):
             model, guarded = make(kind), make(kind, keras_guard=True)
@@ -72,6 +75,7 @@ def main(argv=None):
             pairs[kind].append(((model, []), (model, watcher)))
             pairs[f"{kind} anchor"].append(((model, []), (guarded, [])))
             pairs[f"{kind} vs anchor"].append(((guarded, []), (model, watcher)))
+            pairs[f"{kind} in turn"].append((_all_at_once(kind, ds), (model, watcher)))
             if kind == "keras":
                 pairs["keras A/A"].append(((model, []), (model, [])))
     tf.debugging.enable_check_numerics()
@@ -97,6 +101,8 @@ def main(argv=None):
         ("keras.Model + NaNWatcher / keras.Model", "keras", None),
         ("keras.Model, Keras LSO guard / keras.Model", "keras anchor", None),
         ("keras.Model + NaNWatcher / Keras LSO guard", "keras vs anchor", 1.0),
+        ("GradBoostModel + NaNWatcher: updates in turn / at once", "gradboost in turn", None),
+        ("keras.Model + NaNWatcher: updates in turn / at once", "keras in turn", None),
         ("keras.Model / keras.Model (A/A: the method's floor)", "keras A/A", None),
         ("keras.Model + enable_check_numerics / keras.Model", "enable_check_numerics", None),
     ]
@@ -111,6 +117,20 @@ def main(argv=None):
             f"{a_ms:.1f} vs {b_ms:.1f} ms/step; {len(times[name])} pairs]{verdict}"
         )
     sys.stdout.flush()
+
+
+def _all_at_once(kind, ds):
+    """`(model, callbacks)`: a watched model whose checked update was traced
+    with every variable's update started at once, as before
+    `step.updates_in_turn` (the "in turn" rows: same step time?)."""
+    model, watcher = make(kind), [NaNWatcher(verbose=0)]
+    in_turn = step_lib.updates_in_turn
+    step_lib.updates_in_turn = lambda optimizer: contextlib.nullcontext()
+    try:
+        time_fit(model, ds, 2, watcher)  # traced now, as in one long fit
+    finally:
+        step_lib.updates_in_turn = in_turn
+    return model, watcher
 
 
 if __name__ == "__main__":

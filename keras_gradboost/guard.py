@@ -86,7 +86,8 @@ def guard_optimizer(optimizer, counter=None, watch=None, losses=None, states=Non
         loss = losses.take() if losses is not None else None
         bad = nonfinite_indicator(loss, present)
         step = CrossReplicaStep(
-            lambda g: original(g, variables), mask, watch=watch, counter=counter
+            lambda g: original(g, variables), mask, watch=watch, counter=counter,
+            optimizer=optimizer,
         )
         state = states.take() if states is not None else None
         dropped = step(present, bad=bad, state=state)

@@ -1224,6 +1224,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             watch=rt.facts.watch,
             accumulator=rt.accumulator if rt.config.accumulate_steps > 1 else None,
             closes_step=not _tracing_own_step(rt),
+            optimizer=self.optimizer,
         )
 
     def minimize(self, tape, loss, variables=None, optimizer=None, count=None):
@@ -1339,7 +1340,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         step = CrossReplicaStep(
             lambda g: optimizer.apply_gradients(zip(g, variables)), mask,
             facts=rt.facts, scaler=scaler, watch=rt.facts.watch, accumulator=accumulator,
-            closes_step=not _tracing_own_step(rt),
+            closes_step=not _tracing_own_step(rt), optimizer=optimizer,
         )
         # A dropped update puts back the state from the step's start (the
         # moving statistics its forward passes wrote).
@@ -1386,6 +1387,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                         lambda g: optimizer.apply_gradients(zip(g, variables)),
                         accumulator.grad_mask if accumulator else (),
                         facts=rt.facts, scaler=scaler, accumulator=accumulator,
+                        optimizer=optimizer,
                     )
                 )
         return rt.other_states[key]

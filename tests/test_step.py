@@ -211,3 +211,41 @@ def test_a_window_closed_before_the_halt_is_applied():
         _run(step, [np.nan if bad else 1.0, 1.0], n=1.0, bad=bad)
     assert int(optimizer.iterations.numpy()) == 1  # micro-batches 0 and 1 only
     np.testing.assert_allclose(var.numpy(), [-1.0, -1.0])
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_updates_in_turn_orders_the_updates_and_changes_no_value(scaled):
+    # After a check, every gradient is ready at once: in turn, each
+    # variable's update waits for the previous variable's write (its ops
+    # hold a control input on a read made after it), so their temporaries
+    # do not pile up. The values are those of the plain update.
+    grads = [tf.constant(np.arange(4.0) * (i + 1), tf.float32) for i in range(3)]
+
+    def variables_and_optimizer():
+        variables = [keras.Variable(np.full((4,), i + 1.0, "float32")) for i in range(3)]
+        optimizer = keras.optimizers.Adam(0.1)
+        if scaled:
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        optimizer.build(variables)
+        return variables, optimizer
+
+    plain_variables, plain = variables_and_optimizer()
+    tf.function(lambda: plain.apply(grads, plain_variables))()
+    variables, optimizer = variables_and_optimizer()
+
+    @tf.function
+    def in_turn():
+        with step_lib.updates_in_turn(optimizer):
+            optimizer.apply(grads, variables)
+
+    graph = in_turn.get_concrete_function().graph
+    in_turn()
+    for a, b in zip(plain_variables, variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for o in (optimizer, getattr(optimizer, "inner_optimizer", optimizer)):
+        assert "update_step" not in vars(o)  # the wrapping is undone
+    if not scaled:  # (the scaled update runs in a tf.cond branch's graph)
+        # Adam squares each gradient first, an operation that reads no
+        # variable: only the turn makes it wait (for the previous write).
+        squares = [op for op in graph.get_operations() if op.type == "Square"]
+        assert [bool(op.control_inputs) for op in squares] == [False, True, True]

@@ -995,9 +995,10 @@ def _block_gradients(per_block, gradient_bytes):
     after_buffers = {key: figures.get("after_workspace", 0) for key, figures in per_block.items()}
     first = max((figures.get("before_workspace", 0) for figures in per_block.values()), default=0)
     if any(figures.get("gradients_pile_up") for figures in per_block.values()):
-        # The updates run together once the backward ends: the buffers of
-        # the largest weight's on top (counted at every moment: the
-        # peaks measured on ResNet50 came out at 0.96-1.26x the estimate so).
+        # The updates run once the backward ends (in turn after a check,
+        # `step.updates_in_turn`): the buffers of the largest weight's on
+        # top, counted at every moment (ResNet50's measured peaks came out
+        # at 0.95-1.08x the estimate so).
         update = max((f.get("update_bytes", 0) for f in per_block.values()), default=0)
         return buffers, after_buffers, first, gradient_bytes + update
     # Each update runs as its gradient arrives, with its buffers (Adam's

@@ -97,14 +97,14 @@ def update_temporaries(optimizer):
     (`estimates.plan_bytes`).
 
     Where the gradients pile up (`gradients_pile_up`), the updates run
-    together once the backward ends, with those of the largest weight:
-    ResNet50 (64x64, batch 16, "auto", Adam) with a NaNWatcher requested
-    167.0-190.0 MiB, estimated 131.2 without them and 150.1 with them.
-    The rest is the first temporary of many updates at once: with every
-    gradient ready, the executor starts each update's `Square` of its
-    gradient before the earlier ones have written theirs (at one such peak,
-    at least 15 of them, 68 MiB, were alive). Left out: how many depends on
-    the schedule.
+    once the backward ends, with those of the largest weight. A
+    GradBoostModel's checked step runs them in turn
+    (`step.updates_in_turn`): ResNet50 (64x64, batch 16, "auto", Adam) with
+    a NaNWatcher requested 141.9-144.4 MiB, estimated 131.2 without them
+    and 150.1 with them. Started all at once, as TensorFlow does when every
+    gradient is ready, many updates' temporaries are alive together (at
+    one peak, the `Square`s of at least 15 of them, 68 MiB): 167.0-190.0
+    MiB requested there, which the estimate leaves out.
 
     Where each update runs as its gradient arrives, at its weight's moment
     of the backward: 8 Dense(1024) layers at batch 16, where the weights
