@@ -102,6 +102,7 @@ def merge(per_block, sizes, groups):
             "gradients_pile_up": first.get("gradients_pile_up"),
             "update_buffers": first.get("update_buffers", 0),
             "update_bytes": first.get("update_bytes", 0),
+            "update_bytes_in_turn": first.get("update_bytes_in_turn", 0),
         }
     return merged
 

@@ -362,8 +362,10 @@ def estimate(
             Defaults to the model's (`updates.step_gradients_pile_up`).
         update_buffers: how many buffers of a weight's size the optimizer's
             update of one weight holds (`updates.update_temporaries`);
-            carried in the figures, with `update_bytes`, those of the
-            largest trainable weight's update. Defaults to 0.
+            carried in the figures, with `update_bytes` and
+            `update_bytes_in_turn` (`updates.update_bytes`: what the updates
+            hold beyond the gradients where those pile up, at once or in
+            turn). Defaults to 0.
 
     Returns:
         `(bytes_without, per_block, sizes)`: total cached bytes; per key a
@@ -406,12 +408,13 @@ def estimate(
     working = _forward_working(forward_ops)
     if pile_up is _FROM_MODEL:
         pile_up = updates.step_gradients_pile_up(model)
-    largest_weight = max((variable_bytes(v) for v in model.trainable_variables), default=0)
+    sizes = [variable_bytes(v) for v in model.trainable_variables]
     for figures in per_block.values():
         figures["forward_working"] = working
         figures["gradients_pile_up"] = pile_up
         figures["update_buffers"] = update_buffers
-        figures["update_bytes"] = update_buffers * largest_weight
+        figures["update_bytes"] = updates.update_bytes(sizes, update_buffers, in_turn=False)
+        figures["update_bytes_in_turn"] = updates.update_bytes(sizes, update_buffers, in_turn=True)
     sizes = {name: _bytes(t) for name, t in cached.items()}
     return total, per_block, sizes
 
@@ -995,11 +998,12 @@ def _block_gradients(per_block, gradient_bytes):
     after_buffers = {key: figures.get("after_workspace", 0) for key, figures in per_block.items()}
     first = max((figures.get("before_workspace", 0) for figures in per_block.values()), default=0)
     if any(figures.get("gradients_pile_up") for figures in per_block.values()):
-        # The updates run once the backward ends (in turn after a check,
-        # `step.updates_in_turn`): the buffers of the largest weight's on
-        # top, counted at every moment (ResNet50's measured peaks came out
-        # at 0.95-1.08x the estimate so).
-        update = max((f.get("update_bytes", 0) for f in per_block.values()), default=0)
+        # The updates run once the backward ends, in turn after a check
+        # (`step.updates_in_turn`), else together: their buffers on top of
+        # every gradient (`updates.update_bytes`), counted at every moment.
+        checked = any(f.get("gradients_pile_up") == updates.CHECKED for f in per_block.values())
+        field = "update_bytes_in_turn" if checked else "update_bytes"
+        update = max((f.get(field, 0) for f in per_block.values()), default=0)
         return buffers, after_buffers, first, gradient_bytes + update
     # Each update runs as its gradient arrives, with its buffers (Adam's
     # temporaries; a copy of the weight when the backward still reads it):

@@ -20,6 +20,14 @@ _HOLDING_OPTIONS = (
 )
 
 
+# `gradients_pile_up` of a step checked before its update, whose updates
+# then run in turn (`step.updates_in_turn`).
+CHECKED = (
+    "each step's gradients are checked for finiteness before its update "
+    "(a loss scale, or a NaNWatcher)"
+)
+
+
 def gradients_pile_up(optimizer=None, checked=False):
     """Why every gradient of a training step is alive at the end of its
     backward, or None when TensorFlow's executor applies each variable's
@@ -63,10 +71,7 @@ def gradients_pile_up(optimizer=None, checked=False):
             "the optimizer's updates wait for the whole backward"
         )
     if checked:
-        return (
-            "each step's gradients are checked for finiteness before its update "
-            "(a loss scale, or a NaNWatcher)"
-        )
+        return CHECKED
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return (
             "keras.optimizers.LossScaleOptimizer checks every gradient is finite "
@@ -90,6 +95,34 @@ def step_gradients_pile_up(model, watcher=False):
     return gradients_pile_up(getattr(model, "optimizer", None), checked)
 
 
+def update_bytes(sizes, buffers, in_turn):
+    """The bytes the updates hold beyond the gradients, where every gradient
+    is alive at the end of the backward (`gradients_pile_up`).
+
+    Args:
+        sizes: the trainable variables' bytes, in the order the optimizer
+            updates them.
+        buffers: `update_temporaries` of the optimizer.
+        in_turn: whether the updates run in turn (`step.updates_in_turn`):
+            each frees its gradient before the next starts, so the buffers
+            of the update of variable i come with the gradients from i on
+            (ResNet50, NaNWatcher, "auto", Adam: 93.0 MiB requested at
+            32x32 and batch 8, where the largest weight's buffers on top of
+            every gradient gave 113.5). Otherwise those of the largest one,
+            on top of every gradient.
+
+    Returns:
+        An int.
+    """
+    if not in_turn:
+        return buffers * max(sizes, default=0)
+    freed, extra = 0, 0
+    for size in sizes:
+        extra = max(extra, buffers * size - freed)
+        freed += size
+    return extra
+
+
 def update_temporaries(optimizer):
     """How many buffers of a variable's size the optimizer's update of one
     variable holds at once, its gradient aside (SGD: 1, the scaled
@@ -108,10 +141,11 @@ def update_temporaries(optimizer):
 
     Where each update runs as its gradient arrives, at its weight's moment
     of the backward: 8 Dense(1024) layers at batch 16, where the weights
-    dwarf the activations, requested 8.0 MiB with SGD (a copy of the
-    weight the backward still reads) and 16.0 with Adam, where the
-    estimate without them read 4.6, and reads 8.6 and 12.6 with them (two
-    of Adam's updates overlap there). ResNet50's "auto" estimate stays at
+    dwarf the activations, requested 8.0-12.5 MiB with SGD (a copy of the
+    weight the backward still reads) and 16.4 with Adam, where the
+    estimate without them read 4.6, and reads 8.6 and 12.6 with them (the
+    next weight's gradient, made while an update still runs, is left
+    out). ResNet50's "auto" estimate stays at
     50.1 against 50.7 requested.
 
     Traced on a copy of the optimizer (a `LossScaleOptimizer`'s inner one)
