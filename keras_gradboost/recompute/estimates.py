@@ -853,9 +853,9 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
     Gradients: TensorFlow's executor runs each variable's optimizer update
     as soon as its gradient exists, so gradients do not pile up (unless
     grappler's dependency optimizer is off, or the update waits for every
-    gradient: `updates.gradients_pile_up`; then the updates run together at
-    the end, and the buffers of the largest weight's,
-    `updates.update_temporaries`, count too). At the
+    gradient: `updates.gradients_pile_up`; then the updates run at the
+    end, after a check in turn, and their buffers count too,
+    `updates.update_bytes`). At the
     moment of a block, the gradients of the weights it reads are counted
     alive (or, if more, the largest one's with the buffers of its update,
     `updates.update_temporaries`), and the gradient flowing through it (as

@@ -130,14 +130,14 @@ def update_temporaries(optimizer):
     (`estimates.plan_bytes`).
 
     Where the gradients pile up (`gradients_pile_up`), the updates run
-    once the backward ends, with those of the largest weight. A
-    GradBoostModel's checked step runs them in turn
-    (`step.updates_in_turn`): ResNet50 (64x64, batch 16, "auto", Adam) with
-    a NaNWatcher requested 141.9-144.4 MiB, estimated 131.2 without them
-    and 150.1 with them. Started all at once, as TensorFlow does when every
-    gradient is ready, many updates' temporaries are alive together (at
-    one peak, the `Square`s of at least 15 of them, 68 MiB): 167.0-190.0
-    MiB requested there, which the estimate leaves out.
+    once the backward ends (`update_bytes`). A checked step runs them in
+    turn (`step.updates_in_turn`): ResNet50 (64x64, batch 16, "auto", Adam)
+    with a NaNWatcher requested 139.9-144.4 MiB, estimated 131.2 without
+    them and 132.4 with them. Started all at once, as TensorFlow does when
+    every gradient is ready, many updates' temporaries are alive together
+    (at one peak, the `Square`s of at least 15 of them, 68 MiB):
+    167.0-190.0 MiB requested there; the estimate counts the largest
+    weight's alone.
 
     Where each update runs as its gradient arrives, at its weight's moment
     of the backward: 8 Dense(1024) layers at batch 16, where the weights
