@@ -255,3 +255,37 @@ def test_updates_in_turn_orders_the_updates_and_changes_no_value(scaled):
     assert waits == [False, True, True]  # the first update waits for nothing
     for o in (optimizer, inner):
         assert "update_step" not in vars(o)  # the wrapping is undone
+
+
+def test_updates_in_turn_chain_each_replicas_copies_apart(mirrored):
+    # Under a strategy, each variable's update runs per device, on its
+    # copy there: each device's updates wait for that device's previous
+    # write only (waiting across devices would serialize the replicas).
+    with mirrored.scope():
+        variables = [keras.Variable(np.full((4,), i + 1.0, "float32")) for i in range(3)]
+        optimizer = keras.optimizers.Adam(0.1)
+        optimizer.build(variables)
+    step = step_lib.CrossReplicaStep(
+        lambda g: optimizer.apply(g, variables), [True] * 3, optimizer=optimizer
+    )
+    waits = []
+
+    def spy(below, gradient, variable, *args):
+        waits.append((variable.device, [c.device for c in tf.no_op().control_inputs]))
+        return below(gradient, variable, *args)
+
+    undo_spy = wrappers.patch(optimizer, "update_step", spy)
+
+    @tf.function(autograph=False)
+    def run():
+        mirrored.run(lambda: step([tf.fill([4], 0.5)] * 3, bad=tf.constant(0.0)))
+
+    try:
+        run()
+    finally:
+        undo_spy()
+    devices = sorted({device for device, _ in waits})
+    assert len(devices) == 2 and len(waits) == 6, waits
+    for device in devices:
+        mine = [inputs for d, inputs in waits if d == device]
+        assert mine == [[], [device], [device]], waits
