@@ -324,10 +324,16 @@ def estimates(args):
                   recompute="auto", depthwise=args.depthwise, pointwise=args.pointwise,
                   precision=args.precision)
     plan = model.recompute_plan(batch_size=args.batch)
-    if plan.bytes_without is None:  # inputs of unknown length: estimated at fit
+    # Inputs of unknown length are estimated at fit; a NaNWatcher's fit
+    # holds every gradient, which the plan's peaks then count.
+    if plan.bytes_without is None or args.update == "nan_watcher":
+        from keras_gradboost.callbacks import NaNWatcher
+
+        watcher = [NaNWatcher(verbose=0)] if args.update == "nan_watcher" else []
         x, y = training_data(args)
-        model.fit(x, y, batch_size=args.batch, epochs=1, steps_per_epoch=1, verbose=0)
-        plan = model.recompute_plan()
+        model.fit(x, y, batch_size=args.batch, epochs=1, steps_per_epoch=1, verbose=0,
+                  callbacks=watcher)
+        plan = model.recompute_plan(batch_size=args.batch)
     return plan
 
 

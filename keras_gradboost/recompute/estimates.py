@@ -84,7 +84,8 @@ class RecomputePlan:
             gradient, as with `global_clipnorm`), or None.
         eigen_convolutions: the model has convolutions and TensorFlow runs
             them with its own (Eigen) kernels, oneDNN being off (the
-            default on CPUs without AVX-512): the backward of each
+            default on CPUs without AVX-512), or in float16 with it on
+            (`eigen_convolution_kernels`): the backward of each
             `Conv2D` allocates im2col working buffers of up to about 30 MiB
             (one for the filter's gradient, one for the input's), which
             the training peaks count at that convolution's moment
@@ -239,14 +240,19 @@ _EIGEN_WORKING_SET = 30 << 20
 _EIGEN_L2 = 256 << 10
 
 
-def eigen_convolution_kernels(model=None):
-    """Whether convolutions run on TensorFlow's own (Eigen) CPU kernels:
-    no GPU, and oneDNN off (the default on CPUs without AVX-512;
-    `TF_ENABLE_ONEDNN_OPTS=1` turns it on); and for `model`'s training
-    step, not compiled whole by XLA (`jit_compile=True` runs none of them)."""
-    if getattr(model, "jit_compile", False) is True:
+def eigen_convolution_kernels(model=None, dtype=tf.float32):
+    """Whether convolutions in `dtype` run on TensorFlow's own (Eigen) CPU
+    kernels: no GPU, and oneDNN off (the default on CPUs without AVX-512;
+    `TF_ENABLE_ONEDNN_OPTS=1` turns it on), or in float16, which these
+    kernels run with oneDNN on too (ResNet50 under mixed_float16 on an AMD
+    EPYC with AVX-512: two 22.2 MiB im2col buffers of a stage-2
+    convolution's backward at the training peak; counted on every CPU, an
+    estimate that may read high where oneDNN has float16 kernels); and for
+    `model`'s training step, not compiled whole by XLA (`jit_compile=True`
+    runs none of them)."""
+    if getattr(model, "jit_compile", False) is True or precision.gpu_available():
         return False
-    return hooks.onednn_enabled() is False and not precision.gpu_available()
+    return hooks.onednn_enabled() is False or tf.as_dtype(dtype) == tf.float16
 
 
 def _eigen_workspace(op, differentiable):
@@ -474,8 +480,8 @@ def _with_floor(peak, per_block, gradient_bytes):
 
 def _workspaces(graph, forward_ops, trainable, model):
     """Per forward op name, the working buffers its backward allocates:
-    those of TensorFlow's own convolution kernels where oneDNN is off
-    (`_eigen_workspace`), and the temporaries of the XLA backward of a
+    those of TensorFlow's own convolution kernels where they run
+    (`_eigen_workspace`, `eigen_convolution_kernels`), and the temporaries of the XLA backward of a
     depthwise convolution Keras runs as a grouped one, on its XLA call
     (`depthwise.xla_backward_temporaries`).
 
@@ -484,12 +490,13 @@ def _workspaces(graph, forward_ops, trainable, model):
         was not found in the graph (counted at every moment).
     """
     found, anywhere = {}, 0
-    if eigen_convolution_kernels(model):
+    if eigen_convolution_kernels(model, tf.float16):
         differentiable = _differentiable(forward_ops, trainable)
         for op in forward_ops:
-            size = _eigen_workspace(op, differentiable)
-            if size:
-                found[op.name] = size
+            if op.outputs and eigen_convolution_kernels(model, op.outputs[0].dtype):
+                size = _eigen_workspace(op, differentiable)
+                if size:
+                    found[op.name] = size
     for layer, size in depthwise.xla_backward_temporaries(model):
         kernel = set(_handles(graph, [layer.kernel]))
         calls = [

@@ -789,11 +789,11 @@ def _own_call(model, x):
 
 def _eigen_convolutions(model):
     """Whether the model's convolutions run on TensorFlow's Eigen kernels
-    (a CPU with oneDNN off; see `RecomputePlan.eigen_convolutions`)."""
-    if not eigen_convolution_kernels(model):
-        return False
+    (a CPU with oneDNN off, or in float16; see
+    `RecomputePlan.eigen_convolutions`)."""
     return any(
         "Conv" in type(layer).__name__
+        and eigen_convolution_kernels(model, layer.dtype_policy.compute_dtype)
         for layer in hooks.flatten_layers(model, include_self=False)
     )
 
