@@ -87,7 +87,7 @@ def updates_in_turn(optimizer):
     executor would start every update's first operation together, and
     their temporaries would pile up on top of the gradients. Measured on
     ResNet50 (64x64, batch 16, Adam, `recompute="auto"`, a NaNWatcher):
-    167.0-190.0 MiB requested without, 141.9-144.4 with. It costs the
+    167.0-190.0 MiB requested without, 139.9-144.4 with. It costs the
     updates' overlap: 1.01x step time on the MLP of
     `benchmarks/bench_nan_watcher.py` (2 CPU cores). Only the order
     changes, not a value. Not for an update applied as its gradients

@@ -248,11 +248,19 @@ def test_updates_in_turn_orders_the_updates_and_changes_no_value(scaled):
         with step_lib.updates_in_turn(optimizer):
             optimizer.apply(grads, variables)
 
+    graph = in_turn.get_concrete_function().graph
     in_turn()
     undo_spy()
     for a, b in zip(plain_variables, variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     assert waits == [False, True, True]  # the first update waits for nothing
+    if not scaled:  # (the scaled update runs in a tf.cond branch's graph)
+        # What the next update waits for runs after its variable's write.
+        tokens = [op for op in graph.get_operations() if op.type == "VarIsInitializedOp"]
+        assert len(tokens) == 3
+        for token in tokens:
+            writes = [c for c in token.control_inputs if c.type.startswith("Assign")]
+            assert any(w.inputs[0] is token.inputs[0] for w in writes), token.control_inputs
     for o in (optimizer, inner):
         assert "update_step" not in vars(o)  # the wrapping is undone
 

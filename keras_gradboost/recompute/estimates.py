@@ -165,11 +165,16 @@ class RecomputePlan:
                 'compile(depthwise="native") does'
             )
         if self.eigen_convolutions:
+            why = (
+                "oneDNN is off on this CPU; TF_ENABLE_ONEDNN_OPTS=1 turns it "
+                "on, and needs less memory"
+                if hooks.onednn_enabled() is False
+                else "oneDNN leaves float16 convolutions to them"
+            )
             lines.append(
                 "  the training peaks include the working buffers of "
-                "TensorFlow's Eigen convolution kernels (oneDNN is off on this "
-                "CPU; TF_ENABLE_ONEDNN_OPTS=1 turns it on, and needs less "
-                "memory): up to ~30 MiB per Conv2D's backward, for its filter "
+                f"TensorFlow's Eigen convolution kernels ({why}): up to ~30 MiB "
+                "per Conv2D's backward, for its filter "
                 "and again for its input (none for a 1x1 Conv2D that "
                 'compile(pointwise="matmul") runs as a matmul)'
             )
@@ -861,8 +866,8 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
     as soon as its gradient exists, so gradients do not pile up (unless
     grappler's dependency optimizer is off, or the update waits for every
     gradient: `updates.gradients_pile_up`; then the updates run at the
-    end, after a check in turn, and their buffers count too,
-    `updates.update_bytes`). At the
+    end, in turn after GradBoostModel's check, else at once, and their
+    buffers count too, `updates.update_bytes`). At the
     moment of a block, the gradients of the weights it reads are counted
     alive (or, if more, the largest one's with the buffers of its update,
     `updates.update_temporaries`), and the gradient flowing through it (as

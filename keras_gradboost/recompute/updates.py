@@ -21,14 +21,16 @@ _HOLDING_OPTIONS = (
 
 
 # `gradients_pile_up` of a step checked before its update, whose updates
-# then run in turn (`step.updates_in_turn`).
+# then run in turn (`step.updates_in_turn`); and of one whose updates start
+# at once (XLA, an accumulation window's update).
 CHECKED = (
     "each step's gradients are checked for finiteness before its update "
     "(a loss scale, or a NaNWatcher)"
 )
+CHECKED_AT_ONCE = CHECKED + ", then all updated at once"
 
 
-def gradients_pile_up(optimizer=None, checked=False):
+def gradients_pile_up(optimizer=None, checked=False, in_turn=True):
     """Why every gradient of a training step is alive at the end of its
     backward, or None when TensorFlow's executor applies each variable's
     update as soon as its gradient exists.
@@ -60,6 +62,9 @@ def gradients_pile_up(optimizer=None, checked=False):
         optimizer: the model's optimizer, or None.
         checked: whether the step checks every gradient's finiteness before
             its update.
+        in_turn: whether a checked update then runs in turn
+            (`step.updates_in_turn`: not under XLA, nor for an accumulation
+            window's update). Defaults to `True`.
 
     Returns:
         A str, or None.
@@ -71,7 +76,7 @@ def gradients_pile_up(optimizer=None, checked=False):
             "the optimizer's updates wait for the whole backward"
         )
     if checked:
-        return CHECKED
+        return CHECKED if in_turn else CHECKED_AT_ONCE
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return (
             "keras.optimizers.LossScaleOptimizer checks every gradient is finite "
@@ -89,10 +94,16 @@ def step_gradients_pile_up(model, watcher=False):
     `watcher`, a NaNWatcher: the `fit` has one) or its optimizer waits.
     A watch attached only for the current `fit` counts through `watcher`
     alone, so the same model gives the same answer before and during a
-    `fit` without one."""
+    `fit` without one. A checked step's updates run in turn
+    (`CHECKED`), except under XLA (a `jit_compile` other than False) and
+    with `accumulate_steps` > 1 (`CHECKED_AT_ONCE`)."""
     checks = getattr(model, "_checks_steps", None)  # GradBoostModel's
     checked = watcher or bool(checks and checks(watches=False))
-    return gradients_pile_up(getattr(model, "optimizer", None), checked)
+    config = getattr(model, "gradboost_config", None)
+    in_turn = getattr(model, "jit_compile", False) in (False, None) and (
+        getattr(config, "accumulate_steps", 1) == 1
+    )
+    return gradients_pile_up(getattr(model, "optimizer", None), checked, in_turn)
 
 
 def update_bytes(sizes, buffers, in_turn):
@@ -133,7 +144,8 @@ def update_temporaries(optimizer):
     once the backward ends (`update_bytes`). A checked step runs them in
     turn (`step.updates_in_turn`): ResNet50 (64x64, batch 16, "auto", Adam)
     with a NaNWatcher requested 139.9-144.4 MiB, estimated 131.2 without
-    them and 132.4 with them. Started all at once, as TensorFlow does when
+    them and 132.4 with them (up to 1.09x low; at 32x32, batch 8: 93.0
+    requested, 95.7 estimated). Started all at once, as TensorFlow does when
     every gradient is ready, many updates' temporaries are alive together
     (at one peak, the `Square`s of at least 15 of them, 68 MiB):
     167.0-190.0 MiB requested there; the estimate counts the largest

@@ -331,9 +331,9 @@ def test_the_peak_estimate_holds_every_gradient_when_the_update_waits_for_all(
 def test_the_peak_estimate_of_a_checked_resnet50_step_holds(requested_peak):
     # keras.applications' ResNet50 (32x32, batch 8: 90 MiB of gradients, 5
     # of activations) under a NaNWatcher: every gradient waits for the
-    # check, then the updates run in turn. Adam's all started at once, or
-    # the largest weight's buffers counted on top of every gradient, read
-    # 0.82 of the estimate.
+    # check, then the updates run in turn. Started all at once, the steps
+    # requested 1.72x the estimate; with the largest weight's buffers
+    # counted on top of every gradient, the estimate read high (0.82).
     from keras_gradboost.callbacks import NaNWatcher
 
     before = grappler(False)  # as users run
@@ -436,3 +436,27 @@ def test_a_budget_met_without_a_nan_watcher_warns_when_one_holds_every_gradient(
     after = model.recompute_plan()
     assert after.recomputed == before.recomputed
     assert after.peak_bytes > 16 * 2**20 and after.gradients_pile_up
+
+
+@pytest.mark.parametrize(
+    "settings, in_turn",
+    [({}, True), ({"accumulate_steps": 2}, False), ({"jit_compile": True}, False)],
+)
+def test_a_checked_step_is_estimated_in_turn_only_where_its_updates_run_so(settings, in_turn):
+    # After the check the updates run in turn (step.updates_in_turn), but
+    # not under XLA nor for an accumulation window's update, which start
+    # them all at once: those count the largest weight's buffers on top of
+    # every gradient, not the smaller figure in turn.
+    from keras_gradboost.recompute import updates
+
+    grappler(False)  # as users run (the fixture restores it)
+    inputs = keras.Input((8,))
+    model = GradBoostModel(inputs, keras.layers.Dense(2)(keras.layers.Dense(64)(inputs)))
+    model.compile(optimizer="adam", loss="mse", **settings)
+    reason = updates.step_gradients_pile_up(model, watcher=True)
+    assert reason == (updates.CHECKED if in_turn else updates.CHECKED_AT_ONCE)
+    sizes = [8 * 64 * 4, 64 * 4, 64 * 2 * 4, 2 * 4]
+    # the first kernel's update comes first, with nothing freed before it
+    assert updates.update_bytes(sizes, 2, in_turn=True) == 2 * 8 * 64 * 4
+    assert updates.update_bytes(sizes[::-1], 2, in_turn=True) < 2 * 8 * 64 * 4
+    assert updates.update_bytes(sizes[::-1], 2, in_turn=False) == 2 * 8 * 64 * 4
