@@ -419,13 +419,15 @@ def estimate(
     working = _forward_working(forward_ops)
     if pile_up is _FROM_MODEL:
         pile_up = updates.step_gradients_pile_up(model)
-    sizes = [variable_bytes(v) for v in model.trainable_variables]
+    weights = [variable_bytes(v) for v in model.trainable_variables]  # in update order
+    at_once = updates.update_bytes(weights, update_buffers, in_turn=False)
+    in_turn = updates.update_bytes(weights, update_buffers, in_turn=True)
     for figures in per_block.values():
         figures["forward_working"] = working
         figures["gradients_pile_up"] = pile_up
         figures["update_buffers"] = update_buffers
-        figures["update_bytes"] = updates.update_bytes(sizes, update_buffers, in_turn=False)
-        figures["update_bytes_in_turn"] = updates.update_bytes(sizes, update_buffers, in_turn=True)
+        figures["update_bytes"] = at_once
+        figures["update_bytes_in_turn"] = in_turn
     sizes = {name: _bytes(t) for name, t in cached.items()}
     return total, per_block, sizes
 
@@ -486,16 +488,16 @@ def _with_floor(peak, per_block, gradient_bytes):
 def _workspaces(graph, forward_ops, trainable, model):
     """Per forward op name, the working buffers its backward allocates:
     those of TensorFlow's own convolution kernels where they run
-    (`_eigen_workspace`, `eigen_convolution_kernels`), and the temporaries of the XLA backward of a
-    depthwise convolution Keras runs as a grouped one, on its XLA call
-    (`depthwise.xla_backward_temporaries`).
+    (`_eigen_workspace`, `eigen_convolution_kernels`), and the temporaries
+    of the XLA backward of a depthwise convolution Keras runs as a grouped
+    one, on its XLA call (`depthwise.xla_backward_temporaries`).
 
     Returns:
         `(found, anywhere)`: the dict, and the largest temporary whose op
         was not found in the graph (counted at every moment).
     """
     found, anywhere = {}, 0
-    if eigen_convolution_kernels(model, tf.float16):
+    if eigen_convolution_kernels(model, tf.float16):  # a CPU, no XLA: maybe some
         differentiable = _differentiable(forward_ops, trainable)
         for op in forward_ops:
             if op.outputs and eigen_convolution_kernels(model, op.outputs[0].dtype):
@@ -871,10 +873,10 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
     moment of a block, the gradients of the weights it reads are counted
     alive (or, if more, the largest one's with the buffers of its update,
     `updates.update_temporaries`), and the gradient flowing through it (as
-    large as its largest tensor). Weights read outside every block have moments of their own:
-    a head's (after a block) before that block's, with what the blocks
-    before it keep; a stem's (before any block) last, alone. Weights not
-    placed count throughout.
+    large as its largest tensor). Weights read outside every block have
+    moments of their own: a head's (after a block) before that block's,
+    with what the blocks before it keep; a stem's (before any block) last,
+    alone. Weights not placed count throughout.
 
     Args:
         total: bytes of all cached activations (`estimate`).
