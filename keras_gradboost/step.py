@@ -167,13 +167,6 @@ class CrossReplicaStep:
         self.accumulator = accumulator
         self.optimizer = optimizer
 
-    def _in_turn(self, gated):
-        """`updates_in_turn` where the update is `gated` (all its gradients
-        ready at once) and the optimizer is known."""
-        if gated and self.optimizer is not None:
-            return updates_in_turn(self.optimizer)
-        return contextlib.nullcontext()
-
     def __call__(self, present_grads, n=None, bad=None, loss_bad=None, state=None):
         """Runs the step from replica context (one `merge_call`).
 
@@ -212,7 +205,9 @@ class CrossReplicaStep:
         if state_values and drop is not None:
             when(drop, lambda: each(self._put_back, args=(state_values,)))
         if self.accumulator is None:
-            with self._in_turn(go is not None):
+            # Checked (`go`): every gradient is ready at once.
+            checked = go is not None
+            with updates_in_turn(self.optimizer) if checked else contextlib.nullcontext():
                 when(go, lambda: each(self._apply_present, args=(present,)))
             return drop
         acc = self.accumulator

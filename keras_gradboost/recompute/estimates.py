@@ -497,13 +497,17 @@ def _workspaces(graph, forward_ops, trainable, model):
         was not found in the graph (counted at every moment).
     """
     found, anywhere = {}, 0
-    if eigen_convolution_kernels(model, tf.float16):  # a CPU, no XLA: maybe some
+    eigen = [
+        op
+        for op in forward_ops
+        if op.type == "Conv2D" and eigen_convolution_kernels(model, op.outputs[0].dtype)
+    ]
+    if eigen:
         differentiable = _differentiable(forward_ops, trainable)
-        for op in forward_ops:
-            if op.outputs and eigen_convolution_kernels(model, op.outputs[0].dtype):
-                size = _eigen_workspace(op, differentiable)
-                if size:
-                    found[op.name] = size
+        for op in eigen:
+            size = _eigen_workspace(op, differentiable)
+            if size:
+                found[op.name] = size
     for layer, size in depthwise.xla_backward_temporaries(model):
         kernel = set(_handles(graph, [layer.kernel]))
         calls = [

@@ -157,8 +157,7 @@ def update_temporaries(optimizer):
     weight the backward still reads) and 16.4 with Adam, where the
     estimate without them read 4.6, and reads 8.6 and 12.6 with them (the
     next weight's gradient, made while an update still runs, is left
-    out). ResNet50's "auto" estimate stays at
-    50.1 against 50.7 requested.
+    out). ResNet50's "auto" estimate stays at 50.1 against 50.7 requested.
 
     Traced on a copy of the optimizer (a `LossScaleOptimizer`'s inner one)
     and a scratch variable, in a graph of their own that nothing runs (the
