@@ -89,6 +89,7 @@ def merge(per_block, sizes, groups):
             "input_roots": dict(first["input_roots"]),
             "weights": weights,
             "largest": max(per_block[key].get("largest", 0) for key in group),
+            "normalized": max(per_block[key].get("normalized", 0) for key in group),
             "after": dict(per_block[group[-1]].get("after", {})),
             "before": dict(first.get("before", {})),
             # Working buffers of a backward between two of its parts: inside it.

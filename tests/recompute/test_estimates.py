@@ -166,6 +166,25 @@ def test_outside_activations_are_placed_where_the_forward_makes_them():
     assert sum(size for name, size in sizes.items() if name not in inside) == 5 * one
 
 
+@pytest.mark.parametrize("norm", ["batch", "layer", None])
+def test_a_block_records_the_tensor_its_normalisation_takes_the_moments_of(norm):
+    # A normalisation's backward sums three gradients of its input's size
+    # (selective_plan_bytes counts two more at a replayed block's moment);
+    # a pooling's mean, whose gradient is the one flowing through, is not
+    # one.
+    norms = {"batch": keras.layers.BatchNormalization, "layer": keras.layers.LayerNormalization}
+    layers = [keras.layers.Conv2D(6, 3, padding="same")]
+    layers += [norms[norm]()] if norm else []
+    layers += [keras.layers.ReLU(), keras.layers.GlobalAveragePooling2D()]
+    inputs = keras.Input((8, 8, 4))
+    pooled = keras.Sequential(layers, name="seq")(inputs)
+    model = GradBoostModel(inputs, keras.layers.Dense(2)(pooled))
+    model.compile(optimizer="sgd", loss="mse", recompute=["seq"])
+    _, per_block, _ = model._gradboost.recompute._estimate(model, tf.TensorSpec((4, 8, 8, 4)))
+    (figures,) = per_block.values()
+    assert figures["normalized"] == (4 * 8 * 8 * 6 * 4 if norm else 0)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("shape, kernel, filters, trained", [
     ((16, 16, 16, 256), 1, 64, "both"),  # ResNet50's conv2_block3_1_conv at 64x64

@@ -221,13 +221,17 @@ def test_the_plan_counts_eigen_convolution_buffers(
     assert plan.bytes_with == without.bytes_with  # activations alone: unchanged
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
 @pytest.mark.parametrize("precision_setting", ["mixed_float16", None])
-def test_float16_convolutions_count_eigen_buffers_with_onednn_on(monkeypatch, precision_setting):
+def test_float16_convolutions_count_eigen_buffers_with_onednn_on(
+    monkeypatch, precision_setting, jit_compile
+):
     """oneDNN leaves float16 convolutions to TensorFlow's own kernels:
     ResNet50's mixed_float16 peak (64x64, batch 16, "auto") held two 22.2
     MiB im2col buffers of one backward, and the estimate without them read
     1.24x low. Here: [12851, 6 * 6, 3 * 3 * 3] halves (as many images as fit
-    30 MiB), where the float32 model's are not counted."""
+    30 MiB), where the float32 model's are not counted; nor under
+    jit_compile=True, whose XLA step runs none of these kernels."""
     from keras_gradboost import hooks
     from keras_gradboost import precision
 
@@ -237,9 +241,12 @@ def test_float16_convolutions_count_eigen_buffers_with_onednn_on(monkeypatch, pr
     inputs = keras.Input((8, 8, 3))
     h = keras.Sequential([keras.layers.Conv2D(4, 3, name="block")], name="seq")(inputs)
     model = GradBoostModel(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
-    model.compile(optimizer="sgd", loss="mse", recompute=["seq"], precision=precision_setting)
+    model.compile(
+        optimizer="sgd", loss="mse", recompute=["seq"], precision=precision_setting,
+        jit_compile=jit_compile,
+    )
     plan = model.recompute_plan(batch_size=4)
-    halves = precision_setting == "mixed_float16"
+    halves = precision_setting == "mixed_float16" and not jit_compile
     assert plan.eigen_convolutions is halves
     assert (plan.peak_bytes >= 12851 * 36 * 27 * 2) is halves, plan.peak_bytes
 
