@@ -868,10 +868,18 @@ def _other_findings(cell, got, ref):
     deferred = [w for w in got["warnings"] if "first accumulation window holds a non-finite" in w]
     if len(deferred) != int(cell.accumulate_check and cell.bad is not None and cell.bad < K):
         found.append(("other", f"{len(deferred)} accumulate_check-deferred warnings"))
+    # "auto" where recompute cannot lower the training peak (a small model
+    # after a check: every gradient with the updates, at the end of the
+    # backward, outweighs its activations) says so and recomputes nothing.
+    idle = [w for w in got["warnings"] if w.startswith('recompute="auto": no plan of recompute')]
+    idle = idle if cell.recompute == "auto" else []
+    if idle and got["plan_after"]["recomputed"]:
+        found.append(("other", f"{len(idle)} nothing-recomputed warnings, but the plan "
+                               f"recomputes {got['plan_after']['recomputed']}"))
     found += [
         ("other", f"warning: {w}")
         for w in got["warnings"]
-        if w not in slow + blocked + deferred
+        if w not in slow + blocked + deferred + idle
     ]
     return found
 

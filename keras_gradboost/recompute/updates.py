@@ -40,7 +40,7 @@ def gradients_pile_up(optimizer=None, checked=False, in_turn=True):
     `disable_meta_optimizer`): the updates wait for the whole backward.
     Measured on ResNet50 (64x64, batch 16) with `recompute="auto"`: the
     steps requested 145.4 MiB with the dependency optimizer off, against
-    51.4 with it on; the estimate with every gradient alive read 132.1, the
+    51.4 with it on; the estimate with every gradient alive read 145.5, the
     one by moments 50.1.
 
     When the step checks its gradients before its update (`checked`: a
@@ -143,8 +143,8 @@ def update_temporaries(optimizer):
     Where the gradients pile up (`gradients_pile_up`), the updates run
     once the backward ends (`update_bytes`). A checked step runs them in
     turn (`step.updates_in_turn`): ResNet50 (64x64, batch 16, "auto", Adam)
-    with a NaNWatcher requested 139.9-144.4 MiB, estimated 131.2 without
-    them and 132.4 with them (up to 1.09x low; at 32x32, batch 8: 93.0
+    with a NaNWatcher requested 139.9-148.8 MiB, estimated 142.4 with
+    them and the gradients made until each moment (at 32x32, batch 8: 93.0
     requested, 95.7 estimated). Started all at once, as TensorFlow does when
     every gradient is ready, many updates' temporaries are alive together
     (at one peak, the `Square`s of at least 15 of them, 68 MiB):
