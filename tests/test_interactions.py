@@ -872,7 +872,8 @@ def _other_findings(cell, got, ref):
     # after a check: every gradient with the updates, at the end of the
     # backward, outweighs its activations) says so and recomputes nothing.
     idle = [w for w in got["warnings"] if w.startswith('recompute="auto": no plan of recompute')]
-    idle = idle if cell.recompute == "auto" else []
+    checked = cell.watcher != "none" or cell.scaling != "none"  # a loss scale checks too
+    idle = idle if cell.recompute == "auto" and checked else []
     if idle and got["plan_after"]["recomputed"]:
         found.append(("other", f"{len(idle)} nothing-recomputed warnings, but the plan "
                                f"recomputes {got['plan_after']['recomputed']}"))

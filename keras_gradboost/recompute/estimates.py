@@ -72,16 +72,19 @@ class RecomputePlan:
             differentiated, or of a stem or a head at theirs: TensorFlow
             applies each variable's update as soon as its gradient exists,
             with the buffers of that update, `updates.update_temporaries`;
-            every gradient throughout when `gradients_pile_up`, with the
-            buffers of the update of the largest weight), and the
+            when `gradients_pile_up`, after a check whose updates run in
+            turn, the gradients made until each moment and every one at
+            the end with the updates' buffers, else every gradient
+            throughout with those of the largest weight's update), and the
             working buffers of the backward of the convolutions there
             (`eigen_convolutions`, `xla_temporary_bytes`); None when not
             estimated.
         peak_bytes_without: the same estimate without recompute.
-        gradients_pile_up: why the estimates count every gradient alive at
-            every moment (`gradients_pile_up`: grappler's dependency
-            optimizer is off, or the optimizer's update waits for every
-            gradient, as with `global_clipnorm`), or None.
+        gradients_pile_up: why every gradient is alive at the end of the
+            backward (`gradients_pile_up`: grappler's dependency optimizer
+            is off, the step checks its gradients before its update, or
+            the optimizer's update waits for every gradient, as with
+            `global_clipnorm`), or None.
         eigen_convolutions: the model has convolutions and TensorFlow runs
             them with its own (Eigen) kernels, oneDNN being off (the
             default on CPUs without AVX-512), or in float16 with it on
@@ -145,7 +148,7 @@ class RecomputePlan:
             )
         if self.peak_bytes is not None and self.peak_bytes_without is not None:
             alive = (
-                f"every gradient alive ({self.gradients_pile_up})"
+                f"every gradient alive at the end of the backward ({self.gradients_pile_up})"
                 if self.gradients_pile_up
                 else "the gradients alive at each moment"
             )
@@ -814,7 +817,6 @@ def _block_figures(calls, operations, cached, trainable, selective=False, worksp
             if t.dtype.is_floating:
                 input_roots[_root(t).name] = _bytes(t)
                 largest = max(largest, _bytes(t))
-        forward = {op.name for op in operations[start:end]}
         for op in operations[start:end]:
             if workspace.get(op.name):
                 convolutions.append((len(made), workspace[op.name]))
@@ -825,7 +827,7 @@ def _block_figures(calls, operations, cached, trainable, selective=False, worksp
                 if op.inputs[0].name in trainable:
                     weights[op.inputs[0].name] = trainable[op.inputs[0].name]
                 continue
-            if _normalizes(op, forward):
+            if _normalizes(op):
                 normalized = max(normalized, _bytes(op.inputs[0]))
             for t in op.outputs:
                 if t.dtype.is_floating and op.type != "Const":
@@ -854,21 +856,17 @@ def _block_figures(calls, operations, cached, trainable, selective=False, worksp
     }
 
 
-def _normalizes(op, forward):
-    """Whether `op` takes the mean of a tensor that another operation of
-    the forward (names in `forward`) also makes a tensor of its size from:
-    a normalisation's statistics (BatchNormalization's and
-    LayerNormalization's moments), not a pooling's mean alone. Its backward
-    sums several gradients of the tensor's size (the gradient times the
-    scale, the mean's broadcast gradient, the variance's), alive together."""
-    if op.type != "Mean" or not op.inputs[0].dtype.is_floating:
+def _normalizes(op):
+    """Whether `op` squares a tensor for a mean (`Square` or
+    `SquaredDifference` into a `Mean`): a normalisation's variance or mean
+    square (BatchNormalization's and LayerNormalization's moments, an RMS
+    norm's), not a pooling's mean nor a squeeze-and-excitation's. Its
+    backward sums several gradients of the tensor's size (the gradient
+    times the scale, the mean's broadcast gradient, the variance's), alive
+    together. (A synchronized BatchNormalization sums instead: missed.)"""
+    if op.type not in ("Square", "SquaredDifference") or not op.inputs[0].dtype.is_floating:
         return False
-    x = op.inputs[0]
-    size = _bytes(x)
-    return size > _bytes(op.outputs[0]) and any(
-        c.name in forward and c.type != "Mean" and any(_bytes(t) == size for t in c.outputs)
-        for c in x.consumers()
-    )
+    return any(c.type == "Mean" for c in op.outputs[0].consumers())
 
 
 def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None):
@@ -1083,26 +1081,27 @@ def _gradients_until_checked(per_block, gradient_bytes, buffers, after_buffers, 
     weights read after the block, its own, and the gradient flowing through
     it); at its end, all of them with the updates' buffers in turn
     (`updates.update_bytes`). Every gradient counted at every moment read
-    high without recompute, whose peak is the end of the forward, before
-    any gradient: ResNet50 (64x64, batch 16, Adam) under a NaNWatcher 194.9
-    MiB estimated, 172.7 requested (172.4 now); under mixed_float16 231.8
-    estimated, 169.8 requested (183.3 now)."""
+    high without recompute, where the activations are most before most
+    gradients exist: ResNet50 (64x64, batch 16, Adam) under a NaNWatcher
+    172.7-181.1 MiB requested, 194.9 estimated, 172.4 now (up to 1.05x
+    low); under mixed_float16 169.8-178.1 requested, 231.8 estimated, 183.3
+    now."""
     update = max((f.get("update_bytes_in_turn", 0) for f in per_block.values()), default=0)
-    placed, made = {}, {}
-    for key, figures in per_block.items():
-        mine = {n: b for n, b in figures.get("weights", {}).items() if n not in placed}
-        placed.update(mine)
-        made[key] = (mine, figures.get("after", {}))
-        placed.update(figures.get("after", {}))
-        placed.update(figures.get("before", {}))
-    grads, after, so_far = {}, {}, 0
-    for key in reversed(list(per_block)):  # the backward's order
-        mine, later = made[key]
-        so_far += sum(later.values())
-        after[key] = so_far + after_buffers[key]
-        so_far += sum(mine.values())
-        grads[key] = so_far + per_block[key].get("largest", 0) + buffers[key]
-    every = sum(placed.values())
+    # In the backward's order: a weight read more than once has a gradient
+    # from its last reader in the forward on (a tied embedding's from the
+    # head's moment).
+    seen, grads, after, so_far = set(), {}, {}, 0
+    for key in reversed(list(per_block)):
+        figures = per_block[key]
+        for field, at in (("after", after), ("weights", grads)):
+            new = {n: b for n, b in figures.get(field, {}).items() if n not in seen}
+            seen.update(new)
+            so_far += sum(new.values())
+            at[key] = so_far
+        after[key] += after_buffers[key]
+        grads[key] += figures.get("largest", 0) + buffers[key]
+    stem = {n: b for f in per_block.values() for n, b in f.get("before", {}).items()}
+    every = so_far + sum(b for n, b in stem.items() if n not in seen)
     first = max(first + every, every + update)  # the stem's moment; the updates
     return grads, after, first, max(0, gradient_bytes - every)
 
@@ -1152,9 +1151,11 @@ def selective_plan_bytes(total, per_block, chosen, kept, gradient_bytes=None):
     # chosen parent's replay runs it plainly (selective does not nest).
     chosen = set(chosen) & set(top)
     everything = {key: top[key]["cached"] for key in top}
-    # A replayed normalisation's backward can run while the block's later
-    # activations are still alive (measured on MobileNetV2's first block):
-    # its own gradients come on top of them all.
+    # A replayed normalisation's backward ran while all its block's
+    # activations were alive (MobileNetV2's first block): its gradients come
+    # on top of them. Not counted for kept blocks nor full recompute's
+    # replays, which had freed the activations after it by then (MobileNetV2
+    # "auto": 29.5 MiB requested, 29.5 estimated without them; +12 with).
     moment = {
         key: everything[key] + (2 * top[key].get("normalized", 0) if key in chosen else 0)
         for key in top

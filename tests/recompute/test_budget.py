@@ -354,28 +354,30 @@ def test_the_training_peak_counts_each_blocks_gradients_at_its_moment(
         selective_peak)
 
 
-
 @pytest.mark.parametrize(
-    "chosen, checked, peak",
+    "chosen, checked, tied, peak",
     [
         # After a check, the updates run in turn once the backward ends:
         # each moment has the gradients made until it. Nothing recomputed:
         # block 2's moment, blocks 0, 1 kept (20), its own 10, the head's 5
         # and its 20 of gradients, its largest 3; the 5 held by no block and
         # the 2 never placed.
-        ((), True, 5 + 20 + 10 + (5 + 20) + 3 + 2),
+        ((), True, False, 5 + 20 + 10 + (5 + 20) + 3 + 2),
+        # The head reads block 0's weight too (tied): its gradient exists
+        # from the head's moment on.
+        ((), True, True, 5 + 20 + 10 + (5 + 4 + 20) + 3 + 2),
         # Blocks 0, 1 rebuilt: the end of the backward, every gradient (44)
         # with the updates' 9 in turn, over block 0's moment (5 + 10 + 35
         # + 3 + 2 = 55).
-        ((0, 1), True, 5 + 44 + 9),
+        ((0, 1), True, False, 5 + 44 + 9),
         # Updates at once (grappler's dependency optimizer off): every
         # gradient and the updates' 8 counted at every moment.
-        ((), False, 35 + 44 + 8),
-        ((0, 1), False, 5 + 10 + 44 + 8),  # a block's 10 alive at each moment
+        ((), False, False, 35 + 44 + 8),
+        ((0, 1), False, False, 5 + 10 + 44 + 8),  # a block's 10 alive at each moment
     ],
 )
 def test_piled_up_gradients_count_as_made_when_the_updates_wait_for_a_check(
-        chosen, checked, peak):
+        chosen, checked, tied, peak):
     from keras_gradboost.recompute import updates
 
     # The figures of the test above (head 5), every gradient waiting for
@@ -388,10 +390,11 @@ def test_piled_up_gradients_count_as_made_when_the_updates_wait_for_a_check(
             "update_bytes": 8, "update_bytes_in_turn": 9}
         for k in range(3)
     }
-    figures[2]["after"] = {"head": 5}
+    figures[2]["after"] = {"head": 5, **({"w0": 4} if tied else {})}
     figures[0]["before"] = {"stem": 7}
     sizes = {**{f"t{k}": 10 for k in range(3)}, "out-1": 1, "out0": 1, "out1": 1, "rest": 2}
     assert recompute.plan_bytes(35, figures, sizes, chosen, 4 + 6 + 20 + 5 + 7 + 2) == peak
+
 
 def test_groups_of_cover_every_fine_segment_once():
     assert recompute.groups_of([3, 5, 9, 12], (5, 12)) == [(0, 1), (2, 3), (4,)]

@@ -64,7 +64,7 @@ def test_with_the_dependency_optimizer_off_every_gradient_counts_throughout():
     assert plan.gradients_pile_up
     assert plan.peak_bytes == plan.bytes_with + weights + update
     assert plan.peak_bytes_without == plan.bytes_without + weights + update
-    assert "every gradient alive (grappler's dependency optimizer is off" in str(plan)
+    assert "every gradient alive at the end of the backward (grappler's dependency" in str(plan)
 
 
 def test_recomputed_graph_keeps_only_block_inputs():
@@ -166,23 +166,32 @@ def test_outside_activations_are_placed_where_the_forward_makes_them():
     assert sum(size for name, size in sizes.items() if name not in inside) == 5 * one
 
 
-@pytest.mark.parametrize("norm", ["batch", "layer", None])
+@pytest.mark.parametrize("norm", ["batch", "layer", "rms", "excite", None])
 def test_a_block_records_the_tensor_its_normalisation_takes_the_moments_of(norm):
     # A normalisation's backward sums three gradients of its input's size
     # (selective_plan_bytes counts two more at a replayed block's moment);
     # a pooling's mean, whose gradient is the one flowing through, is not
-    # one.
-    norms = {"batch": keras.layers.BatchNormalization, "layer": keras.layers.LayerNormalization}
-    layers = [keras.layers.Conv2D(6, 3, padding="same")]
-    layers += [norms[norm]()] if norm else []
-    layers += [keras.layers.ReLU(), keras.layers.GlobalAveragePooling2D()]
+    # one, nor a squeeze-and-excitation's, whose input the block also
+    # scales (EfficientNet's).
+    norms = {
+        "batch": keras.layers.BatchNormalization,
+        "layer": keras.layers.LayerNormalization,
+        "rms": keras.layers.RMSNormalization,
+    }
     inputs = keras.Input((8, 8, 4))
-    pooled = keras.Sequential(layers, name="seq")(inputs)
-    model = GradBoostModel(inputs, keras.layers.Dense(2)(pooled))
+    h = keras.layers.Conv2D(6, 3, padding="same")(inputs)
+    h = norms[norm]()(h) if norm in norms else h
+    if norm == "excite":
+        pooled = keras.layers.GlobalAveragePooling2D(keepdims=True)(h)
+        h = keras.layers.Multiply()([h, keras.layers.Dense(6, activation="sigmoid")(pooled)])
+    h = keras.layers.GlobalAveragePooling2D()(keras.layers.ReLU()(h))
+    block = keras.Model(inputs, h, name="seq")
+    outer = keras.Input((8, 8, 4))
+    model = GradBoostModel(outer, keras.layers.Dense(2)(block(outer)))
     model.compile(optimizer="sgd", loss="mse", recompute=["seq"])
     _, per_block, _ = model._gradboost.recompute._estimate(model, tf.TensorSpec((4, 8, 8, 4)))
     (figures,) = per_block.values()
-    assert figures["normalized"] == (4 * 8 * 8 * 6 * 4 if norm else 0)
+    assert figures["normalized"] == (4 * 8 * 8 * 6 * 4 if norm in norms else 0)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -225,9 +225,11 @@ def test_selective_auto_takes_the_base_segments_and_equals_no_recompute():
     # layers: the base whole (every convolution), estimated 78.2 of 78.3
     # MiB on MobileNetV2 at 64x64; a base whose graph is cut counts for its
     # segments only. Estimated here with every gradient alive (this
-    # folder turns grappler's dependency optimizer off): 0.74x of no
-    # recompute's peak; with it on, as users run, the steps requested 3.1
-    # MiB where no recompute's requested 5.1 (0.61x; estimated 3.2 and 5.5).
+    # folder turns grappler's dependency optimizer off) and a replayed
+    # BatchNormalization's backward counted with three gradients of its
+    # input's size: 0.74x of no recompute's peak (0.7 before the latter);
+    # with it on, as users run, the steps requested 3.1 MiB where no
+    # recompute's requested 5.1 (0.61x; estimated 3.2 and 5.5).
     reference = base_classifier(GradBoostModel)
     _fit(reference)
     model = base_classifier(GradBoostModel)
