@@ -390,7 +390,8 @@ def estimate(
         tensor names to bytes), `weights` (the trainable variables it
         reads, by name, to their bytes), `largest` (bytes of its largest
         float tensor), `normalized` (bytes of the largest tensor a
-        normalisation inside it takes the moments of, `_normalizes`), `after` and `before` (`_place_outside_weights`),
+        normalisation inside it squares for its statistics,
+        `_normalizes`), `after` and `before` (`_place_outside_weights`),
         `outside_before` (`_place_outside_activations`), `own` (with
         `owned`: the names of the weights it owns); and
         the size of every cached tensor by name.

@@ -144,8 +144,8 @@ def update_temporaries(optimizer):
     once the backward ends (`update_bytes`). A checked step runs them in
     turn (`step.updates_in_turn`): ResNet50 (64x64, batch 16, "auto", Adam)
     with a NaNWatcher requested 139.9-148.8 MiB, estimated 142.4 with
-    them and the gradients made until each moment (at 32x32, batch 8: 93.0
-    requested, 95.7 estimated). Started all at once, as TensorFlow does when
+    them and the gradients made until each moment (at 32x32, batch 8, a
+    test holds it within 15%). Started all at once, as TensorFlow does when
     every gradient is ready, many updates' temporaries are alive together
     (at one peak, the `Square`s of at least 15 of them, 68 MiB):
     167.0-190.0 MiB requested there; the estimate counts the largest
