@@ -396,6 +396,27 @@ def test_piled_up_gradients_count_as_made_when_the_updates_wait_for_a_check(
     assert recompute.plan_bytes(35, figures, sizes, chosen, 4 + 6 + 20 + 5 + 7 + 2) == peak
 
 
+@pytest.mark.parametrize("buffers, peak", [
+    # No activations; each update holds 2 buffers of its weight's size and
+    # runs as its gradient arrives, while the backward makes the next
+    # weight's gradient. Block 2's moment: its 20 with the update's 40 and
+    # block 1's 6 next, and the gradient flowing through it (3).
+    (2, 20 * 3 + 6 + 3),
+    # An update that holds nothing: each moment's own gradients alone.
+    (0, 20 + 3),
+])
+def test_an_update_counts_with_the_next_weights_gradient(buffers, peak):
+    figures = {
+        k: {"cached": 0, "inputs": 0, "flops": 1.0, "inside": set(), "input_roots": {},
+            "weights": {f"w{k}": (4, 6, 20)[k]}, "largest": 3, "after": {},
+            "before": {}, "update_buffers": buffers}
+        for k in range(3)
+    }
+    figures[2]["after"] = {"head": 5}  # its moment: 5 * 3 + block 2's 20 = 35
+    figures[0]["before"] = {"stem": 7}  # the last: 7 * 3
+    assert recompute.plan_bytes(0, figures, {}, (), 4 + 6 + 20 + 5 + 7) == peak
+
+
 def test_groups_of_cover_every_fine_segment_once():
     assert recompute.groups_of([3, 5, 9, 12], (5, 12)) == [(0, 1), (2, 3), (4,)]
     assert recompute.groups_of([3, 5], (3, 5)) == [(0,), (1,), (2,)]

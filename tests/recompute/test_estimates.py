@@ -396,13 +396,17 @@ def test_the_peak_estimate_of_a_checked_resnet50_step_holds(requested_peak):
 def test_the_peak_estimate_counts_the_update_of_a_weight_at_its_moment(kind, requested_peak):
     # Where the weights dwarf the activations, the update of each (SGD's
     # copy of the weight the backward still reads, Adam's temporaries) is
-    # the peak: the estimate read 4.6 MiB where the steps requested 8.0 or
-    # 12.5 (SGD) and 16.4 (Adam). It reads 8.6 and 12.6 now: the next
-    # weight's gradient, made while an update still runs, is left out
-    # (SGD's 12.5, Adam's 16.4: up to 1.46x).
+    # the peak, and the backward goes on to the next weight's gradient
+    # while it runs: Adam's steps requested 16.4 MiB (two gradients, two
+    # temporaries) where the estimate read 4.6 without the update, 12.6
+    # without the next gradient (1.31x low) and reads 16.6 now. SGD's
+    # update is quicker: 8.0-12.5 requested in different runs (12.5 with
+    # the next gradient overlapping it), 12.6 estimated; so its estimate
+    # may read high but not low.
     requested, plan = _wide_mlp_peak(kind, requested_peak)
     assert not plan.gradients_pile_up, plan
-    assert 0.85 * plan.peak_bytes <= requested <= 1.5 * plan.peak_bytes, (
+    low = 0.85 if kind == "adam" else 0.6
+    assert low * plan.peak_bytes <= requested <= 1.15 * plan.peak_bytes, (
         requested / 2**20,
         plan.peak_bytes / 2**20,
     )
@@ -458,10 +462,10 @@ def test_a_budget_met_without_a_nan_watcher_warns_when_one_holds_every_gradient(
     model.compile(
         optimizer="sgd",
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        recompute={"budget_mb": 12, "batch_size": 16},
+        recompute={"budget_mb": 14, "batch_size": 16},
     )
     before = model.recompute_plan()
-    assert before.peak_bytes < 12 * 2**20 and not before.gradients_pile_up
+    assert before.peak_bytes < 14 * 2**20 and not before.gradients_pile_up
     with pytest.warns(UserWarning, match="over the budget: each step's gradients are checked"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[NaNWatcher(verbose=0)])
     after = model.recompute_plan()
