@@ -8,11 +8,12 @@ model's compiled train function with one host sync. A ratio is the median
 over rounds of the configuration's time over the baseline's in that round.
 
 Configurations:
-- `xla_recompute`: jit_compile=True, precision="auto" (float32 under XLA on
-  a CPU), accumulate_steps=4, recompute="auto".
+- `xla_recompute`: jit_compile=True, the precision `precision="auto"` starts
+  from (its static rule: float32 under XLA on a CPU), accumulate_steps=4,
+  recompute="auto".
 - `xla`: the same without recompute.
-- `auto`: `compare`'s `all_on`: jit_compile="auto" (no XLA on a CPU),
-  precision="auto" (mixed_bfloat16 on a CPU with bfloat16 instructions),
+- `auto`: `compare`'s `all_on`: jit_compile="auto" (no XLA on a CPU), the
+  static rule's precision (mixed_bfloat16 on a CPU with bfloat16 instructions),
   accumulate_steps=4, recompute={"budget_mb": 8000} (nothing to recompute).
 
 Measured (2-core CPU with AMX/avx512_bf16, shared with other jobs; TF 2.21,
@@ -35,17 +36,19 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
 from keras_gradboost import zoo  # noqa: E402
+from keras_gradboost.precision import gpu_available  # noqa: E402
+from keras_gradboost.precision import static_pick  # noqa: E402
 
 BATCH = 256
 CONFIGS = {
     "baseline": dict(jit_compile=False),
     "xla_recompute": dict(
-        jit_compile=True, precision="auto", accumulate_steps=4, recompute="auto"
+        jit_compile=True, precision=static_pick(True), accumulate_steps=4, recompute="auto"
     ),
-    "xla": dict(jit_compile=True, precision="auto", accumulate_steps=4),
+    "xla": dict(jit_compile=True, precision=static_pick(True), accumulate_steps=4),
     "auto": dict(
         jit_compile="auto",
-        precision="auto",
+        precision=static_pick(gpu_available()),  # Keras' "auto": XLA on a GPU
         accumulate_steps=4,
         recompute={"budget_mb": 8000},
     ),

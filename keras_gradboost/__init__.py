@@ -14,7 +14,7 @@ Public API:
     AccumulationCheckError: raised by `accumulate_check=True`.
     JitMeasurement: what `compile(jit_compile="measure")` chose
         (`GradBoostModel.jit_measurement`).
-    PrecisionMeasurement: what `compile(precision="measure")` chose
+    PrecisionMeasurement: what `compile(precision="auto")` chose
         (`GradBoostModel.precision_measurement`).
     XLAUnsupportedOpError: XLA cannot compile the training step.
     StepFacts: what the training step publishes (`GradBoostModel.step_facts`).

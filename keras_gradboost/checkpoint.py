@@ -13,9 +13,9 @@ under its own path (`_gradboost_training_state`), with:
   since the last update (for a variable with `overwrite_with_gradient`, the
   maximum of its values), their sample count, the position in the window
   and which variables get a gradient;
-* `precision="measure"`'s decision, or, saved before it was made, its
-  measuring progress (`precision_measure.saved_state`): a loaded model
-  compiled with `precision="measure"` trains on in the saved run's policy,
+* `precision="auto"`'s (or `"measure"`'s) decision, or, saved before it
+  was made, its measuring progress (`precision_measure.saved_state`): a loaded model
+  compiled with `precision="auto"` trains on in the saved run's policy,
   or goes on with its schedule, instead of measuring again.
 
 So a model saved mid-window and loaded again goes on as if it had never

@@ -26,15 +26,19 @@ EPILOG = """\
 configurations (compile keyword arguments of GradBoostModel):
   baseline        jit_compile=False
   jit_compile     jit_compile=True (XLA)
-  precision_auto  precision="auto" (mixed_bfloat16 on a CPU with bfloat16
-                  instructions, mixed_float16 on a GPU, else float32)
+  precision_auto  precision="auto" (times float32 against the device's
+                  mixed policy, mixed_bfloat16 on a CPU, mixed_float16 on a
+                  GPU, on the first 8 steps and keeps the faster)
   accumulate      accumulate_steps=4 (one update per 4 batches)
   recompute       recompute="auto" (every block, or ~sqrt(n) graph segments)
   all_on          everything, with the "auto" choices: jit_compile="auto"
-                  (Keras: XLA on a GPU, not on a CPU), precision="auto",
-                  accumulate_steps=4, recompute={"budget_mb": half the
-                  available memory} (blocks are recomputed only when the
-                  estimated training peak would not fit)
+                  (Keras: XLA on a GPU, not on a CPU), the policy
+                  precision="auto" starts from (mixed_bfloat16 on a CPU
+                  with bfloat16 instructions, mixed_float16 on a GPU, else
+                  float32: measuring would take 32 of its accumulated
+                  steps), accumulate_steps=4, recompute={"budget_mb": half
+                  the available memory} (blocks are recomputed only when
+                  the estimated training peak would not fit)
 
 With --repeat N, every configuration runs once per round (a fresh process
 each time), in a shuffled order per round (seeded), and each figure is the
@@ -57,7 +61,7 @@ batch), final loss (mean over the last quarter of the steps), setup, and
 xla: on, off, or off with what blocked it when XLA was asked for (a layer
 with supports_jit=False, an op without an XLA kernel); under
 jit_compile="measure", the measured XLA vs no-XLA medians. Under
-precision="measure" (the precision_measure row) the setup shows the policy
+precision="auto" (the precision_auto row) the setup shows the policy
 it chose after its measured first steps and both medians, the choice's
 first.
 
@@ -344,7 +348,7 @@ def _check_data(parser, path):
 
 
 def _policy(row):
-    """The row's policy; under precision="measure", with the measured
+    """The row's policy; under precision="auto", with the measured
     medians, the choice's first (`compare.precision_fields`)."""
     measured = row.get("precision_measurement")
     if not measured or measured.get("float32_ms") is None or measured.get("mixed_ms") is None:
@@ -423,7 +427,7 @@ def format_table(rows):
     base = next((r for r in rows if r["config"] == "baseline" and "error" not in r), None)
     setups = ["  " + _setup(r) for r in rows if "error" not in r]
     setup_width = max([len(s) for s in setups] + [len("  setup")]) + 2
-    # As wide as the longest name (precision_measure) plus a space.
+    # As wide as the longest name (precision_auto) plus a space.
     config_width = max([len(r["config"]) + 2 for r in rows] + [COLUMNS[0][2]])
     widths = {"  setup": setup_width, "config": config_width}
     columns = [(name, align, widths.get(name, width)) for name, align, width in COLUMNS]

@@ -12,12 +12,12 @@ model, compiles it with the configuration's keyword arguments, trains
 What a row holds (all measured in the child):
 - `step_ms`: median wall time of one training batch (one `fit` step, one
   micro-batch under `accumulate_steps`) after `WARMUP_STEPS` warm-up
-  batches (under `jit_compile="measure"` or `precision="measure"`: after
+  batches (under `jit_compile="measure"` or `precision="auto"`: after
   the measured batches, once the choice is made), timed from `on_train_batch_begin` to
   `on_train_batch_end` (Keras pulls the logs to the host there, so each step
   is synchronised).
 - `compile_s`: the first batch's time minus `step_ms`: tracing and (XLA)
-  compilation (under `jit_compile="measure"` or `precision="measure"`: the
+  compilation (under `jit_compile="measure"` or `precision="auto"`: the
   warm-up batches of each variant).
 - `examples_per_s`: batch size / `step_ms`.
 - `backward_share`: after training, on one fixed batch, 1 - the median over
@@ -65,7 +65,7 @@ What a row holds (all measured in the child):
   (`"on (measured 1.20 vs 2.31 ms)"`, XLA first), and `jit_measurement`
   holds them.
 - `policy`: the dtype policy the layers hold after `fit`; under
-  `precision="measure"` the measured choice, and `precision_measurement`
+  `precision="auto"` the measured choice, and `precision_measurement`
   holds both medians (the setup column shows them, the choice's first:
   `"mixed_bfloat16 (measured 2.10 vs float32 3.05 ms)"`).
 
@@ -89,6 +89,9 @@ import sys
 import time
 import zipfile
 
+# all_on's precision: the policy precision="auto" starts from (its static
+# rule), resolved in the child (`resolve_kwargs`).
+STATIC_RULE = "static_rule"
 # Keyword arguments of `GradBoostModel.compile` per configuration. Every
 # configuration sets `jit_compile` explicitly (Keras' "auto" means XLA on a
 # GPU).
@@ -96,12 +99,11 @@ CONFIGS = {
     "baseline": {"jit_compile": False},
     "jit_compile": {"jit_compile": True},
     "precision_auto": {"jit_compile": False, "precision": "auto"},
-    "precision_measure": {"jit_compile": False, "precision": "measure"},
     "accumulate": {"jit_compile": False, "accumulate_steps": 4},
     "recompute": {"jit_compile": False, "recompute": "auto"},
     "all_on": {
         "jit_compile": "auto",
-        "precision": "auto",
+        "precision": STATIC_RULE,
         "accumulate_steps": 4,
         "recompute": {"budget_mb": "half_available"},
     },
@@ -115,8 +117,12 @@ CONFIGS = {
 #   seconds of first steps (XLA compilation and XLA calls), and with 3 timed
 #   calls a loaded machine could tip it the wrong way: it is not worth it
 #   for all_on;
-# - precision="auto" then picks mixed_bfloat16 on a CPU with bfloat16
-#   instructions (faster than float32 on the MLP), mixed_float16 on a GPU;
+# - precision: the pick of precision="auto"'s static rule, mixed_bfloat16
+#   on a CPU with bfloat16 instructions (faster than float32 on the MLP),
+#   mixed_float16 on a GPU. precision="auto" itself times float32 against
+#   it in the first calls, whole accumulation windows each: 32 calls under
+#   accumulate_steps=4, more than the default 30 steps (the precision_auto
+#   row measures, without accumulation: 8 calls);
 # - recompute only what must be: the budget is half the memory available
 #   when the child starts (see `resolve_kwargs`), so a model whose
 #   activations fit pays no extra forward pass (recompute="auto" costs one).
@@ -579,8 +585,18 @@ def available_mib():
 
 
 def resolve_kwargs(kwargs):
-    """The compile kwargs with `budget_mb: "half_available"` made a number."""
+    """The compile kwargs with `budget_mb: "half_available"` made a number,
+    and `precision: "static_rule"` the policy of precision="auto"'s static
+    rule on this machine."""
+    from keras_gradboost import precision as precision_lib
+
     kwargs = dict(kwargs)
+    if kwargs.get("precision") == STATIC_RULE:
+        # jit_compile="auto" is Keras': XLA on a GPU only.
+        jit = kwargs.get("jit_compile") is True or (
+            kwargs.get("jit_compile") == "auto" and precision_lib.gpu_available()
+        )
+        kwargs["precision"] = precision_lib.static_pick(jit)
     recompute = kwargs.get("recompute")
     if isinstance(recompute, dict) and recompute.get("budget_mb") == HALF_AVAILABLE:
         kwargs["recompute"] = {**recompute, "budget_mb": round(available_mib() / 2)}
@@ -621,12 +637,13 @@ def _measures_jit(model):
 
 
 def _precision_calls_per_timing(model):
-    """Train calls per timed unit of `precision="measure"` in `model`'s next
-    fit, or 0 when it will not measure."""
+    """Train calls per timed unit of `precision="auto"` (or `"measure"`) in
+    `model`'s next fit, or 0 when it will not measure."""
+    from keras_gradboost import precision as precision_lib
     from keras_gradboost import precision_measure
 
     config = getattr(model, "gradboost_config", None)
-    if config is None or config.precision != "measure":
+    if config is None or not precision_lib.measures(config.precision):
         return 0
     if model.precision_measurement is not None or model.run_eagerly:
         return 0
@@ -637,7 +654,7 @@ def _precision_calls_per_timing(model):
 
 def first_trace_calls(model):
     """How many first calls trace the train step: 1, or, under
-    `jit_compile="measure"` or `precision="measure"`, the warm-up calls of
+    `jit_compile="measure"` or `precision="auto"`, the warm-up calls of
     both variants."""
     from keras_gradboost import jit_measure
     from keras_gradboost import precision_measure
@@ -651,7 +668,7 @@ def first_trace_calls(model):
 
 
 def measuring_calls(model):
-    """How many first calls `jit_compile="measure"` or `precision="measure"`
+    """How many first calls `jit_compile="measure"` or `precision="auto"`
     runs both variants in (0 when it does not measure)."""
     from keras_gradboost import jit_measure
     from keras_gradboost import precision_measure
@@ -769,7 +786,7 @@ def measure(spec):
         data = data.repeat()
     data = data.batch(batch_size, drop_remainder=True).repeat().prefetch(2)
     first_calls = first_trace_calls(model)
-    # Under jit_compile="measure" or precision="measure" the steady state
+    # Under jit_compile="measure" or precision="auto" the steady state
     # starts after the choice.
     warm_steps = max(WARMUP_STEPS, measuring_calls(model))
     # What training warns about (an inexact accumulation, a recompute that
@@ -874,7 +891,7 @@ def xla_fields(model):
 
 
 def precision_fields(model):
-    """`precision_measurement` of a row: what `precision="measure"` chose
+    """`precision_measurement` of a row: what `precision="auto"` chose
     (policy, both medians in ms, reason), or None."""
     measurement = getattr(model, "precision_measurement", None)
     if measurement is None:

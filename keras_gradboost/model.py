@@ -78,11 +78,11 @@ class _Runtime:
         self.checks_before_watch = False
         self.jit_measurement = None  # jit_measure.JitMeasurement
         self.precision_measurement = None  # precision_measure.PrecisionMeasurement
-        # precision="measure"'s schedule and timings, shared by every
+        # precision="auto"'s (or "measure"'s) schedule and timings, shared by every
         # measuring function of this compile (a NaNWatcher's guarded one
         # too), saved with the weights while undecided.
         self.precision_measurer = None  # precision_measure.Measurer
-        # The dtype policy the layers hold now (precision="measure" switches
+        # The dtype policy the layers hold now (precision="auto" switches
         # it while it measures, then keeps the winner's).
         self.layers_policy = plan.policy if plan else None
         # Calls of the update traced so far (a class's own train_step must
@@ -228,7 +228,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 an epoch are applied as one smaller update. `optimizer.
                 iterations` counts updates. Defaults to `1`.
             precision: `"float32"`, `"mixed_float16"`, `"mixed_bfloat16"`,
-                `"auto"` or `None`. Sets the dtype policy of every layer of the
+                `"auto"`, `"measure"` or `None`. Sets the dtype policy of every layer of the
                 (possibly already built) model; variables stay float32 and,
                 with a mixed policy, the output layers compute in float32.
                 Ids in a float input reach `Embedding` and the other layers
@@ -238,11 +238,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 them); a subclassed model casts its float inputs as in plain
                 Keras, and float ids so cast are refused with a `ValueError`
                 (feed int ids). See `precision.apply_policy`.
-                `"auto"` picks mixed_float16 on a GPU and, on a CPU,
-                mixed_bfloat16 when the CPU has bfloat16 instructions and XLA
-                is off, else float32 (a static rule: it can be wrong for a
-                given model).
-                `"measure"` times the first training calls of `fit` in
+                `"auto"` times the first training calls of `fit` in
                 float32 and in the device's mixed policy (mixed_bfloat16 on a
                 CPU, mixed_float16 on a GPU), alternately, each call a real
                 step on the real batches (`precision_measure`: the first call
@@ -251,18 +247,22 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 accumulation, a timing holds whole windows), and keeps the
                 one with the lower median, for training and for `evaluate`
                 and `predict` (see `precision_measurement`; a one-line report
-                is printed). Before, the layers hold the `"auto"` pick (while
-                measuring, the candidate of the last call).
+                is printed). Before, the layers hold the static rule's pick:
+                mixed_float16 on a GPU and, on a CPU, mixed_bfloat16 when the
+                CPU has bfloat16 instructions and XLA is off, else float32
+                (while measuring, the candidate of the last call).
                 With a float16 candidate, `loss_scale="auto"` scales the loss
                 of both candidates (exact in float32: the scale is a power
                 of two) and keeps scaling if float32 wins. It keeps the
-                `"auto"` pick, with a warning, under `run_eagerly=True` and
-                under MultiWorkerMirroredStrategy, ParameterServerStrategy and
-                TPUStrategy (each worker would choose alone); it cannot be
-                combined with `jit_compile="measure"` (a `ValueError`). The
+                static pick, with a warning, under `run_eagerly=True`, under
+                MultiWorkerMirroredStrategy, ParameterServerStrategy and
+                TPUStrategy (each worker would choose alone) and with
+                `jit_compile="measure"` (one measurement at a time).
+                `"measure"` is `"auto"` that must measure: with
+                `jit_compile="measure"` it raises a `ValueError`. The
                 decision is saved with the weights (`save_weights`,
                 `model.save`, `BackupAndRestore`): a model compiled with
-                `"measure"` that loads it trains on in it without measuring
+                `"auto"` that loads it trains on in it without measuring
                 (`precision_measurement.restored`); one saved while still
                 measuring goes on with the same schedule. Saved among other
                 candidates (another device), it is not adopted: a warning,
@@ -403,7 +403,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 policy=plan.policy,
                 mixed_policy=plan.precision_candidates[1],
                 reason=f"not measured ({plan.precision_blocked}): the static "
-                '"auto" rule\'s pick',
+                "rule's pick",
             )
         if plan.recompute is not None:
             plan.recompute.apply()
@@ -483,7 +483,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
 
     @property
     def precision_measurement(self):
-        """What `compile(precision="measure")` chose, and why.
+        """What `compile(precision="auto")` (or `"measure"`) chose, and why.
 
         A `precision_measure.PrecisionMeasurement` (`policy`,
         `mixed_policy`, `float32_ms`, `mixed_ms`, `timed_calls`,
@@ -504,7 +504,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
     @property
     def dtype_policy_applied(self):
         """The dtype policy `compile(precision=...)` set on the layers, or
-        None: for `precision="measure"`, the winner once measured (before,
+        None: for `precision="auto"`, the winner once measured (before,
         the candidate the layers hold now)."""
         return self._gradboost.layers_policy
 
@@ -764,13 +764,13 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
     def _measuring_precision(self):
         rt = self._gradboost
         return (
-            rt.config.precision == "measure"
+            precision_lib.measures(rt.config.precision)
             and rt.precision_measurement is None
             and not self.run_eagerly
         )
 
     def _make_precision_measuring_function(self):
-        """Keras' train function for each `precision="measure"` candidate
+        """Keras' train function for each `precision="auto"` candidate
         (traced at its first call, under the policy the measuring function
         sets then), behind one function that runs them as
         `precision_measure` says until it decides."""
@@ -819,20 +819,20 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         measuring = wrappers.base_train_function(self)
         if isinstance(measuring, precision_measure.MeasuringTrainFunction):
             self._keep_choice(measuring, function or measuring.functions[measurement.policy])
-        hooks.print_msg(measurement.message())
+        hooks.print_msg(measurement.message(rt.config.precision))
 
     def _precision_state(self):
-        """What the weights file keeps of `precision="measure"` (see
+        """What the weights file keeps of `precision="auto"` (see
         `precision_measure.saved_state`), or None."""
         rt = self._gradboost
-        if rt.config.precision != "measure":
+        if not precision_lib.measures(rt.config.precision):
             return None
         return precision_measure.saved_state(
             rt.plan.precision_candidates, rt.precision_measurement, rt.precision_measurer
         )
 
     def _restore_precision(self, record):
-        """Adopts a saved `precision="measure"` record (see
+        """Adopts a saved `precision="auto"` record (see
         `precision_measure.saved_state`): a decision is kept without
         measuring; progress is gone on from, call for call. Warns, naming
         both, where it cannot be (other candidates or schedule, a decision
@@ -840,7 +840,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         with another precision), for the caller's warning."""
         rt = self._gradboost
         what = precision_measure.describe(record)
-        if rt.config.precision != "measure":
+        if not precision_lib.measures(rt.config.precision):
             decision = record.get("decision")
             if decision is not None and decision["policy"] == rt.plan.policy:
                 return []  # compiled with the policy it chose

@@ -68,14 +68,15 @@ class TrainPlan:
         xla_blocked: why XLA is off although `jit_requested` asked for it,
             or None.
         policy: the dtype policy `precision` sets on every layer, or None
-            to leave the model as built. For `precision="measure"`, the
-            static `"auto"` rule's pick: what the layers hold until the
-            measurement decides (`GradBoostModel.dtype_policy_applied` says
-            what they hold now).
-        precision_candidates: the policies `precision="measure"` times
-            (float32 and the device's mixed policy); `()` otherwise.
-        precision_blocked: why `precision="measure"` cannot measure (and
-            keeps `policy`, the static rule's pick), or None.
+            to leave the model as built. For `precision="auto"` and
+            `"measure"`, the static rule's pick: what the layers hold until
+            the measurement decides (`GradBoostModel.dtype_policy_applied`
+            says what they hold now).
+        precision_candidates: the policies `precision="auto"` or
+            `"measure"` times (float32 and the device's mixed policy); `()`
+            otherwise.
+        precision_blocked: why `precision="auto"` or `"measure"` cannot
+            measure (and keeps `policy`, the static rule's pick), or None.
         float16: whether the model will compute in float16.
         loss_scale: `(dynamic, initial_scale)` for gradboost loss scaling,
             or None (off).
@@ -144,15 +145,18 @@ class TrainPlan:
             config.precision, jit, devices.on_gpu, devices.cpu_bf16
         )
         candidates, precision_blocked = (), None
-        if config.precision == "measure":
-            check_measure_conflicts(requested)
+        if precision_lib.measures(config.precision):
+            if config.precision == "measure":
+                check_measure_conflicts(requested)
             candidates = precision_lib.measure_candidates(devices.on_gpu)
-            precision_blocked = precision_measure_blocker(model, kwargs)
+            precision_blocked = precision_measure_blocker(model, kwargs, requested)
             if precision_blocked:
                 notes.append(
-                    f'precision="measure", but it cannot measure: '
+                    f'precision="{config.precision}", but it cannot measure: '
                     f"{precision_blocked}. The model trains in {policy}, the "
-                    'static precision="auto" rule\'s pick.'
+                    "static rule's pick (mixed_float16 on a GPU; on a CPU "
+                    "mixed_bfloat16 with bfloat16 instructions and XLA off, "
+                    "else float32)."
                 )
         message = precision_lib.float16_cpu_warning(policy, jit, devices.on_gpu)
         if message:
@@ -282,14 +286,20 @@ def check_measure_conflicts(jit_requested):
         )
 
 
-def precision_measure_blocker(model, kwargs):
-    """Why `precision="measure"` cannot time its candidates, or None:
-    `run_eagerly=True` (eager steps say nothing about the compiled step's
-    speed), and strategies other than one process's (MultiWorker, parameter
-    servers, TPUs: each worker would time its own steps, and might choose
-    another policy than the others)."""
+def precision_measure_blocker(model, kwargs, jit_requested=None):
+    """Why `precision="auto"` or `"measure"` cannot time its candidates, or
+    None: `run_eagerly=True` (eager steps say nothing about the compiled
+    step's speed), strategies other than one process's (MultiWorker,
+    parameter servers, TPUs: each worker would time its own steps, and
+    might choose another policy than the others), and `jit_compile=
+    "measure"` (`check_measure_conflicts` refuses it with `"measure"`)."""
     if kwargs.get("run_eagerly"):
         return "run_eagerly=True (eager steps say nothing about the speed of the compiled step)"
+    if jit_requested == "measure":
+        return (
+            'jit_compile="measure" times XLA in the same first calls, and each '
+            "measurement needs the other setting fixed"
+        )
     strategy = model.distribute_strategy
     multi_process = (
         tf.distribute.MultiWorkerMirroredStrategy,

@@ -10,10 +10,11 @@ the CPU has native bfloat16 instructions and XLA is off, and float32 otherwise;
 it never picks mixed_float16. On a GPU it picks mixed_float16.
 
 That rule is a guess from one model: it picks mixed_bfloat16 for ResNet50 on
-the same CPU, where bfloat16 is slower than float32 (0.75x the speed).
-`precision="measure"` times both candidates (`measure_candidates`) on the
-real training steps instead (`precision_measure`); the static rule is its
-starting point, and its answer where it cannot measure.
+the same CPU, where bfloat16 is slower than float32 (0.75x the speed). So
+`precision="auto"` (and `"measure"`, which must measure) times both
+candidates (`measure_candidates`) on the real training steps of `fit`
+(`precision_measure`); the static rule is its starting point, and its
+answer where it cannot measure (`plan.precision_measure_blocker`).
 """
 
 import keras
@@ -53,13 +54,23 @@ def gpu_available():
     return bool(tf.config.list_physical_devices("GPU"))
 
 
+# The `precision` values that time the candidates in `fit`.
+MEASURED = ("auto", "measure")
+
+
+def measures(precision):
+    """Whether the `precision` compile argument times float32 against the
+    device's mixed policy in `fit` (`precision_measure`)."""
+    return precision in MEASURED
+
+
 def resolve_precision(precision, jit_compile, on_gpu, cpu_bf16):
     """The dtype policy name for a `precision` argument, or None to keep.
 
     Args:
-        precision: the validated `precision` compile argument (`"measure"`
-            resolves as `"auto"`: the policy the layers hold until measured,
-            and where it cannot measure).
+        precision: the validated `precision` compile argument (`"auto"` and
+            `"measure"` resolve to the static rule's pick: the policy the
+            layers hold until measured, and where it cannot measure).
         jit_compile: whether the train step is XLA-compiled.
         on_gpu: whether training runs on a GPU.
         cpu_bf16: whether the CPU has native bfloat16 instructions.
@@ -67,7 +78,7 @@ def resolve_precision(precision, jit_compile, on_gpu, cpu_bf16):
     Returns:
         A dtype policy name, or `None` to leave the model as built.
     """
-    if precision not in ("auto", "measure"):
+    if not measures(precision):
         return precision
     if on_gpu:
         return "mixed_float16"
@@ -76,8 +87,14 @@ def resolve_precision(precision, jit_compile, on_gpu, cpu_bf16):
     return "float32"
 
 
+def static_pick(jit_compile):
+    """The policy `precision="auto"` starts from on this machine (its static
+    rule, `resolve_precision`), for a step XLA-compiled or not."""
+    return resolve_precision("auto", jit_compile, gpu_available(), cpu_has_native_bfloat16())
+
+
 def measure_candidates(on_gpu):
-    """The policies `precision="measure"` times against each other: float32
+    """The policies `precision="auto"` times against each other: float32
     and the device's mixed policy (mixed_float16 on a GPU, mixed_bfloat16
     on a CPU: float16 on a CPU without XLA is hundreds of times slower)."""
     return ("float32", "mixed_float16" if on_gpu else "mixed_bfloat16")

@@ -1,5 +1,5 @@
-"""`precision="measure"`: time the first training calls of `fit` in float32
-and in the device's mixed policy, then keep the faster.
+"""`precision="auto"` (and `"measure"`): time the first training calls of
+`fit` in float32 and in the device's mixed policy, then keep the faster.
 
 The candidates are float32 and mixed_bfloat16 on a CPU, float32 and
 mixed_float16 on a GPU (`precision.measure_candidates`). Every measured call
@@ -21,17 +21,17 @@ times as many updates as the other. The mixed policy wins only with a lower
 median (a tie keeps float32). From then on only the winner runs, and the
 layers hold its policy (so `evaluate` and `predict` use it).
 
-Before the first call the layers hold the static `precision="auto"` rule's
-pick; while measuring, the policy of the last call (a validation in between
+Before the first call the layers hold the static rule's pick
+(`precision.resolve_precision`); while measuring, the policy of the last call (a validation in between
 runs in it; the test and predict functions are made again after the
 decision). The static rule stays, decided at `compile()` with a warning and
 a `PrecisionMeasurement` whose `measured` is False, under `run_eagerly=True`
 and under MultiWorkerMirroredStrategy, ParameterServerStrategy and
 TPUStrategy (each worker would time its own steps and might choose another
-policy). One process's MirroredStrategy is measured (its replicas trace
-under the same layers). `jit_compile="measure"` together with it is refused
-(`plan.check_measure_conflicts`): precision is measured under a fixed jit
-setting. With a float16 candidate (on a GPU) `loss_scale="auto"` scales
+policy), and under `jit_compile="measure"` (precision is measured under a
+fixed jit setting; `"measure"` is refused with it instead,
+`plan.check_measure_conflicts`). One process's MirroredStrategy is
+measured (its replicas trace under the same layers). With a float16 candidate (on a GPU) `loss_scale="auto"` scales
 both candidates' loss with the one `LossScaler` they share, and keeps
 scaling if float32 wins (exact: the scale is a power of two).
 
@@ -71,7 +71,7 @@ TIMED_CALLS = jit_measure.TIMED_CALLS
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionMeasurement:
-    """What `precision="measure"` found and chose.
+    """What `precision="auto"` (or `"measure"`) found and chose.
 
     Attributes:
         policy: the choice: a dtype policy name.
@@ -103,10 +103,11 @@ class PrecisionMeasurement:
         """Whether the choice comes from timing (False: the static rule)."""
         return self.float32_ms is not None
 
-    def message(self):
-        """The one-line report printed when the choice is made."""
+    def message(self, precision="auto"):
+        """The one-line report printed when the choice is made, for the
+        `precision` compile argument that measured."""
         restored = " (restored with the weights, not measured again)" if self.restored else ""
-        return f'precision="measure": {self.policy}; {self.reason}{restored}.'
+        return f'precision="{precision}": {self.policy}; {self.reason}{restored}.'
 
 
 def calls_per_timing(accumulate_steps, steps_per_execution):
@@ -117,7 +118,7 @@ def calls_per_timing(accumulate_steps, steps_per_execution):
 
 
 class Measurer:
-    """The schedule and the decision of `precision="measure"`.
+    """The schedule and the decision of `precision="auto"`.
 
     Args:
         candidates: `(float32 policy, mixed policy)`, timed in this order.
@@ -362,7 +363,7 @@ STATE_FORMAT = 1
 
 
 def saved_state(candidates, measurement, measurer):
-    """What a checkpoint keeps of `precision="measure"`, as plain values:
+    """What a checkpoint keeps of `precision="auto"`, as plain values:
     the candidates and either the decision (when measured) or the measuring
     progress (`Measurer.progress`); None when there is neither (not
     started, or the static rule's pick: nothing was measured)."""

@@ -39,8 +39,8 @@ def test_compare_end_to_end(tmp_path, capsys, monkeypatch):
     )
     assert code == 0, out + err
     assert "[1/2] baseline" in err and "[2/2] all_on" in err
-    # all_on's precision="auto" runs mixed_bfloat16 only on a CPU with
-    # bfloat16 instructions; the peak is measured for the dtypes the rows use.
+    # all_on's precision (the static rule's) is mixed_bfloat16 only on a CPU
+    # with bfloat16 instructions; the peak is measured for the dtypes the rows use.
     bf16 = precision.cpu_has_native_bfloat16()
     dtypes = "float32, bfloat16" if bf16 else "float32"
     assert f"peak: 128x128 matmul in {dtypes} ... " in err
@@ -95,6 +95,11 @@ def test_compare_end_to_end(tmp_path, capsys, monkeypatch):
     assert all_on["accumulate_steps"] == 4
     assert all_on["recomputed"] == 0
     assert isinstance(all_on["compiled_with"]["recompute"]["budget_mb"], (int, float))
+    # all_on compiles with the policy precision="auto" starts from (on a
+    # CPU, Keras' jit_compile="auto" is no XLA), not with "auto", which
+    # would measure through all its steps.
+    assert all_on["compiled_with"]["precision"] == precision.static_pick(False)
+    assert all_on["policy"] == precision.static_pick(False)
     assert rows == saved["rows"]
 
 
@@ -611,11 +616,11 @@ def test_xla_fields_of_a_measured_model():
     [("mixed_bfloat16", "mixed_bfloat16 (measured 2.10 vs float32 3.05 ms)"),
      ("float32", "float32 (measured 3.05 vs mixed_bfloat16 2.10 ms)")],
 )
-def test_the_precision_measure_row_shows_the_choice_and_both_medians(monkeypatch, capsys, chosen,
+def test_the_precision_auto_row_shows_the_choice_and_both_medians(monkeypatch, capsys, chosen,
                                                                       expected):
     def run_one(spec):
         row = _fake_rows(set())(spec)
-        if spec["config"] == "precision_measure":
+        if spec["config"] == "precision_auto":
             row["policy"] = chosen
             row["precision_measurement"] = {
                 "policy": chosen, "mixed_policy": "mixed_bfloat16", "float32_ms": 3.05,
@@ -624,16 +629,16 @@ def test_the_precision_measure_row_shows_the_choice_and_both_medians(monkeypatch
         return row
 
     monkeypatch.setattr(compare_lib, "run_one", run_one)
-    code, out, _, _ = _run(["compare", "--configs", "baseline,precision_measure"], capsys)
+    code, out, _, _ = _run(["compare", "--configs", "baseline,precision_auto"], capsys)
     assert code == 0
-    assert _row_line(out, "precision_measure").endswith(f"  {expected}  off")
+    assert _row_line(out, "precision_auto").endswith(f"  {expected}  off")
     assert _row_line(out, "baseline").split()[-2:] == ["float32", "off"]
     # The config column is as wide as the longest name: the columns align.
-    header, row = out.splitlines()[1], _row_line(out, "precision_measure")
+    header, row = out.splitlines()[1], _row_line(out, "precision_auto")
     assert row.index("8.00") + len("8.00") == header.index("step ms") + len("step ms")
 
 
-def test_precision_measure_steady_state_starts_after_the_measuring_calls(monkeypatch):
+def test_precision_auto_steady_state_starts_after_the_measuring_calls(monkeypatch):
     """The child's warm-up covers the measured calls; its row holds the
     measured choice (a fake clock: bfloat16 faster)."""
     from keras_gradboost import precision_measure
@@ -641,7 +646,7 @@ def test_precision_measure_steady_state_starts_after_the_measuring_calls(monkeyp
 
     inputs = keras.Input((5,))
     model = GradBoostModel(inputs, keras.layers.Dense(3)(keras.layers.Dense(4)(inputs)))
-    model.compile(optimizer="sgd", loss="mse", **compare_lib.CONFIGS["precision_measure"])
+    model.compile(optimizer="sgd", loss="mse", **compare_lib.CONFIGS["precision_auto"])
     calls = 2 * (precision_measure.WARMUP_CALLS + precision_measure.TIMED_CALLS)
     assert compare_lib.measuring_calls(model) == calls
     assert compare_lib.first_trace_calls(model) == 2 * precision_measure.WARMUP_CALLS

@@ -83,8 +83,9 @@ def test_lower_median_wins_a_tie_keeps_float32(f32_ms, mixed_ms, expected):
     assert result.policy == expected and result.mixed_policy == BF16
     assert (result.float32_ms, result.mixed_ms) == pytest.approx((f32_ms, mixed_ms))
     assert result.timed_calls == precision_measure.TIMED_CALLS
+    assert result.message("measure").startswith(f'precision="measure": {expected};')
     message = result.message()
-    assert message.startswith(f'precision="measure": {expected};')
+    assert message.startswith(f'precision="auto": {expected};')
     assert f"{min(f32_ms, mixed_ms):.2f} ms" in message and f"{max(f32_ms, mixed_ms):.2f} ms" in message
 
 
@@ -112,23 +113,24 @@ def test_calls_per_timing_holds_whole_windows(accumulate, per_call, expected):
 # -------------------------------------------------------------- the plan
 
 
-def _plan(devices=CPU, keras_kwargs=None, **gradboost):
+def _plan(devices=CPU, keras_kwargs=None, precision="measure", **gradboost):
     kwargs = {"optimizer": "sgd", "loss": "mse", **(keras_kwargs or {})}
     return TrainPlan.build(
-        GradBoostConfig(precision="measure", **gradboost), small_model(GradBoostModel), kwargs, devices
+        GradBoostConfig(precision=precision, **gradboost), small_model(GradBoostModel), kwargs, devices
     )
 
 
-def test_plan_candidates_and_loss_scale_per_device():
-    cpu = _plan(CPU)
+@pytest.mark.parametrize("precision", ["auto", "measure"])
+def test_plan_candidates_and_loss_scale_per_device(precision):
+    cpu = _plan(CPU, precision=precision)
     assert cpu.precision_candidates == (F32, BF16)
     assert cpu.policy == BF16  # the static rule's pick, until measured
     assert cpu.loss_scale is None and cpu.precision_blocked is None
-    gpu = _plan(GPU)
+    gpu = _plan(GPU, precision=precision)
     assert gpu.precision_candidates == (F32, "mixed_float16")
     assert gpu.loss_scale == (True, 2.0**15)  # float16 is a candidate
-    assert _plan(GPU, loss_scale=None).loss_scale is None
-    assert _plan(CPU, loss_scale="dynamic").loss_scale[0] is True
+    assert _plan(GPU, loss_scale=None, precision=precision).loss_scale is None
+    assert _plan(CPU, loss_scale="dynamic", precision=precision).loss_scale[0] is True
 
 
 def test_jit_measure_too_is_refused_naming_both():
@@ -139,6 +141,16 @@ def test_jit_measure_too_is_refused_naming_both():
     assert "Set only one" in message
 
 
+def test_auto_under_jit_measure_keeps_the_static_pick_and_says_so():
+    # precision="auto" asks for the faster policy, not for a measurement:
+    # beside jit_compile="measure" it keeps its static rule's pick.
+    plan = _plan(keras_kwargs={"jit_compile": "measure"}, precision="auto")
+    assert plan.policy == BF16 and 'jit_compile="measure"' in plan.precision_blocked
+    (note,) = [w for w in plan.warnings if "cannot measure" in w]
+    assert note.startswith('precision="auto", but it cannot measure: jit_compile="measure"')
+    assert "The model trains in mixed_bfloat16, the static rule's pick" in note
+
+
 def test_a_bad_precision_names_measure():
     with pytest.raises(ValueError) as info:
         GradBoostConfig(precision="measured")
@@ -147,11 +159,12 @@ def test_a_bad_precision_names_measure():
     assert '"measure"' in message
 
 
-def test_run_eagerly_keeps_the_static_pick_and_says_so(regression_data):
+@pytest.mark.parametrize("precision", ["auto", "measure"])
+def test_run_eagerly_keeps_the_static_pick_and_says_so(regression_data, precision):
     x, y = regression_data
     model = small_model(GradBoostModel)
-    with pytest.warns(UserWarning, match='precision="measure", but it cannot measure: run_eagerly=True'):
-        model.compile(optimizer="sgd", loss="mse", precision="measure", run_eagerly=True)
+    with pytest.warns(UserWarning, match=f'precision="{precision}", but it cannot measure: run_eagerly=True'):
+        model.compile(optimizer="sgd", loss="mse", precision=precision, run_eagerly=True)
     measurement = model.precision_measurement
     assert not measurement.measured and "run_eagerly=True" in measurement.reason
     assert measurement.policy == model.train_plan.policy == model.dtype_policy_applied
@@ -233,24 +246,27 @@ def _weights_diff(model, other):
     )
 
 
-def _measured_fit(x, y, ms, monkeypatch, callbacks=None, batch=BATCH, epochs=1, **compile_kwargs):
+def _measured_fit(x, y, ms, monkeypatch, callbacks=None, batch=BATCH, epochs=1,
+                  precision="measure", **compile_kwargs):
     model = small_model(GradBoostModel, regularize=False)
     monkeypatch.setattr(precision_measure, "perf_counter", FakeClock(model, ms))
-    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", precision="measure", **compile_kwargs)
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", precision=precision, **compile_kwargs)
     model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
     return model
 
 
+@pytest.mark.parametrize("precision", ["auto", "measure"])
 @pytest.mark.parametrize("ms, winner", [({F32: 2.0, BF16: 9.0}, F32), ({F32: 9.0, BF16: 2.0}, BF16)])
-def test_measured_fit_equals_the_replay_of_its_policies(regression_data, monkeypatch, capsys, ms, winner):
+def test_measured_fit_equals_the_replay_of_its_policies(regression_data, monkeypatch, capsys, ms, winner,
+                                                        precision):
     x, y = regression_data
     steps = len(x) // BATCH
-    model = _measured_fit(x, y, ms, monkeypatch)
+    model = _measured_fit(x, y, ms, monkeypatch, precision=precision)
     measurement = model.precision_measurement
     assert measurement.policy == winner
     assert (measurement.float32_ms, measurement.mixed_ms) == pytest.approx((ms[F32], ms[BF16]))
     out = capsys.readouterr().out
-    assert out.count('precision="measure"') == 1 and f'"measure": {winner};' in out
+    assert out.count(f'precision="{precision}"') == 1 and f'"{precision}": {winner};' in out
     # Every measured call was a real step, in its candidate's precision.
     assert int(model.optimizer.iterations) == steps
     policies = _sequence(winner, steps)
@@ -267,7 +283,7 @@ def test_measured_fit_equals_the_replay_of_its_policies(regression_data, monkeyp
     # The next fit keeps the choice, and measures nothing.
     model.fit(x[:16], y[:16], batch_size=BATCH, verbose=0)
     assert model.precision_measurement is measurement
-    assert 'precision="measure"' not in capsys.readouterr().out
+    assert f'precision="{precision}"' not in capsys.readouterr().out
 
 
 def test_accumulation_times_whole_windows_and_shares_them(regression_data, monkeypatch):

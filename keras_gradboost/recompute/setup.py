@@ -171,7 +171,7 @@ class RecomputeSetup:
         a cut before a raw operation once a mixed policy retypes the graph),
         and they change after this setup first chose, at compile:
         `compile(precision=...)` sets its policy after, and
-        `precision="measure"` switches between its candidates, each traced
+        `precision="auto"` switches between its candidates, each traced
         under its own. The choice made under each is kept, so a candidate
         traced again (or reported) finds its own. Layers built since (a
         subclassed model's nested `Sequential`s, at its first call) change
