@@ -171,7 +171,10 @@ def accumulation(steps, rounds):
 def precision(steps, rounds):
     rows = []
     for jit in (False, True):
+        static = precision_lib.static_pick(jit)
         policies = ["mixed_bfloat16"] + (["mixed_float16"] if jit else [])
+        if static not in policies + ["float32"]:  # mixed_float16 on a GPU without XLA
+            policies.append(static)
         models = {"float32": make("gb", jit, precision="float32")}
         models.update({p: make("gb", jit, precision=p) for p in policies})
         t = measure(models, steps, rounds)
@@ -179,7 +182,6 @@ def precision(steps, rounds):
             rows.append((f"precision={p} / float32, jit={jit}", t.ratio(p, "float32"), None))
         # precision="auto" measures in fit (the section below); it starts
         # from this pick, its answer where it cannot measure.
-        static = precision_lib.static_pick(jit)
         rows.append((f"  (the static rule picks {static}, jit={jit})",
                      t.ratio(static, "float32") if static in policies else 1.0, None))
     # mixed_float16 without XLA is hundreds of times slower on CPU: a few steps.

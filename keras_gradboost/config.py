@@ -27,10 +27,10 @@ class GradBoostConfig:
         accumulate_steps: Number of micro-batches whose gradients make one
             optimizer update. Defaults to `1` (no accumulation).
         precision: `None` (leave the model's dtype policies as built),
-            `"float32"`, `"mixed_float16"`, `"mixed_bfloat16"`, `"auto"` (a
-            static rule) or `"measure"` (time the first training calls in
-            float32 and in the device's mixed policy, keep the faster).
-            Defaults to `None`.
+            `"float32"`, `"mixed_float16"`, `"mixed_bfloat16"`, `"auto"` (time
+            the first training calls in float32 and in the device's mixed
+            policy, keep the faster; a static rule where it cannot measure)
+            or `"measure"` (`"auto"` that must measure). Defaults to `None`.
         loss_scale: `"auto"` (dynamic loss scaling when the model computes in
             float16), `"dynamic"`, a positive float (a fixed scale) or `None`
             (no loss scaling). Defaults to `"auto"`.

@@ -401,10 +401,10 @@ def restored_measurement(decision):
 def describe(record):
     """A saved record in a few words, for warnings."""
     if "decision" in record:
-        return f'a precision="measure" decision ({record["decision"]["policy"]})'
+        return f'a measured precision decision ({record["decision"]["policy"]})'
     progress = record["progress"]
     calls = (
         progress["units_done"] * progress["calls_per_timing"] + progress["calls"]
     )
     total = 2 * (progress["warmup_calls"] + progress["timed_calls"]) * progress["calls_per_timing"]
-    return f'precision="measure" measuring progress ({calls} of {total} calls)'
+    return f'precision measuring progress ({calls} of {total} calls)'

@@ -377,27 +377,32 @@ def _kept_without_measuring(model, saved, monkeypatch, capsys):
     assert model.dtype_policy_applied == saved.policy
     assert model.get_layer("hidden").dtype_policy.name == saved.policy
     out = capsys.readouterr().out
-    assert f'precision="measure": {saved.policy};' in out and "restored with the weights" in out
+    precision = model.gradboost_config.precision
+    assert f'precision="{precision}": {saved.policy};' in out and "restored with the weights" in out
 
 
-def _fresh(**compile_kwargs):
+def _fresh(precision="measure", **compile_kwargs):
     model = small_model(GradBoostModel, regularize=False, seed=1)  # other weights: all loaded
-    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", precision="measure", **compile_kwargs)
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", precision=precision, **compile_kwargs)
     model.optimizer.build(model.trainable_variables)
     return model
 
 
-def test_load_weights_after_the_decision_goes_on_exactly(regression_data, monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("saved_with, loaded_with",
+                         [("measure", "measure"), ("measure", "auto"), ("auto", "measure")])
+def test_load_weights_after_the_decision_goes_on_exactly(regression_data, monkeypatch, tmp_path, capsys,
+                                                         saved_with, loaded_with):
     """Saved after epoch 0 (decided at its 8th call), loaded into a new
     model: epoch 1 runs in the saved choice, unmeasured, and ends with the
-    weights of a fit that never stopped (the same traced step: exactly)."""
+    weights of a fit that never stopped (the same traced step: exactly).
+    A decision of `"measure"` and one of `"auto"` are the same."""
     x, y = regression_data
     never = _measured_fit(x, y, MS, monkeypatch, epochs=2)
-    stopped = _measured_fit(x, y, MS, monkeypatch)
+    stopped = _measured_fit(x, y, MS, monkeypatch, precision=saved_with)
     path = str(tmp_path / "w.weights.h5")
     stopped.save_weights(path)
     capsys.readouterr()
-    resumed = _fresh()
+    resumed = _fresh(precision=loaded_with)
     resumed.load_weights(path)
     _kept_without_measuring(resumed, stopped.precision_measurement, monkeypatch, capsys)
     resumed.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
@@ -514,7 +519,7 @@ def test_files_without_a_decision_and_models_without_measure(regression_data, mo
     other = small_model(GradBoostModel, regularize=False)
     other.compile(optimizer="sgd", loss="mse", precision="float32")
     other.optimizer.build(other.trainable_variables)
-    with pytest.warns(UserWarning, match=r"cannot take: a precision=\"measure\" decision "
+    with pytest.warns(UserWarning, match=r"cannot take: a measured precision decision "
                                          r"\(mixed_bfloat16\) \(this model is compiled with "
                                          r"precision='float32'\)"):
         other.load_weights(decided)
