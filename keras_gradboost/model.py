@@ -1481,8 +1481,11 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
     def _fit(self, *args, **kwargs):
         rt = self._gradboost
         self._build_optimizer()
-        if rt.recompute is not None:  # a budget's batch size (binds only then)
-            rt.recompute.before_fit(lambda: _bind_fit_args(args, kwargs))
+        if rt.recompute is not None:  # the batch size to choose at (binds only then)
+            rt.recompute.before_fit(
+                lambda: _bind_fit_args(args, kwargs),
+                replicas=self.distribute_strategy.num_replicas_in_sync,
+            )
             rt.recompute.note_fit(self, _bind_fit_args(args, kwargs).get("callbacks"))
         replicas = self.distribute_strategy.num_replicas_in_sync
         if rt.config.accumulate_steps == 1 and rt.scaler is None and replicas == 1:

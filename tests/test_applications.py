@@ -342,8 +342,10 @@ def test_selective_estimate_counts_a_replayed_normalisations_backward(requested_
 
 def _assert_the_selective_estimate_holds(name, requested_peak, **options):
     """keras.applications' `name` (64x64, batch 16) under a selective plan
-    (and `options`): its training peak estimate within 15% of the bytes
-    the steps request."""
+    (and `options`): the bytes the steps request at most 15% over its
+    training peak estimate, and at most 20% under it (the executor's order
+    varies from process to process: MobileNetV2's plan requested 41.3-49.4
+    MiB against 49.0 estimated)."""
     keras.utils.set_random_seed(0)
     base = getattr(keras.applications, name)(
         weights=None, input_shape=(64, 64, 3), classes=10
@@ -354,7 +356,7 @@ def _assert_the_selective_estimate_holds(name, requested_peak, **options):
     probe.compile(optimizer="adam", loss="sparse_categorical_crossentropy", **options)
     plan = probe.recompute_plan(batch_size=16)
     assert plan.recomputed
-    assert 0.85 * plan.peak_bytes <= measured <= 1.15 * plan.peak_bytes, (
+    assert 0.8 * plan.peak_bytes <= measured <= 1.15 * plan.peak_bytes, (
         measured, plan.peak_bytes)
 
 

@@ -395,11 +395,13 @@ def _raw_read_cuts(graph):
 @pytest.mark.filterwarnings("ignore:recompute=")
 @pytest.mark.parametrize("setting", [{"policy": "selective"}, "auto"], ids=["selective", "auto"])
 def test_a_plan_chosen_at_compile_takes_the_cuts_of_the_policy_compile_sets(setting, monkeypatch):
-    # Selective "auto", and "auto" on batches of no fixed size, choose at
-    # compile, before compile(precision=...) sets the policy: in float32 a
-    # cut before a raw add is fine, and under the policy the add would
-    # compute in float32 after it. They used to refuse at the first trace;
-    # the plan is now made again under the policy the step traces with.
+    # Selective "auto" chooses at compile, before compile(precision=...)
+    # sets the policy: in float32 a cut before a raw add is fine, and under
+    # the policy the add would compute in float32 after it. It used to
+    # refuse at the first trace; the plan is now made again under the
+    # policy the step traces with. "auto" chooses at the first batch, at
+    # fit's batch size (these batches have no fixed size), as the plan
+    # reported before fit at that size.
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32, 64, 8)).astype("float32")
     y = rng.normal(size=(32, 3)).astype("float32")
@@ -412,7 +414,7 @@ def test_a_plan_chosen_at_compile_takes_the_cuts_of_the_policy_compile_sets(sett
             precision="mixed_bfloat16", recompute=recompute_setting,
         )
         if recompute_setting is not None:
-            plan = model.recompute_plan()  # reported under the policy, before fit
+            plan = model.recompute_plan(batch_size=16)  # under the policy, before fit
             traced = _count_recomputed(monkeypatch)
         model.fit(data, epochs=2, verbose=0)
         models.append(model)

@@ -10,6 +10,7 @@ import tensorflow as tf
 import keras
 from conftest import max_weight_diff
 from keras_gradboost import GradBoostModel
+from keras_gradboost import boost
 from keras_gradboost import recompute
 from recompute.models import flat_model
 from recompute.models import residual_model
@@ -91,8 +92,19 @@ def test_before_fit_keeps_the_settings_batch_size():
     assert setup.batch_hint == 4 and arguments.calls == 0
 
 
-def test_before_fit_binds_nothing_without_a_budget():
+def test_before_fit_takes_autos_batch_size_per_replica():
+    # "auto" chooses by the estimates at the first batch too: a batch of no
+    # fixed size in the trace needs the size from fit's arguments.
     setup = recompute.RecomputeSetup(residual_model(), "auto")
+    setup.before_fit(_Arguments(16), replicas=2)
+    assert setup.batch_hint == 8
+    odd = recompute.RecomputeSetup(residual_model(), "auto")
+    odd.before_fit(_Arguments(15), replicas=2)
+    assert odd.batch_hint == 8  # the larger share
+
+
+def test_before_fit_binds_nothing_for_named_blocks():
+    setup = recompute.RecomputeSetup(residual_model(), ["res_*"])
     arguments = _Arguments(16)
     setup.before_fit(arguments)
     assert setup.batch_hint is None and arguments.calls == 0
@@ -278,3 +290,23 @@ def test_a_convolution_after_a_grouped_one_counts_its_inputs_buffer(monkeypatch)
     buffer = 4965 * 36 * 36 * 4
     added = plan.peak_bytes - without.peak_bytes
     assert 2 * buffer - 4 * 8 * 8 * 4 * 4 <= added <= 2 * buffer, (added, buffer)
+
+
+@pytest.mark.parametrize("drop_remainder", [True, False])
+def test_auto_chooses_at_fits_batch_size_when_the_trace_has_none(drop_remainder):
+    # `Dataset.batch(8)` traces batches of no fixed size: "auto" took the
+    # blocks found at compile there (MobileNetV2: coarse segments), where
+    # the same data batched with `drop_remainder=True` gets the plan the
+    # estimates at batch 8 choose.
+    keras.utils.set_random_seed(0)
+    base = keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), classes=3)
+    model = boost(base)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", recompute="auto")
+    x = np.random.default_rng(0).random((8, 32, 32, 3)).astype("float32")
+    data = tf.data.Dataset.from_tensor_slices((x, np.arange(8) % 3))
+    model.fit(data.batch(8, drop_remainder=drop_remainder), epochs=1, verbose=0)
+    chosen = model.recompute_plan(batch_size=8)
+    expected = recompute.RecomputeSetup(model, "auto")
+    expected.resolve(model, tf.TensorSpec((8, 32, 32, 3)))  # the estimates' choice at batch 8
+    assert chosen.recomputed == expected.plan.recomputed
+    assert chosen.peak_bytes == expected.plan.peak_bytes
