@@ -228,9 +228,10 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 an epoch are applied as one smaller update. `optimizer.
                 iterations` counts updates. Defaults to `1`.
             precision: `"float32"`, `"mixed_float16"`, `"mixed_bfloat16"`,
-                `"auto"`, `"measure"` or `None`. Sets the dtype policy of every layer of the
-                (possibly already built) model; variables stay float32 and,
-                with a mixed policy, the output layers compute in float32.
+                `"auto"`, `"measure"` or `None`. Sets the dtype policy of
+                every layer of the (possibly already built) model; variables
+                stay float32 and, with a mixed policy, the output layers
+                compute in float32.
                 Ids in a float input reach `Embedding` and the other layers
                 that read indices (`precision_ids.INDEX_LAYERS`) as given where a
                 functional or Sequential graph shows the way (the layers on

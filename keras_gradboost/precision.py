@@ -2,10 +2,11 @@
 
 The static rule `precision="auto"` starts from comes, for CPUs, from
 `benchmarks/bench_foundation.py` (MLP 784-1024-1024-10, batch 256, Adam;
-step time relative to float32). On this project's CPU (AMX and avx512_bf16) mixed_bfloat16 is faster than float32
-without XLA and slower with XLA, and mixed_float16 without XLA is hundreds of
-times slower (TensorFlow's grappler `remapping` pass rewrites float16 MatMuls
-into a slow fused CPU kernel). So, on a CPU, the rule picks mixed_bfloat16
+step time relative to float32). On this project's CPU (AMX and
+avx512_bf16) mixed_bfloat16 is faster than float32 without XLA and slower
+with XLA, and mixed_float16 without XLA is hundreds of times slower
+(TensorFlow's grappler `remapping` pass rewrites float16 MatMuls into a slow
+fused CPU kernel). So, on a CPU, the rule picks mixed_bfloat16
 when the CPU has native bfloat16 instructions and XLA is off, and float32
 otherwise; it never picks mixed_float16. On a GPU it picks mixed_float16.
 

@@ -22,18 +22,19 @@ median (a tie keeps float32). From then on only the winner runs, and the
 layers hold its policy (so `evaluate` and `predict` use it).
 
 Before the first call the layers hold the static rule's pick
-(`precision.resolve_precision`); while measuring, the policy of the last call (a validation in between
-runs in it; the test and predict functions are made again after the
-decision). The static rule stays, decided at `compile()` with a warning and
+(`precision.resolve_precision`); while measuring, the policy of the last
+call (a validation in between runs in it; the test and predict functions
+are made again after the decision). The static rule stays, decided at `compile()` with a warning and
 a `PrecisionMeasurement` whose `measured` is False, under `run_eagerly=True`
 and under MultiWorkerMirroredStrategy, ParameterServerStrategy and
 TPUStrategy (each worker would time its own steps and might choose another
 policy), and under `jit_compile="measure"` (precision is measured under a
 fixed jit setting; `"measure"` is refused with it instead,
 `plan.check_measure_conflicts`). One process's MirroredStrategy is
-measured (its replicas trace under the same layers). With a float16 candidate (on a GPU) `loss_scale="auto"` scales
-both candidates' loss with the one `LossScaler` they share, and keeps
-scaling if float32 wins (exact: the scale is a power of two).
+measured (its replicas trace under the same layers). With a float16
+candidate (on a GPU) `loss_scale="auto"` scales both candidates' loss with
+the one `LossScaler` they share, and keeps scaling if float32 wins (exact:
+the scale is a power of two).
 
 The choice is saved with the weights (`saved_state`, in the model's
 training state: `keras_gradboost.checkpoint`), so a loaded model, or a
