@@ -254,7 +254,14 @@ _OLD_XLA = tuple(int(p) for p in tf.__version__.split(".")[:2]) < (2, 17)
 
 @pytest.mark.skipif(bool(tf.config.list_physical_devices("GPU")), reason="a CPU temporary")
 @pytest.mark.parametrize("policy, native, first", [
-    ("float32", False, False), ("mixed_bfloat16", False, False), ("float32", True, False),
+    # "auto" recomputes nothing here (it chooses at the batch size of fit's
+    # data, whose batches have no fixed size; it took the compile-time
+    # blocks before): TensorFlow 2.16's XLA then allocates 1.19x the
+    # estimate (30.2 MiB, not 25.3; 2.21's within 15%).
+    pytest.param("float32", False, False, marks=pytest.mark.xfail(
+        _OLD_XLA, strict=True,
+        reason="TensorFlow 2.16's XLA allocated 1.19x the estimate here (30.2 MiB, not 25.3)")),
+    ("mixed_bfloat16", False, False), ("float32", True, False),
     pytest.param("float32", False, True, marks=pytest.mark.xfail(
         _OLD_XLA, strict=True,
         reason="TensorFlow 2.16's XLA allocated 1.54x the estimate here (117 MiB, not 76)")),
