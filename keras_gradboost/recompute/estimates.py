@@ -1078,14 +1078,16 @@ def _block_gradients(per_block, gradient_bytes):
             else:
                 mine[key, field] = new
             placed.update(new)
-    following = _following([mine[key, field] for key in reversed(list(per_block))
-                            for field in ("after", "weights")] + [stem])
+    # The moments in the backward's order: a block's head, then the block.
+    order = [(key, field) for key in reversed(list(per_block)) for field in ("after", "weights")]
+    mine["stem"] = stem
+    following = dict(zip(order + ["stem"], _following([mine[m] for m in order + ["stem"]])))
     grads, after = {}, {}
-    for i, key in enumerate(reversed(list(per_block))):
-        after[key] = with_update(mine[key, "after"], following[2 * i]) + after_buffers[key]
-        grads[key] = (with_update(mine[key, "weights"], following[2 * i + 1])
+    for key in per_block:
+        after[key] = with_update(mine[key, "after"], following[key, "after"]) + after_buffers[key]
+        grads[key] = (with_update(mine[key, "weights"], following[key, "weights"])
                       + per_block[key].get("largest", 0) + buffers[key])
-    first += with_update(stem, following[-1])
+    first += with_update(stem, following["stem"])
     return grads, after, first, max(0, gradient_bytes - sum(placed.values()))
 
 
@@ -1095,12 +1097,12 @@ def _following(moments):
     may make while the update of the moment's largest weight runs: another
     weight's of that moment, or the largest of the next moment that has
     weights."""
-    following = []
-    for i, weights in enumerate(moments):
+    following, later = [], 0  # the largest of the next moment with weights
+    for weights in reversed(moments):
         sizes = sorted(weights.values(), reverse=True)
-        later = next((m for m in moments[i + 1:] if m), {})
-        following.append(max(sizes[1:2] + [max(later.values(), default=0)]))
-    return following
+        following.append(max(sizes[1:2] + [later]))
+        later = sizes[0] if sizes else later
+    return following[::-1]
 
 
 def _gradients_until_checked(per_block, gradient_bytes, buffers, after_buffers, first):
