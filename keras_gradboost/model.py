@@ -1482,12 +1482,14 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
     def _fit(self, *args, **kwargs):
         rt = self._gradboost
         self._build_optimizer()
-        if rt.recompute is not None:  # the batch size to choose at (binds only then)
+        if rt.recompute is not None:  # the batch size to choose at
+            # (It may read a generator's first batch and replace `x` by one
+            # that yields it again.)
+            kwargs, args = _bind_fit_args(args, kwargs), ()
             rt.recompute.before_fit(
-                lambda: _bind_fit_args(args, kwargs),
-                replicas=self.distribute_strategy.num_replicas_in_sync,
+                kwargs, replicas=self.distribute_strategy.num_replicas_in_sync
             )
-            rt.recompute.note_fit(self, _bind_fit_args(args, kwargs).get("callbacks"))
+            rt.recompute.note_fit(self, kwargs.get("callbacks"))
         replicas = self.distribute_strategy.num_replicas_in_sync
         if rt.config.accumulate_steps == 1 and rt.scaler is None and replicas == 1:
             return super().fit(*args, **kwargs)  # (nothing to do at an epoch's end)

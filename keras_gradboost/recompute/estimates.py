@@ -135,6 +135,11 @@ class RecomputePlan:
         lines = [f"Recompute plan (recompute={self.setting!r})"]
         if self.batch_size is None:
             lines.append("  blocks: " + (", ".join(self.recomputed) or "none"))
+            if self.setting == "auto":
+                lines.append(
+                    "  not estimated (no batch size, or inputs of unknown shape): "
+                    "the blocks found at compile"
+                )
             return "\n".join(lines)
         lines.append(
             f"  batch size {self.batch_size}: activations kept for backward "

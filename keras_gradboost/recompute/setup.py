@@ -6,8 +6,9 @@ Its lifecycle, each step one method the model calls:
 
 * `compile()`: `RecomputeSetup(model, setting)` chooses the blocks (unless the
   setting is a budget) and `apply()` marks them;
-* `fit()`: `before_fit(fit_args)` takes a budget's batch size from `fit`'s
-  arguments;
+* `fit()`: `before_fit(fit_args)` takes the batch size a budget and "auto"
+  choose at from `fit`'s arguments (a generator's first batch, which it then
+  yields again);
 * the first traced training batch: `prepare(model, x)` chooses a budget's
   blocks, or records the input specs the estimates need;
 * `recompute_check=True`: `check(model, batch)` compares the gradients on the
@@ -17,6 +18,7 @@ Its lifecycle, each step one method the model calls:
 import contextlib
 import copy
 import dataclasses
+import types
 import warnings
 
 import keras
@@ -219,19 +221,20 @@ class RecomputeSetup:
         arguments, when neither the setting nor an earlier `fit` gave one
         and the blocks are not yet chosen: the traced batch may have no
         fixed size (`Dataset.batch` without `drop_remainder`, arrays whose
-        length the batch size does not divide), and "auto" then took the
-        blocks found at compile (MobileNetV2 at 64x64, batch 16: 11 coarse
-        segments estimated at 37.0 MiB, where the batch size gives 13 at
-        29.5).
+        length the batch size does not divide, a generator, a `PyDataset`),
+        and "auto" then took the blocks found at compile (MobileNetV2 at
+        64x64, batch 16: 11 coarse segments estimated at 37.0 MiB, where the
+        batch size gives 13 at 29.5).
 
         Args:
-            fit_args: a function returning `fit`'s arguments as a dict; called
-                only then.
+            fit_args: `fit`'s arguments as a dict. A generator `x` is
+                replaced by one that yields the first batch, read here, again
+                (as Keras' own adapter does to read the batches' specs).
             replicas: the distribution strategy's replicas in sync: each
                 traces its share of the batch. Defaults to `1`.
         """
         if (self.budget or self.auto) and self.pending and self.batch_hint is None:
-            batch = batch_size_hint(fit_args())
+            batch = batch_size_hint(fit_args)
             self.batch_hint = -(-batch // replicas) if batch else batch
 
     def prepare(self, model, x):
@@ -517,10 +520,11 @@ class RecomputeSetup:
         self.observe(x)
         spec = self._spec(model, self.batch_hint)
         if spec is None:
-            if self.auto:  # no fixed shapes: the compile-time choice
-                self.pending = False
-                return
             unknown = _unknown_dims(self.input_spec)
+            if self.auto:  # nothing to estimate at: the compile-time choice
+                self.pending = False
+                self._warn_unestimated(model, unknown)
+                return
             if unknown:
                 raise ValueError(
                     f"recompute={self.setting!r} needs the input shapes to "
@@ -625,6 +629,42 @@ class RecomputeSetup:
                 f"MiB): nothing is recomputed. {advice}",
                 stacklevel=2,
             )
+
+    def _warn_unestimated(self, model, unknown):
+        """Says that "auto" recomputes the blocks found at compile, unestimated,
+        and what would let it estimate (`unknown`: `_unknown_dims`)."""
+        if not _has_forward(model):
+            why = (
+                f"{type(model).__name__} has no `call` of its own to estimate "
+                "(its train_step runs its layers)"
+            )
+            fix = "Name the blocks instead"
+        elif unknown:
+            why = (
+                "the training batches have dimensions of unknown size "
+                f"({', '.join(unknown)})"
+            )
+            fix = (
+                "Give them a fixed size (pad the sequences to one length, e.g. "
+                "`Dataset.padded_batch(..., padded_shapes=...)`), or name the "
+                "blocks"
+            )
+        else:
+            why = "the batch size is not known before the first batch"
+            fix = (
+                "Pass `fit` arrays, a `tf.data.Dataset`, a `keras.utils.PyDataset` "
+                "or a generator (their batch size is read before training), or "
+                "name the blocks"
+            )
+        names = self.names()
+        chosen = [names[k] for k in self.keys if k in self.chosen]
+        warnings.warn(
+            f'recompute="auto" cannot estimate the activation memory: {why}. '
+            f"It recomputes the {len(chosen)} blocks found at compile "
+            f"({', '.join(map(str, chosen)) or 'none'}) without knowing whether "
+            f'that lowers the training peak. {fix}: recompute=["name", ...].',
+            stacklevel=2,
+        )
 
     def search(self, model, spec):
         """Estimates each kind of plan "auto" and a budget choose among
@@ -850,10 +890,13 @@ def batch_size_hint(fit_args):
     """The batch size `fit` will draw, when it can be told in advance.
 
     Args:
-        fit_args: `fit`'s arguments as a dict (`x`, `batch_size`, ...).
+        fit_args: `fit`'s arguments as a dict (`x`, `batch_size`, ...). A
+            generator `fit_args["x"]` is replaced by one that yields its first
+            batch, read here, again.
 
     Returns:
-        An int, or None: `x` is neither a `tf.data.Dataset` nor arrays.
+        An int, or None: `x` is none of arrays, a `tf.data.Dataset`, a
+        `keras.utils.PyDataset` or a generator, or yields nothing.
     """
     x = fit_args.get("x")
     if isinstance(x, tf.data.Dataset):
@@ -862,8 +905,33 @@ def batch_size_hint(fit_args):
             first = next(iter(x.take(1)))
             size = tf.nest.flatten(first)[0].shape[0]
         return size
+    if isinstance(x, keras.utils.PyDataset):
+        # Keras reads its first batches too, for their specs.
+        return _leading_size(x[0])
+    if isinstance(x, types.GeneratorType):
+        try:
+            first = next(x)
+        except StopIteration:  # an empty generator: Keras says so
+            return None
+        fit_args["x"] = _yielding_again(first, x)
+        return _leading_size(first)
     arrays = [a for a in tf.nest.flatten(x) if hasattr(a, "shape")]
     if arrays and x is not None:
         batch = fit_args.get("batch_size") or 32
         return min(batch, int(arrays[0].shape[0]))
     return None
+
+
+def _leading_size(batch):
+    """The batch size of a batch `x`, `(x, y)` or `(x, y, sample_weight)`."""
+    if isinstance(batch, list):  # Keras reads a list as a tuple
+        batch = tuple(batch)
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+    shape = getattr(tf.nest.flatten(x)[0], "shape", None)
+    return None if not shape or shape[0] is None else int(shape[0])
+
+
+def _yielding_again(first, rest):
+    """A generator (Keras accepts only those) yielding `first`, then `rest`."""
+    yield first
+    yield from rest

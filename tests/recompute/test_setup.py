@@ -40,8 +40,17 @@ def _dataset(batch, drop_remainder=True):
     return tf.data.Dataset.from_tensor_slices((x, x)).batch(batch, drop_remainder)
 
 
-def _samples():
-    yield np.zeros((4, 5), "float32")
+def _samples(sizes=(4,)):
+    for size in sizes:
+        yield np.zeros((size, 5), "float32"), np.zeros((size, 1), "float32")
+
+
+class _Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, index):
+        return np.zeros((6, 5), "float32"), np.zeros((6, 1), "float32")
 
 
 @pytest.mark.parametrize(
@@ -54,60 +63,60 @@ def _samples():
         ({"x": {"a": np.zeros((64, 5))}, "batch_size": None}, 32),
         ({"x": _dataset(8)}, 8),  # from the element spec
         ({"x": _dataset(8, drop_remainder=False)}, 8),  # from the first batch
+        ({"x": _Batches()}, 6),  # its first batch, as Keras reads it
         ({"x": None}, None),
         ({}, None),
-        ({"x": _samples()}, None),  # a generator: not told in advance
+        ({"x": iter([np.zeros((4, 5))])}, None),  # an iterator Keras does not take
     ],
 )
 def test_batch_size_hint_from_fit_arguments(fit_args, expected):
     assert recompute.batch_size_hint(fit_args) == expected
 
 
-class _Arguments:
-    """A `fit_args` function that counts its calls."""
+def test_batch_size_hint_reads_a_generators_first_batch_and_yields_it_again():
+    fit_args = {"x": _samples((4, 3))}
+    assert recompute.batch_size_hint(fit_args) == 4
+    assert [x.shape[0] for x, _ in fit_args["x"]] == [4, 3]  # nothing lost
+    empty = {"x": _samples(())}
+    assert recompute.batch_size_hint(empty) is None
 
-    def __init__(self, batch_size):
-        self.calls = 0
-        self.batch_size = batch_size
 
-    def __call__(self):
-        self.calls += 1
-        return {"x": np.zeros((64, 5)), "batch_size": self.batch_size}
+def _arguments(batch_size):
+    return {"x": np.zeros((64, 5)), "batch_size": batch_size}
 
 
 def test_before_fit_takes_the_budgets_batch_size_once():
     # A budget chooses nothing at construction: no model is needed.
     setup = recompute.RecomputeSetup(None, {"budget_mb": 1.0})
-    first, second = _Arguments(16), _Arguments(8)
-    setup.before_fit(first)
-    setup.before_fit(second)  # an earlier fit gave one
+    setup.before_fit(_arguments(16))
+    setup.before_fit(_arguments(8))  # an earlier fit gave one
     assert setup.batch_hint == 16
-    assert (first.calls, second.calls) == (1, 0)
 
 
 def test_before_fit_keeps_the_settings_batch_size():
     setup = recompute.RecomputeSetup(None, {"budget_mb": 1.0, "batch_size": 4})
-    arguments = _Arguments(16)
-    setup.before_fit(arguments)
-    assert setup.batch_hint == 4 and arguments.calls == 0
+    setup.before_fit(_arguments(16))
+    assert setup.batch_hint == 4
 
 
 def test_before_fit_takes_autos_batch_size_per_replica():
     # "auto" chooses by the estimates at the first batch too: a batch of no
     # fixed size in the trace needs the size from fit's arguments.
     setup = recompute.RecomputeSetup(residual_model(), "auto")
-    setup.before_fit(_Arguments(16), replicas=2)
+    setup.before_fit(_arguments(16), replicas=2)
     assert setup.batch_hint == 8
     odd = recompute.RecomputeSetup(residual_model(), "auto")
-    odd.before_fit(_Arguments(15), replicas=2)
+    odd.before_fit(_arguments(15), replicas=2)
     assert odd.batch_hint == 8  # the larger share
 
 
-def test_before_fit_binds_nothing_for_named_blocks():
+def test_before_fit_reads_no_batch_for_named_blocks():
     setup = recompute.RecomputeSetup(residual_model(), ["res_*"])
-    arguments = _Arguments(16)
+    samples = _samples()
+    arguments = {"x": samples}
     setup.before_fit(arguments)
-    assert setup.batch_hint is None and arguments.calls == 0
+    assert setup.batch_hint is None and arguments["x"] is samples
+    assert len(list(samples)) == 1  # not read
 
 
 def test_prepare_records_the_first_batchs_specs_once():
@@ -175,6 +184,24 @@ def test_plan_of_sequences_of_unknown_length_has_no_estimate():
               batch_size=16, epochs=1, verbose=0)
     # At fit the traced batches have a length: estimated from them.
     assert model.recompute_plan().bytes_without > 16 * 12 * 16 * 4
+
+
+def test_auto_without_shapes_to_estimate_says_what_it_recomputes():
+    # Sequences of varying length from a generator: nothing to estimate at.
+    # "auto" keeps the blocks found at compile, and says so.
+    model = _sequence_model(None)
+    model.compile(optimizer="sgd", loss="mse", recompute="auto")
+    compiled = model.recompute_plan().recomputed
+    assert compiled
+    batches = ((np.zeros((4, n, 8), "float32"), np.zeros((4, n, 1), "float32"))
+               for n in (5, 7, 9))
+    with pytest.warns(UserWarning, match=r"unknown size \(input axis 1\)") as caught:
+        model.fit(batches, epochs=1, verbose=0)
+    said = [str(w.message) for w in caught if "cannot estimate" in str(w.message)]
+    assert len(said) == 1 and f"recomputes the {len(compiled)} blocks" in said[0]
+    assert all(name in said[0] for name in compiled)
+    plan = model.recompute_plan()
+    assert plan.recomputed == compiled and "not estimated" in str(plan)
 
 
 def test_check_settles_the_budget_first(data):
@@ -292,19 +319,41 @@ def test_a_convolution_after_a_grouped_one_counts_its_inputs_buffer(monkeypatch)
     assert 2 * buffer - 4 * 8 * 8 * 4 * 4 <= added <= 2 * buffer, (added, buffer)
 
 
-@pytest.mark.parametrize("drop_remainder", [True, False])
-def test_auto_chooses_at_fits_batch_size_when_the_trace_has_none(drop_remainder):
-    # `Dataset.batch(8)` traces batches of no fixed size: "auto" took the
-    # blocks found at compile there (MobileNetV2: coarse segments), where
-    # the same data batched with `drop_remainder=True` gets the plan the
-    # estimates at batch 8 choose.
+class _Images(keras.utils.PyDataset):
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x) // 8
+
+    def __getitem__(self, i):
+        return self.x[8 * i : 8 * i + 8], self.y[8 * i : 8 * i + 8]
+
+
+@pytest.mark.parametrize("feed", ["dataset_drop", "dataset", "generator", "py_dataset"])
+def test_auto_chooses_at_fits_batch_size_when_the_trace_has_none(feed):
+    # `Dataset.batch(8)`, a generator and a PyDataset trace batches of no
+    # fixed size: "auto" took the blocks found at compile there
+    # (MobileNetV2: coarse segments), where the same data batched with
+    # `drop_remainder=True` gets the plan the estimates at batch 8 choose.
     keras.utils.set_random_seed(0)
     base = keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), classes=3)
     model = boost(base)
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", recompute="auto")
-    x = np.random.default_rng(0).random((8, 32, 32, 3)).astype("float32")
-    data = tf.data.Dataset.from_tensor_slices((x, np.arange(8) % 3))
-    model.fit(data.batch(8, drop_remainder=drop_remainder), epochs=1, verbose=0)
+    x = np.random.default_rng(0).random((24, 32, 32, 3)).astype("float32")
+    y = np.arange(24) % 3
+    data = tf.data.Dataset.from_tensor_slices((x, y))
+    fed = {
+        "dataset_drop": data.batch(8, drop_remainder=True),
+        "dataset": data.batch(8),
+        "generator": ((x[i : i + 8], y[i : i + 8]) for i in range(0, 24, 8)),
+        "py_dataset": _Images(x, y),
+    }[feed]
+    batches = []
+    counter = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: batches.append(b))
+    model.fit(fed, epochs=1, verbose=0, callbacks=[counter])
+    assert batches == [0, 1, 2]  # a generator's first batch, read before, trained once
     chosen = model.recompute_plan(batch_size=8)
     expected = recompute.RecomputeSetup(model, "auto")
     expected.resolve(model, tf.TensorSpec((8, 32, 32, 3)))  # the estimates' choice at batch 8
