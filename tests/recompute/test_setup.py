@@ -359,3 +359,25 @@ def test_auto_chooses_at_fits_batch_size_when_the_trace_has_none(feed):
     expected.resolve(model, tf.TensorSpec((8, 32, 32, 3)))  # the estimates' choice at batch 8
     assert chosen.recomputed == expected.plan.recomputed
     assert chosen.peak_bytes == expected.plan.peak_bytes
+
+
+@pytest.mark.parametrize("accumulate_steps", [1, 2])
+def test_auto_fed_by_a_generator_trains_as_on_the_same_batches_as_arrays(data, accumulate_steps):
+    # "auto" reads the generator's first batch before fit; the fit must
+    # still train on every batch once, in order, with accumulation windows
+    # intact, and recompute what it recomputes on the arrays.
+    x, y = data
+    trained = {}
+    for feed in ("arrays", "generator"):
+        model = residual_model(rate=0.0, blocks_count=6)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", recompute="auto",
+                      accumulate_steps=accumulate_steps)
+        if feed == "arrays":
+            model.fit(x, y, batch_size=16, shuffle=False, epochs=1, verbose=0)
+        else:
+            batches = ((x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16))
+            model.fit(batches, epochs=1, verbose=0)
+        trained[feed] = model
+    plan = trained["generator"].recompute_plan()
+    assert plan.recomputed and plan.recomputed == trained["arrays"].recompute_plan().recomputed
+    assert max_weight_diff(trained["arrays"], trained["generator"]) < 1e-6
