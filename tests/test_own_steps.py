@@ -2,6 +2,8 @@
 compute_loss (Keras' "Customizing what happens in fit()" pattern): boost()
 keeps them, and what needs GradBoostModel's update is used or refused."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -350,7 +352,14 @@ def test_recompute_acts_in_an_own_step_that_calls_its_blocks_directly(cls, recom
         keras.utils.set_random_seed(0)
         model = boost(cls())
         model.compile(optimizer=keras.optimizers.SGD(0.1), recompute=setting)
-        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        said = [str(w.message) for w in caught if "cannot estimate" in str(w.message)]
+        # "auto" says it recomputes the compile-time blocks, unestimated.
+        assert len(said) == (setting == "auto"), said
+        assert all("NoCallStep.train_step runs a forward of its own" in m
+                   and "recomputes the 1 block found at compile (encoder)" in m for m in said)
         models[str(setting)] = model
     plain, recomputed = models["None"], models[str(recompute)]
     assert recomputed.recompute_plan().recomputed == ["encoder"]

@@ -137,8 +137,9 @@ class RecomputePlan:
             lines.append("  blocks: " + (", ".join(self.recomputed) or "none"))
             if self.setting == "auto":
                 lines.append(
-                    "  not estimated (no batch size, or inputs of unknown shape): "
-                    "the blocks found at compile"
+                    "  not estimated (yet: no batch size, inputs of unknown shape, "
+                    "or a forward the estimates do not trace): the blocks found "
+                    "at compile"
                 )
             return "\n".join(lines)
         lines.append(
@@ -592,34 +593,59 @@ def _place_outside_activations(per_block, calls, cached, operations):
 
 
 def _place_within_parent(per_block, calls, cached, operations):
-    """Adds to each nested block's figures `parent_before` and
-    `parent_outputs`: the bytes of its parent's own cached activations (in
-    none of the parent's nested blocks) made before its first call, and
-    during its calls (its outputs). Those made after it are freed by the
-    time the backward reaches it; its outputs too when it is recomputed
-    (the replay makes them again), while its own backward may read them
-    when it is not. keras-hub GPT-2 (2 layers, 16 x 128 tokens, "auto"):
-    the feed-forward replay ran without its forward output (8 MiB) and the
-    layer's output projection, Dropout and residual sum (58.1 MiB
-    requested, 69.6 estimated with them)."""
+    """Adds to each nested block's figures `parent_before`, `parent_outputs`
+    and `parallel`: the bytes of its parent's own cached activations (in
+    none of the parent's nested blocks) made before its call or after it
+    but not from it, and made during its call (its outputs); and the
+    parent's other nested blocks after it that do not depend on it. When
+    the backward reaches it, what the parent made from it afterwards is
+    freed, and its outputs too when it is recomputed (the replay makes
+    them again), while its own backward may read them when it is not.
+    keras-hub GPT-2 (2 layers, 16 x 128 tokens, "auto"): the feed-forward
+    replay ran without its forward output (8 MiB) and the layer's output
+    projection, Dropout and residual sum (58.1 MiB requested, 69.6
+    estimated with them). Not for a block called more than once, nor in a
+    parent called more than once: between the calls everything stays."""
     index = {op.name: i for i, op in enumerate(operations)}
     children = {}
     for key, figures in per_block.items():
         if figures.get("parent") is not None:
             children.setdefault(figures["parent"], []).append(key)
     for parent, nested in children.items():
+        if any(len(calls.get(key, ())) != 1 for key in [parent] + nested):
+            continue
+        stop = calls[parent][0][1]
         theirs = set().union(*(per_block[key]["inside"] for key in nested))
         own = [
             (index[cached[name].op.name], _bytes(cached[name]))
             for name in per_block[parent]["inside"] - theirs
         ]
         for key in nested:
-            spans = calls.get(key) or [(len(operations), len(operations))]
-            start, end = spans[0][0], spans[-1][1]
-            per_block[key]["parent_before"] = sum(size for i, size in own if i < start)
-            per_block[key]["parent_outputs"] = sum(
-                size for i, size in own if start <= i < end
+            start, end = calls[key][0][:2]
+            later = _dependent_ops(operations, index, start, end, stop)
+            figures = per_block[key]
+            figures["parent_before"] = sum(
+                size for i, size in own if i < start or (i >= end and i not in later)
             )
+            figures["parent_outputs"] = sum(size for i, size in own if start <= i < end)
+            figures["parallel"] = [
+                other
+                for other in nested
+                if calls[other][0][0] >= end
+                and not later.intersection(range(*calls[other][0][:2]))
+            ]
+
+
+def _dependent_ops(operations, index, start, end, stop):
+    """The indices of the operations in `[start, stop)` that are the ones in
+    `[start, end)` or depend on them (through data or control inputs)."""
+    found = set(range(start, end))
+    for i in range(end, stop):
+        op = operations[i]
+        ups = [t.op for t in op.inputs] + list(op.control_inputs)
+        if any(index.get(up.name) in found for up in ups):
+            found.add(i)
+    return found
 
 
 def _place_outside_weights(per_block, calls, forward_ops, trainable, workspace=None):
@@ -1044,16 +1070,20 @@ def _nested_moments(per_block, parent, chosen):
         own = base - sum(mine.values())  # made in none of its nested blocks
         peak, earlier = base, 0
         for child in children[key]:  # in the forward's order
-            # Inside it, what the block made after it is freed, and its
-            # outputs when it replays (`_place_within_parent`; without the
-            # figures: all of the block's own activations, and the others').
-            before = per_block[child].get("parent_before")
+            # Inside it, what the block made from it afterwards is freed,
+            # and its outputs when it replays (`_place_within_parent`;
+            # without the figures: all the block's own, and the others').
+            figures = per_block[child]
+            before = figures.get("parent_before")
             if before is None:
                 alive = base - mine[child]
             else:
                 if child not in chosen:
-                    before += per_block[child]["parent_outputs"]
-                alive = min(own, before) + earlier
+                    before += figures["parent_outputs"]
+                # Its siblings before it, and those after it not made from
+                # it, whose backward may run alongside (parallel branches).
+                beside = sum(mine[other] for other in figures.get("parallel", ()))
+                alive = min(own, before) + earlier + beside
             peak = max(peak, alive + moment[child])
             earlier += mine[child]
         held[key], moment[key] = base, peak

@@ -326,6 +326,7 @@ class RecomputeSetup:
                     'recompute: recompute=["name", ...].'
                 )
             self.pending = False  # "auto": the blocks found at compile
+            self._warn_unestimated(model, _unknown_dims(self.input_spec or ()), own_step=True)
         segments_chosen = any(i in self.chosen for i, s in enumerate(self.segments) if not s.last)
         if segments_chosen and self.holder is not None and not self.chained:
             raise ValueError(
@@ -630,15 +631,26 @@ class RecomputeSetup:
                 stacklevel=2,
             )
 
-    def _warn_unestimated(self, model, unknown):
+    def _warn_unestimated(self, model, unknown, own_step=False):
         """Says that "auto" recomputes the blocks found at compile, unestimated,
-        and what would let it estimate (`unknown`: `_unknown_dims`)."""
-        if not _has_forward(model):
+        and what would let it estimate (`unknown`: `_unknown_dims`;
+        `own_step`: the model's `train_step` ran no forward of
+        GradBoostModel's)."""
+        names = self.names()
+        chosen = [str(names[k]) for k in self.keys if k in self.chosen]
+        if not chosen:
+            return  # nothing recomputed: nothing to doubt
+        if own_step or not _has_forward(model):
             why = (
-                f"{type(model).__name__} has no `call` of its own to estimate "
-                "(its train_step runs its layers)"
+                f"{type(model).__name__}.train_step runs a forward of its own, "
+                "which the estimates do not trace"
+                if own_step
+                else f"{type(model).__name__} has no `call` of its own to estimate"
             )
-            fix = "Name the blocks instead"
+            fix = (
+                "Call `super().train_step(data)` in it (a functional model's "
+                "batches of a fixed size are estimated there), or name the blocks"
+            )
         elif unknown:
             why = (
                 "the training batches have dimensions of unknown size "
@@ -656,13 +668,12 @@ class RecomputeSetup:
                 "or a generator (their batch size is read before training), or "
                 "name the blocks"
             )
-        names = self.names()
-        chosen = [names[k] for k in self.keys if k in self.chosen]
+        blocks = f"{len(chosen)} block{'s' * (len(chosen) > 1)}"
         warnings.warn(
             f'recompute="auto" cannot estimate the activation memory: {why}. '
-            f"It recomputes the {len(chosen)} blocks found at compile "
-            f"({', '.join(map(str, chosen)) or 'none'}) without knowing whether "
-            f'that lowers the training peak. {fix}: recompute=["name", ...].',
+            f"It recomputes the {blocks} found at compile ({', '.join(chosen)}) "
+            "without knowing whether that lowers the training peak. "
+            f'{fix}: recompute=["name", ...].',
             stacklevel=2,
         )
 
@@ -906,6 +917,8 @@ def batch_size_hint(fit_args):
             size = tf.nest.flatten(first)[0].shape[0]
         return size
     if isinstance(x, keras.utils.PyDataset):
+        if x.num_batches == 0:  # Keras says so
+            return None
         # Keras reads its first batches too, for their specs.
         return _leading_size(x[0])
     if isinstance(x, types.GeneratorType):
@@ -923,12 +936,11 @@ def batch_size_hint(fit_args):
 
 
 def _leading_size(batch):
-    """The batch size of a batch `x`, `(x, y)` or `(x, y, sample_weight)`."""
-    if isinstance(batch, list):  # Keras reads a list as a tuple
-        batch = tuple(batch)
+    """The batch size of a batch `x`, `(x, y)` or `(x, y, sample_weight)`
+    (None for an empty one)."""
     x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
     shape = getattr(tf.nest.flatten(x)[0], "shape", None)
-    return None if not shape or shape[0] is None else int(shape[0])
+    return int(shape[0]) if shape and shape[0] else None
 
 
 def _yielding_again(first, rest):

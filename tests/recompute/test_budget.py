@@ -314,6 +314,26 @@ def test_a_nested_replay_holds_what_its_block_made_before_it(chosen, placed, pea
     assert recompute.plan_bytes(23, figures, sizes, chosen) == peak
 
 
+@pytest.mark.parametrize("parallel, peak", [(True, 1 + 3 + 6 + 10), (False, 1 + 3 + 10)])
+def test_a_nested_replay_holds_a_kept_branch_beside_it(parallel, peak):
+    """A block of 19 bytes: 3 of its own, then two nested blocks, `a` (10,
+    recomputed) and `b` (6, kept). When `b` is made from `a`, its backward
+    is done before `a`'s replay; beside it (a parallel residual, both read
+    the block's input) it may not be, and counts."""
+    figures = {
+        "block": {"cached": 19, "inputs": 1, "flops": 2.0, "input_roots": {"x": 1},
+                  "inside": {"before", "a", "b"}},
+        "a": {"cached": 10, "inputs": 3, "flops": 1.0, "inside": {"a"},
+              "input_roots": {"before": 3}, "parent": "block", "parent_before": 3,
+              "parent_outputs": 0, "parallel": ["b"] if parallel else []},
+        "b": {"cached": 6, "inputs": 3, "flops": 1.0, "inside": {"b"},
+              "input_roots": {"before": 3}, "parent": "block", "parent_before": 3,
+              "parent_outputs": 0, "parallel": []},
+    }
+    sizes = {"x": 1, "before": 3, "a": 10, "b": 6}
+    assert recompute.plan_bytes(20, figures, sizes, ["a"]) == peak
+
+
 @pytest.mark.parametrize(
     "chosen, peak",
     [

@@ -469,3 +469,53 @@ def test_auto_leaves_out_an_inner_block_reading_its_holders_weight(data):
     _, per_block, _ = setup._estimate(probe, spec)
     names = setup.names()
     assert sorted(names[k] for k in tied_inner_blocks(per_block)) == ["h0/tied", "h1/tied"]
+
+
+class _Branches(keras.layers.Layer):
+    """Two inner blocks, one after the other (`x + b(a(x))`), side by side
+    (`x + a(x) + b(x)`, a parallel residual), or one twice (`a(a(x))`)."""
+
+    def __init__(self, kind, **kwargs):
+        super().__init__(**kwargs)
+        self.kind = kind
+        self.a = ResBlock(name="branch_a", rate=0.0)
+        self.b = ResBlock(name="branch_b", rate=0.0)
+
+    def build(self, input_shape):
+        self.a.build(input_shape)
+        self.b.build(input_shape)
+
+    def call(self, x, training=None):
+        if self.kind == "sequence":
+            return x + self.b(self.a(x, training=training), training=training)
+        if self.kind == "parallel":
+            return x + self.a(x, training=training) + self.b(x, training=training)
+        return self.a(self.a(x, training=training), training=training)
+
+
+@pytest.mark.parametrize("kind", ["sequence", "parallel", "shared"])
+def test_a_nested_moment_keeps_what_does_not_come_from_the_nested_block(kind):
+    """When the backward reaches a nested block, its parent's activations
+    made from it are freed; those of a branch beside it (a parallel
+    residual) may still be alive, and everything is, between two calls of
+    a block called twice: there the figures stay out and every activation
+    of the parent counts, as before."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((WIDTH,))
+    outer = _Branches(kind, name="outer")
+    model = GradBoostModel(inputs, keras.layers.Dense(3, name="head")(outer(inputs)))
+    model.compile(optimizer="sgd", loss="mse", recompute=["outer", "branch_*"])
+    setup = model._gradboost.recompute
+    _, per_block, _ = setup._estimate(model, tf.TensorSpec((16, WIDTH), tf.float32))
+    names = setup.names()
+    figures = {names[key]: f for key, f in per_block.items()}
+    a, b = figures["outer/branch_a"], figures.get("outer/branch_b")
+    if kind == "shared":
+        assert "parent_before" not in a
+        return
+    if kind == "sequence":  # a's output, which b's Dense keeps, comes from a
+        assert a["parent_outputs"] > 0 and a["parallel"] == []
+        assert b["parent_before"] >= a["parent_outputs"]
+    else:  # b, beside a, does not come from it
+        assert a["parallel"] == [id(outer.b)]
+    assert b["parallel"] == []

@@ -198,7 +198,8 @@ def test_auto_without_shapes_to_estimate_says_what_it_recomputes():
     with pytest.warns(UserWarning, match=r"unknown size \(input axis 1\)") as caught:
         model.fit(batches, epochs=1, verbose=0)
     said = [str(w.message) for w in caught if "cannot estimate" in str(w.message)]
-    assert len(said) == 1 and f"recomputes the {len(compiled)} blocks" in said[0]
+    blocks = f"{len(compiled)} block{'s' * (len(compiled) > 1)}"
+    assert len(said) == 1 and f"recomputes the {blocks} found at compile" in said[0]
     assert all(name in said[0] for name in compiled)
     plan = model.recompute_plan()
     assert plan.recomputed == compiled and "not estimated" in str(plan)
