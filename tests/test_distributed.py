@@ -209,3 +209,33 @@ def test_an_uneven_split_without_accumulation_warns(samples, uneven):
     assert len(said) == (1 if uneven else 0), said  # once, not every epoch
     if uneven:
         assert "1 of them" in said[0] and "accumulate_steps >= 2" in said[0]
+
+
+def test_mirrored_auto_fed_by_a_generator_trains_as_on_arrays():
+    """"auto" reads a generator's first batch for the batch size, and each
+    replica traces half of it: the plan and the training equal those of
+    the same batches given as arrays."""
+    import warnings
+
+    from recompute.models import residual_model
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(64, 5)).astype("float32")
+    y = rng.normal(size=(64, 3)).astype("float32")
+    models = {}
+    for feed in ("arrays", "generator"):
+        with _strategy().scope():
+            model = residual_model(rate=0.0, blocks_count=6)
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", recompute="auto")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if feed == "arrays":
+                model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+            else:
+                model.fit(((x[i : i + 32], y[i : i + 32]) for i in (0, 32)), verbose=0)
+        assert not [w for w in caught if "cannot estimate" in str(w.message)]
+        models[feed] = model
+    plan = models["generator"].recompute_plan()
+    assert plan.batch_size == 16  # each replica's share
+    assert plan.recomputed and plan.recomputed == models["arrays"].recompute_plan().recomputed
+    assert max_weight_diff(models["arrays"], models["generator"]) < 1e-6
