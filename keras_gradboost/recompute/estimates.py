@@ -423,8 +423,9 @@ def estimate(
     for key in per_block if owned else ():
         per_block[key]["own"] = set(_handles(graph, owned.get(key, ())))
     _place_outside_weights(per_block, probe.calls, forward_ops, trainable, workspace)
-    _place_outside_activations(per_block, probe.calls, cached, operations)
-    _place_within_parent(per_block, probe.calls, cached, operations)
+    index = {op.name: i for i, op in enumerate(operations)}
+    _place_outside_activations(per_block, probe.calls, cached, index)
+    _place_within_parent(per_block, probe.calls, cached, operations, index)
     for figures in per_block.values():  # a temporary not placed: at every moment
         for field in ("workspace", "after_workspace", "before_workspace"):
             figures[field] = max(figures[field], anywhere)
@@ -576,23 +577,23 @@ def tied_inner_blocks(per_block):
     return tied
 
 
-def _place_outside_activations(per_block, calls, cached, operations):
+def _place_outside_activations(per_block, calls, cached, index):
     """Adds to each block's figures `outside_before`: the bytes of the cached
     activations made outside every block until the end of its last call
     (its outputs included: its own backward may read them). Those made
     after it (a later block's surroundings, a head) are freed by the time
-    the backward reaches it."""
-    index = {op.name: i for i, op in enumerate(operations)}
+    the backward reaches it. `index`: the traced operations' positions, by
+    name."""
     inside = set().union(*(figures["inside"] for figures in per_block.values()))
     made = [
         (index[t.op.name], _bytes(t)) for name, t in cached.items() if name not in inside
     ]
     for key, figures in per_block.items():
-        end = calls[key][-1][1] if calls.get(key) else len(operations)
+        end = calls[key][-1][1] if calls.get(key) else len(index)
         figures["outside_before"] = sum(size for i, size in made if i < end)
 
 
-def _place_within_parent(per_block, calls, cached, operations):
+def _place_within_parent(per_block, calls, cached, operations, index):
     """Adds to each nested block's figures `parent_before`, `parent_outputs`
     and `parallel`: the bytes of its parent's own cached activations (in
     none of the parent's nested blocks) made before its call or after it
@@ -605,14 +606,11 @@ def _place_within_parent(per_block, calls, cached, operations):
     replay ran without its forward output (8 MiB) and the layer's output
     projection, Dropout and residual sum (58.1 MiB requested, 69.6
     estimated with them). Not for a block called more than once, nor in a
-    parent called more than once: between the calls everything stays."""
-    index = {op.name: i for i, op in enumerate(operations)}
-    children = {}
-    for key, figures in per_block.items():
-        if figures.get("parent") is not None:
-            children.setdefault(figures["parent"], []).append(key)
-    for parent, nested in children.items():
-        if any(len(calls.get(key, ())) != 1 for key in [parent] + nested):
+    parent called more than once: between the calls everything stays.
+    `index`: the traced `operations`' positions, by name."""
+    parents = {key: figures.get("parent") for key, figures in per_block.items()}
+    for parent, nested in _children(parents).items():
+        if not nested or any(len(calls.get(key, ())) != 1 for key in [parent] + nested):
             continue
         stop = calls[parent][0][1]
         theirs = set().union(*(per_block[key]["inside"] for key in nested))
@@ -1047,16 +1045,23 @@ def _chosen_ancestor(key, parent, chosen):
     return False
 
 
+def _children(parent):
+    """Per key of `parent` (key -> the key of its parent block, or None),
+    the keys whose parent it is, in `parent`'s order."""
+    children = {key: [] for key in parent}
+    for key, up in parent.items():
+        if up is not None:
+            children[up].append(key)
+    return children
+
+
 def _nested_moments(per_block, parent, chosen):
     """Per block, `(held, moment)`: the bytes of its activations alive when
     the backward enters it (kept, or rebuilt when it is recomputed; its
     chosen nested blocks' own activations left out, their inputs in), and
     the most alive while the backward is inside it (a nested block's
     replay, or a nested block's own nested replays, on top)."""
-    children = {key: [] for key in per_block}
-    for key, up in parent.items():
-        if up is not None:
-            children[up].append(key)
+    children = _children(parent)
     held, moment = {}, {}
 
     def visit(key):

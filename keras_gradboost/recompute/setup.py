@@ -326,7 +326,7 @@ class RecomputeSetup:
                     'recompute: recompute=["name", ...].'
                 )
             self.pending = False  # "auto": the blocks found at compile
-            self._warn_unestimated(model, _unknown_dims(self.input_spec or ()), own_step=True)
+            self._warn_unestimated(model, own_step=True)
         segments_chosen = any(i in self.chosen for i, s in enumerate(self.segments) if not s.last)
         if segments_chosen and self.holder is not None and not self.chained:
             raise ValueError(
@@ -631,7 +631,7 @@ class RecomputeSetup:
                 stacklevel=2,
             )
 
-    def _warn_unestimated(self, model, unknown, own_step=False):
+    def _warn_unestimated(self, model, unknown=(), own_step=False):
         """Says that "auto" recomputes the blocks found at compile, unestimated,
         and what would let it estimate (`unknown`: `_unknown_dims`;
         `own_step`: the model's `train_step` ran no forward of
@@ -640,17 +640,15 @@ class RecomputeSetup:
         chosen = [str(names[k]) for k in self.keys if k in self.chosen]
         if not chosen:
             return  # nothing recomputed: nothing to doubt
-        if own_step or not _has_forward(model):
+        if own_step:
             why = (
                 f"{type(model).__name__}.train_step runs a forward of its own, "
                 "which the estimates do not trace"
-                if own_step
-                else f"{type(model).__name__} has no `call` of its own to estimate"
             )
-            fix = (
-                "Call `super().train_step(data)` in it (a functional model's "
-                "batches of a fixed size are estimated there), or name the blocks"
-            )
+            fix = "Call `super().train_step(data)` in it, or name the blocks"
+        elif not _has_forward(model):
+            why = f"{type(model).__name__} has no `call` of its own to estimate"
+            fix = "Name the blocks"
         elif unknown:
             why = (
                 "the training batches have dimensions of unknown size "
@@ -913,8 +911,7 @@ def batch_size_hint(fit_args):
     if isinstance(x, tf.data.Dataset):
         size = tf.nest.flatten(x.element_spec)[0].shape[0]
         if size is None:  # batches of no fixed size: look at the first
-            first = next(iter(x.take(1)))
-            size = tf.nest.flatten(first)[0].shape[0]
+            size = _leading_size(next(iter(x.take(1))))
         return size
     if isinstance(x, keras.utils.PyDataset):
         if x.num_batches == 0:  # Keras says so
