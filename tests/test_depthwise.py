@@ -256,11 +256,14 @@ _OLD_XLA = tuple(int(p) for p in tf.__version__.split(".")[:2]) < (2, 17)
 @pytest.mark.parametrize("policy, native, first", [
     # "auto" recomputes nothing here (it chooses at the batch size of fit's
     # data, whose batches have no fixed size; it took the compile-time
-    # blocks before): TensorFlow 2.16's XLA then allocates 1.19x the
-    # estimate (30.2 MiB, not 25.3; 2.21's within 15%).
+    # blocks before): TensorFlow 2.16's XLA then allocates up to 1.19x the
+    # estimate (30.2 MiB, not 25.3; 2.21's within 15%), and within 15% in
+    # other runs (CI on 2026-12-06: xfailed twice, passed once), so not
+    # strict there.
     pytest.param("float32", False, False, marks=pytest.mark.xfail(
-        _OLD_XLA, strict=True,
-        reason="TensorFlow 2.16's XLA allocated 1.19x the estimate here (30.2 MiB, not 25.3)")),
+        _OLD_XLA, strict=False,
+        reason="TensorFlow 2.16's XLA allocated up to 1.19x the estimate here "
+               "(30.2 MiB, not 25.3), varying from run to run")),
     ("mixed_bfloat16", False, False), ("float32", True, False),
     pytest.param("float32", False, True, marks=pytest.mark.xfail(
         _OLD_XLA, strict=True,
