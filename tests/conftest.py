@@ -5,6 +5,7 @@ The logical device split must happen before TensorFlow initialises its
 devices, so it is done here, at collection time, for the whole session.
 """
 
+import gc
 import importlib.util
 import os
 
@@ -25,6 +26,25 @@ tf.config.set_logical_device_configuration(
 )
 
 import keras  # noqa: E402
+
+# Tracing a model allocates Python objects by the million: with the default
+# thresholds the collector walks its youngest objects every 700 allocations
+# and, now and then, every object alive, TensorFlow's and Keras' modules
+# among them. Those are frozen out of its walks, and it runs about 70x less
+# often (test_nested_graph.py and test_real_models.py: 237 s against 259 on
+# 2 cores; a cycle is still freed, later). The peak tests collect before
+# they measure (the `requested_peak` fixture).
+gc.collect()
+gc.freeze()
+gc.set_threshold(50000, 20, 20)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collect_after_each_module():
+    """The models a module left in cycles, freed before the next one: with
+    the collector that rare, a worker otherwise held 9.8 GB midway."""
+    yield
+    gc.collect()
 
 
 def _without_autotune():
@@ -251,7 +271,34 @@ def no_matmul_peak(monkeypatch):
 
 
 @pytest.fixture
+def onednn_convolutions(monkeypatch):
+    """Plans estimated as where oneDNN runs the float32 convolutions (the
+    default on CPUs with AVX-512): without the im2col buffers of
+    TensorFlow's own kernels, which on a CPU without AVX-512 are sized for
+    as many images as fit 30 MiB whatever the batch and dwarf a small
+    model's activations (MobileNetV2 alpha 0.35 at 32x32, batch 8: a
+    training peak estimated at 51.1 MiB for 4.4 MiB of activations, where
+    "auto" rightly recomputes only 2 segments). For the tests about which
+    blocks a plan takes, so that it is the same on every CPU; what the
+    buffers add is tested in recompute/test_setup.py and
+    test_applications.py."""
+    from keras_gradboost import hooks
+
+    monkeypatch.setattr(hooks, "onednn_enabled", lambda: True)
+
+
+@pytest.fixture
 def requested_peak():
     """`benchmarks/requested_peak.py`: the peak of the bytes a run's
-    allocations request (the TensorFlow profiler's memory events)."""
-    return load_benchmark("requested_peak")
+    allocations request (the TensorFlow profiler's memory events). Each run
+    starts with a collection: an earlier model's cycles freed during it
+    would count as negative bytes, and the collector runs rarely here."""
+    module = load_benchmark("requested_peak")
+    events = module.memory_events
+
+    def collected_first(run):
+        gc.collect()
+        return events(run)
+
+    module.memory_events = collected_first  # requested_peak() calls it
+    return module

@@ -287,12 +287,14 @@ def test_training_peak_estimate_follows_gradient_lifetimes_on_resnet50(requested
     its gradient exists, so they never all live at once. The estimate must
     land within 15% of the bytes the steps' allocations request (the
     profiler's memory events; graph rewrites on, as users run), where all
-    the gradients on top of the peak activations over-count by far: without
-    recompute and with "auto" (one plan estimates both)."""
+    the gradients on top of the peak activations over-count by far: here
+    without recompute. (With "auto" too, 45 s more of CI, left out to keep
+    CI under its limit: "auto"'s estimate on ResNet50 is measured by
+    tests/recompute/test_estimates.py under a NaNWatcher, and by
+    benchmarks/bench_recompute.py.)"""
     keras.utils.set_random_seed(0)
     base = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
-    measured = {setting: _requested_peak(base, requested_peak, recompute=setting)
-                for setting in (None, "auto")}
+    measured, _ = _requested_peak(base, requested_peak)
     probe = kgb.boost(base)
     probe.compile(optimizer="adam", loss="sparse_categorical_crossentropy", recompute="auto")
     plan = probe.recompute_plan(batch_size=16)
@@ -305,21 +307,17 @@ def test_training_peak_estimate_follows_gradient_lifetimes_on_resnet50(requested
     assert plan.eigen_convolutions == (hooks.onednn_enabled() is False)
     if plan.eigen_convolutions:
         assert "Eigen convolution kernels" in str(plan)
-    cases = {
-        None: (plan.peak_bytes_without, plan.bytes_without + plan.gradient_bytes),
-        "auto": (plan.peak_bytes, plan.bytes_with + plan.gradient_bytes),
-    }
-    for setting, (estimated, all_at_once) in cases.items():
-        assert 0.85 * estimated <= measured[setting] <= 1.15 * estimated, (
-            setting, measured[setting], estimated)
-        # The old estimate (every gradient on top) would fail here.
-        assert measured[setting] / all_at_once < 0.85, setting
+    estimated = plan.peak_bytes_without
+    assert 0.85 * estimated <= measured <= 1.15 * estimated, (measured, estimated)
+    # The old estimate (every gradient on top) would fail here.
+    assert measured / (plan.bytes_without + plan.gradient_bytes) < 0.85
 
 
-@pytest.mark.xfail(
-    hooks.onednn_enabled() is False, strict=False,
+@pytest.mark.skipif(
+    hooks.onednn_enabled() is False,
     reason="with oneDNN off the steps requested 0.82 of the estimate (101.3 of "
-           "124.2 MiB; 0.75 with the estimate before), 0.94-0.95 with it on")
+           "124.2 MiB; 0.75 with the estimate before), 0.94-0.95 with it on; "
+           "skipped, not an expected failure: 45 s of CI that asserted nothing")
 def test_selective_estimate_follows_the_backward_on_convnext(requested_peak):
     """A selective plan's peak is one moment of the backward: ConvNeXtTiny's
     largest replays come last in the backward (its first blocks, 64x64
@@ -351,10 +349,8 @@ def _assert_the_selective_estimate_holds(name, requested_peak, **options):
         weights=None, input_shape=(64, 64, 3), classes=10
     )
     options = {**options, "recompute": {"policy": "selective"}}
-    measured = _requested_peak(base, requested_peak, **options)
-    probe = kgb.boost(base)
-    probe.compile(optimizer="adam", loss="sparse_categorical_crossentropy", **options)
-    plan = probe.recompute_plan(batch_size=16)
+    measured, model = _requested_peak(base, requested_peak, **options)
+    plan = model.recompute_plan(batch_size=16)
     assert plan.recomputed
     assert 0.8 * plan.peak_bytes <= measured <= 1.15 * plan.peak_bytes, (
         measured, plan.peak_bytes)
@@ -375,7 +371,7 @@ def test_frozen_base_peak_estimate_counts_the_forward_working_set(requested_peak
     inputs = keras.Input((64, 64, 3))
     pooled = keras.layers.GlobalAveragePooling2D()(base(inputs))
     model = keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(pooled))
-    measured = _requested_peak(model, requested_peak)
+    measured, _ = _requested_peak(model, requested_peak)
     probe = kgb.boost(model)
     probe.compile(optimizer="adam", loss="sparse_categorical_crossentropy", recompute="auto")
     with pytest.warns(UserWarning, match="nothing is recomputed"):
@@ -387,7 +383,8 @@ def test_frozen_base_peak_estimate_counts_the_forward_working_set(requested_peak
 
 def _requested_peak(base, requested_peak, **compile_kwargs):
     """The bytes two warmed training steps of boosted `base` request
-    (`compile_kwargs` with None values left out)."""
+    (`compile_kwargs` with None values left out), and the boosted model
+    (its `recompute_plan` is the estimate of those steps)."""
     model = kgb.boost(base)
     kwargs = {k: v for k, v in compile_kwargs.items() if v is not None}
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", **kwargs)
@@ -409,4 +406,4 @@ def _requested_peak(base, requested_peak, **compile_kwargs):
     # order, which another process's load moves (ConvNeXtTiny's selective
     # steps requested 145.8 MiB once in CI, 1.17x the estimate of 124.2;
     # 0.94-0.95x alone).
-    return sorted(requested_peak.requested_peak(steps) for _ in range(3))[1]
+    return sorted(requested_peak.requested_peak(steps) for _ in range(3))[1], model

@@ -1,7 +1,6 @@
 """Estimates and the plan: activation memory per block, the structural check
 that a recomputed graph keeps only block inputs, and the budget's choice."""
 
-import gc
 
 import numpy as np
 import pytest
@@ -12,7 +11,6 @@ import keras
 from conftest import frozen_base_classifier
 from conftest import kept_for_backward
 from keras_gradboost import GradBoostModel
-from keras_gradboost import boost
 from keras_gradboost import recompute
 from recompute.models import assert_same_state
 from recompute.models import grappler
@@ -358,38 +356,14 @@ def test_the_peak_estimate_holds_every_gradient_when_the_update_waits_for_all(
     )
 
 
-def test_the_peak_estimate_of_a_checked_resnet50_step_holds(requested_peak):
-    # keras.applications' ResNet50 (32x32, batch 8: 90 MiB of gradients, 5
-    # of activations) under a NaNWatcher: every gradient waits for the
-    # check, then the updates run in turn. Started all at once, the steps
-    # requested 1.72x the estimate; with the largest weight's buffers
-    # counted on top of every gradient, the estimate read high (0.82).
-    from keras_gradboost.callbacks import NaNWatcher
-
-    before = grappler(False)  # as users run
-    try:
-        keras.utils.set_random_seed(0)
-        base = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
-        model = boost(base)
-        x = np.random.default_rng(0).random((16, 32, 32, 3)).astype("float32")
-        data = tf.data.Dataset.from_tensor_slices((x, np.arange(16) % 10)).batch(8).repeat()
-        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", recompute="auto")
-        callbacks = [NaNWatcher(action="skip", verbose=0)]
-
-        def steps():
-            model.fit(data, steps_per_epoch=2, epochs=1, verbose=0, callbacks=callbacks)
-
-        steps()
-        gc.collect()  # an earlier model's cycles freed during the steps would count negative
-        requested = sorted(requested_peak.requested_peak(steps) for _ in range(3))[1]
-        plan = model.recompute_plan(batch_size=8)
-    finally:
-        grappler(before)
-    assert plan.gradients_pile_up and plan.recomputed, plan
-    assert 0.85 * plan.peak_bytes <= requested <= 1.15 * plan.peak_bytes, (
-        requested / 2**20,
-        plan.peak_bytes / 2**20,
-    )
+# keras.applications' ResNet50 (32x32, batch 8: 90 MiB of gradients, 5 of
+# activations) under a NaNWatcher, every gradient waiting for the check and
+# the updates then run in turn, requested within 15% of the estimate (started
+# all at once, 1.72x; with the largest weight's buffers on top of every
+# gradient, 0.82). That measured check (49 s of CI on an AVX2 CPU) was
+# dropped to keep CI under its limit; the estimate of such steps is tested
+# on small models above (`nan_watcher_adam`), and
+# `benchmarks/bench_recompute.py --update nan_watcher` measures ResNet50's.
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam"])

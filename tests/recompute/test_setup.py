@@ -320,24 +320,16 @@ def test_a_convolution_after_a_grouped_one_counts_its_inputs_buffer(monkeypatch)
     assert 2 * buffer - 4 * 8 * 8 * 4 * 4 <= added <= 2 * buffer, (added, buffer)
 
 
-class _Images(keras.utils.PyDataset):
-    def __init__(self, x, y):
-        super().__init__()
-        self.x, self.y = x, y
-
-    def __len__(self):
-        return len(self.x) // 8
-
-    def __getitem__(self, i):
-        return self.x[8 * i : 8 * i + 8], self.y[8 * i : 8 * i + 8]
-
-
-@pytest.mark.parametrize("feed", ["dataset_drop", "dataset", "generator", "py_dataset"])
+# (A PyDataset and a dataset batched with `drop_remainder=True` fed the same
+# way: 42 s of CI, left out to keep CI under its limit; a PyDataset's first
+# batch is read by `batch_size_hint`, tested above, and fixed-size batches
+# are what the other tests fit.)
+@pytest.mark.parametrize("feed", ["dataset", "generator"])
 def test_auto_chooses_at_fits_batch_size_when_the_trace_has_none(feed):
-    # `Dataset.batch(8)`, a generator and a PyDataset trace batches of no
-    # fixed size: "auto" took the blocks found at compile there
-    # (MobileNetV2: coarse segments), where the same data batched with
-    # `drop_remainder=True` gets the plan the estimates at batch 8 choose.
+    # `Dataset.batch(8)` and a generator trace batches of no fixed size:
+    # "auto" took the blocks found at compile there (MobileNetV2: coarse
+    # segments), where the same data batched with `drop_remainder=True`
+    # gets the plan the estimates at batch 8 choose.
     keras.utils.set_random_seed(0)
     base = keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), classes=3)
     model = boost(base)
@@ -346,10 +338,8 @@ def test_auto_chooses_at_fits_batch_size_when_the_trace_has_none(feed):
     y = np.arange(24) % 3
     data = tf.data.Dataset.from_tensor_slices((x, y))
     fed = {
-        "dataset_drop": data.batch(8, drop_remainder=True),
         "dataset": data.batch(8),
         "generator": ((x[i : i + 8], y[i : i + 8]) for i in range(0, 24, 8)),
-        "py_dataset": _Images(x, y),
     }[feed]
     batches = []
     counter = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: batches.append(b))
