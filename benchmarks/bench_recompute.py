@@ -58,6 +58,14 @@ configuration.
 
     python benchmarks/bench_recompute.py --models bert,gpt2 --time --rounds 12
 
+`--models ... --search-time` times, in one process, the estimates "auto" and
+a budget search at the first traced batch: every kind of plan from one
+traced step (`RecomputeSetup.search` now) against a trace per kind (what
+it did before), pairs in alternating order, an A/A row beside; batch 16.
+
+    python benchmarks/bench_recompute.py --models nested_MobileNetV2,gpt2 \
+        --search-time --pixels 32 --rounds 6
+
 `--sweep` instead runs a budget sweep on keras.applications models
 (`--apps`, weights=None, `--pixels` square inputs, `--batch`, default 16):
 per model no recompute, "auto" and four budgets (`SWEEP_FRACTIONS` of no
@@ -400,6 +408,9 @@ def main():
                         "configuration (memory table only)")
     parser.add_argument("--time", action="store_true",
                         help="with --models: step time only, paired in one process")
+    parser.add_argument("--search-time", action="store_true",
+                        help="with --models: the search's estimates, one trace for "
+                        "every kind of plan against one per kind, paired in one process")
     parser.add_argument("--time-worker", help=argparse.SUPPRESS)
     parser.add_argument("--app", help=argparse.SUPPRESS)
     parser.add_argument("--hub", help=argparse.SUPPRESS)
@@ -415,6 +426,8 @@ def main():
         return time_worker(args)
     if args.models and args.time:
         return time_model(args)
+    if args.models and args.search_time:
+        return search_time(args)
     if args.sweep:
         return sweep(args)
     if args.models:
@@ -549,6 +562,63 @@ def time_worker(args):
         model = pairs[label][0][1][0]
         blocks = len(model.recompute_plan().recomputed) if model.gradboost_config.recompute else "-"
         print(f"  {label:<36} {value:6.3f}x [95% CI {low:.3f}-{high:.3f}]  blocks {blocks}")
+
+
+def search_time(args):
+    """`--search-time`: per model, seconds of the search's estimates."""
+    import time
+
+    import tensorflow as tf
+
+    from fit_rounds import ratio
+    from keras_gradboost.recompute import choice
+
+    print(
+        "Recompute search: estimates of every kind of plan from one traced step "
+        "against one trace per kind (before), in one process, pairs in alternating "
+        f"order, {args.rounds} rounds. ratio: median of "
+        "one trace / a trace per kind, [bootstrap 95% CI]."
+    )
+    for name in args.models.split(","):
+        select_model(args, name)
+        model = hub_model(args) if args.hub else application(args)
+        model.compile(optimizer="adam", loss="mse", recompute="auto")
+        setup = model._gradboost.recompute
+        spec = tf.nest.map_structure(
+            lambda t: tf.TensorSpec([args.batch] + list(t.shape[1:]), t.dtype), model.input
+        )
+        kinds = choice.search_families(model)
+
+        def together():
+            setup._estimate_together(model, spec, kinds)
+
+        def per_kind():
+            for layers, pieces in kinds:
+                setup.layers, setup.segments = layers, pieces
+                setup.apply()
+                setup._estimate(model, spec)
+
+        def seconds(fn):
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+
+        pairs = {"A/A: one trace / itself": (together, together), "one trace": (per_kind, together)}
+        times = {label: [] for label in pairs}
+        together()  # builds the model
+        for round_ in range(args.rounds):
+            for label, (a, b) in pairs.items():
+                if round_ % 2:
+                    tb, ta = seconds(b), seconds(a)
+                else:
+                    ta, tb = seconds(a), seconds(b)
+                times[label].append((ta, tb))
+        print(f"{name}: {len(kinds)} kinds of plan, batch {args.batch}")
+        for label, pair_times in times.items():
+            value, (low, high) = ratio(pair_times)
+            a_s, b_s = (statistics.median(t) for t in zip(*pair_times))
+            print(f"  {label:<26} {value:6.3f}x [95% CI {low:.3f}-{high:.3f}]  "
+                  f"{a_s:.2f} s -> {b_s:.2f} s")
 
 
 def per_model(args):

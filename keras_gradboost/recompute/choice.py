@@ -266,6 +266,14 @@ def retyped(model):
     )
 
 
+def graphs_retyped(model):
+    """Whether a functional graph of `model` (its own, or one it calls as a
+    layer) computes in another dtype than it was built in (`_retyped`: a
+    mixed policy set after building, as `compile(precision=...)` does)."""
+    graphs = {id(g): g for g in map(hooks.layer_graph, hooks.flatten_layers(model)) if g}
+    return any(_retyped(hooks.functional_nodes(g)) for g in graphs.values())
+
+
 RETYPED_NOTE = (
     " Under a mixed policy set after the model was built (as "
     "`compile(precision=...)` sets it), no cut is made where an operation "
@@ -508,8 +516,9 @@ def _own_train_step(model):
 
 
 def search_families(model):
-    """The kinds of plan "auto" and a budget choose among, each estimated
-    from its own trace: the nested blocks "auto" would recompute (if any),
+    """The kinds of plan "auto" and a budget choose among, estimated from
+    one trace (`RecomputeSetup.search`): the nested blocks "auto" would
+    recompute (if any),
     and a segment between every two cut points of a functional model's
     graph (if it has any), whose coarser segmentations the search merges.
     A model whose nested blocks are few or small beside the flat graph

@@ -20,6 +20,7 @@ the inner block's, plus the inner block's while its own backward runs.
 """
 
 import contextlib
+import functools
 import threading
 
 import keras
@@ -74,6 +75,27 @@ def probing(probe, layer_ids):
         if id(layer) not in layer_ids:
             return call(*args, **kwargs)
         return probe.run(id(layer), call, *args, **kwargs)
+
+    return _handling(handle)
+
+
+def probing_together(probes, replaced):
+    """One trace recording several kinds of plan: a marked layer's call
+    runs `replaced[id(layer)](args, kwargs)` when it has an entry (a
+    functional layer run as the chain of its segments), else its `call`,
+    through each `probe.run(id, ...)` of the `(probe, layer_ids)` pairs
+    `probes` whose ids hold it."""
+    probes = [(probe, frozenset(ids)) for probe, ids in probes]
+
+    def handle(layer, call, args, kwargs):
+        fn = call
+        if id(layer) in replaced:
+            run = replaced[id(layer)]
+            fn = lambda *a, **k: run(a, k)  # noqa: E731
+        for probe, ids in probes:
+            if id(layer) in ids:
+                fn = functools.partial(probe.run, id(layer), fn)
+        return fn(*args, **kwargs)
 
     return _handling(handle)
 

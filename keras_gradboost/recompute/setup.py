@@ -38,6 +38,7 @@ from keras_gradboost.recompute.budget import merge
 from keras_gradboost.recompute.choice import RETYPED_NOTE
 from keras_gradboost.recompute.choice import choose
 from keras_gradboost.recompute.choice import graph_of
+from keras_gradboost.recompute.choice import graphs_retyped
 from keras_gradboost.recompute.choice import nested_names
 from keras_gradboost.recompute.choice import search_families
 from keras_gradboost.recompute.choice import resegment
@@ -49,6 +50,7 @@ from keras_gradboost.recompute.estimates import BlockEstimate
 from keras_gradboost.recompute.estimates import RecomputePlan
 from keras_gradboost.recompute.estimates import eigen_convolution_kernels
 from keras_gradboost.recompute.estimates import estimate
+from keras_gradboost.recompute.estimates import estimate_together
 from keras_gradboost.recompute.estimates import kept_bytes
 from keras_gradboost.recompute.estimates import plan_bytes
 from keras_gradboost.recompute.estimates import selective_plan_bytes
@@ -464,6 +466,7 @@ class RecomputeSetup:
         )
 
     def _estimate(self, model, spec):
+        _build(model, spec)
         return estimate(
             model,
             lambda v, p: self.forward(model, v, probe=p),
@@ -471,6 +474,76 @@ class RecomputeSetup:
             self.keys,
             selective=self.selective,
             owned={id(l): l.trainable_variables for l in self.layers} or None,
+            pile_up=step_gradients_pile_up(model),
+            update_buffers=self._update_buffers(model),
+        )
+
+    def _estimate_together(self, model, spec, kinds):
+        """`_estimate` of each kind of plan (`(layers, segments)` pairs),
+        from one traced step where it can be (`_traced_together`): tracing
+        is most of a search's time.
+
+        Under a mixed policy set after a graph was built
+        (`compile(precision=...)`), a graph run as the chain of its
+        segments computes otherwise than its own call (each segment
+        converts its input to the dtype it was built in: 1152 bytes kept
+        for a residual `Sequential` where its call keeps 896). There each
+        kind that runs segments is traced in a forward of its own, and the
+        other kinds together in the model's own call.
+        """
+        _build(model, spec)
+        views = []
+        for layers, pieces in kinds:
+            view = copy.copy(self)
+            view.layers, view.segments = layers, pieces
+            view.apply()
+            views.append(view)
+        groups = [list(range(len(views)))]
+        if graphs_retyped(model):
+            plain = [i for i, v in enumerate(views) if not v.segments]
+            groups = [plain] * bool(plain) + [[i] for i, v in enumerate(views) if v.segments]
+        estimated = [None] * len(views)
+        for group in groups:
+            found = self._traced_together(model, spec, [views[i] for i in group])
+            for i, figures in zip(group, found):
+                estimated[i] = figures
+        return estimated
+
+    def _traced_together(self, model, spec, views):
+        """`_estimate` of each of `views` (this setup with a kind's blocks)
+        from one traced step: the model's own graph run as its segments
+        when a view cuts it, each functional layer a view cuts run as the
+        chain of its segments, and every view's blocks recorded by a probe
+        of its own. A view's blocks run the same operations in any of these
+        forwards (where no graph computes in another dtype than it was
+        built in), so its figures are those its own trace gives
+        (test_nested_graph.py)."""
+        own = next((i for i, v in enumerate(views) if v.segments and v.holder is None), None)
+
+        def forward(x, probes):
+            replaced = {
+                id(v.holder): v._chain(set(), probes[i])
+                for i, v in enumerate(views)
+                if v.holder is not None
+            }
+            by_layer = [(probes[i], v.keys) for i, v in enumerate(views) if not v.segments]
+            with mechanism.probing_together(by_layer, replaced):
+                if own is not None:
+                    return views[own].forward(model, x, probe=probes[own])
+                return _own_call(model, x)
+
+        return estimate_together(
+            model,
+            forward,
+            spec,
+            [
+                {
+                    "keys": v.keys,
+                    "selective": self.selective,
+                    "owned": {id(l): l.trainable_variables for l in v.layers} or None,
+                }
+                for v in views
+            ],
             pile_up=step_gradients_pile_up(model),
             update_buffers=self._update_buffers(model),
         )
@@ -678,8 +751,8 @@ class RecomputeSetup:
     def search(self, model, spec):
         """Estimates each kind of plan "auto" and a budget choose among
         (`choice.search_families`: the nested blocks, and the segments of
-        the model's graph or of a functional layer's) once at `spec`, and
-        lists the plans.
+        the model's graph or of a functional layer's) at `spec`, all from
+        one traced step (`_estimate_together`), and lists the plans.
 
         Returns:
             `(total, families, layouts, found)`: bytes without recompute;
@@ -688,11 +761,11 @@ class RecomputeSetup:
             `Candidate`s, whose `layout` indexes `layouts`.
         """
         families, layouts, found = [], [], []
-        gradients = _gradient_bytes(model)
-        for layers, pieces in search_families(model):
+        kinds = search_families(model)
+        estimated = self._estimate_together(model, spec, kinds)
+        gradients = _gradient_bytes(model)  # (the estimate builds the layers)
+        for (layers, pieces), (family_total, per_block, sizes) in zip(kinds, estimated):
             self.layers, self.segments = layers, pieces
-            self.apply()
-            family_total, per_block, sizes = self._estimate(model, spec)
             family = len(families)
             families.append((layers, pieces, family_total, sizes))
             mine = []
@@ -835,6 +908,22 @@ def _dtype_signature(model):
 def _same_policies(a, b):
     """Whether two `_dtype_signature`s agree on the layers both have."""
     return all(a[k] == b[k] for k in a.keys() & b.keys())
+
+
+def _build(model, spec):
+    """Builds the layers a model builds at its first call (a subclassed
+    one's), by tracing its forward at `spec`, if any is not built yet.
+
+    Built inside an estimate's traced step, their weights' initial values
+    landed in the blocks' operations and each block's weights were not yet
+    its own: a subclassed model's first `fit` estimated its first kind of
+    plan as if each residual block also held the layer before it (39.3
+    KFLOP to recompute instead of 12.9) and "auto" chose the blocks whole
+    instead of the blocks and the blocks inside them.
+    """
+    if all(layer.built for layer in hooks.flatten_layers(model)):
+        return
+    tf.function(lambda x: _own_call(model, x), autograph=False).get_concrete_function(spec)
 
 
 def _own_call(model, x):

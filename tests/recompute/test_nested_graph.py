@@ -328,6 +328,49 @@ def _ops_model(cls, nested):
     return cls(x, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h)))
 
 
+def _numbers(figures):
+    """A block's figures as numbers: tensor names, which the scopes of
+    each trace prefix, give way to counts and byte sums."""
+    out = {}
+    for field, value in figures.items():
+        if isinstance(value, dict):
+            out[field] = (len(value), sum(v for v in value.values() if isinstance(v, int)))
+        elif isinstance(value, (set, list, tuple)):
+            out[field] = len(value)
+        elif field != "parent":  # a key: id(layer), the same here
+            out[field] = value
+    return out
+
+
+@pytest.mark.parametrize("precision", [None, "mixed_bfloat16"])
+def test_one_trace_gives_each_kind_of_plan_the_figures_of_its_own_trace(precision):
+    # The search traces the step once for every kind of plan (here the
+    # tower whole, the tower's segments, the model's segments): the model
+    # run as its segments, the tower as the chain of its own. Each kind's
+    # figures must be those of its own trace, as the search had (MobileNetV2
+    # bases, ConvNeXtTiny, GPT-2 and BERT: byte for byte the same plans).
+    # Under a policy set after building, a chain computes otherwise than
+    # the graph's own call: the kinds that run one are traced on their own.
+    model = _ops_model(GradBoostModel, nested=True)
+    model.compile(optimizer="sgd", loss="mse", recompute="auto", precision=precision)
+    assert choice.graphs_retyped(model) == bool(precision)
+    setup = model._gradboost.recompute
+    spec = tf.TensorSpec((4, 64, 8))
+    kinds = choice.search_families(model)
+    assert [bool(layers) for layers, _ in kinds] == [True, False, False]
+    assert kinds[1][1][0].holder is not None and kinds[2][1][0].holder is None
+    together = setup._estimate_together(model, spec, kinds)
+    for (layers, pieces), (total, per_block, sizes) in zip(kinds, together):
+        setup.layers, setup.segments = layers, pieces
+        setup.apply()
+        alone_total, alone, alone_sizes = setup._estimate(model, spec)
+        assert total == alone_total
+        assert sorted(sizes.values()) == sorted(alone_sizes.values())
+        assert list(per_block) == list(alone)
+        for key in per_block:
+            assert _numbers(per_block[key]) == _numbers(alone[key]), key
+
+
 @pytest.mark.filterwarnings("ignore:recompute=")
 @pytest.mark.parametrize("nested", [True, False], ids=["tower", "model"])
 def test_precision_set_at_compile_cuts_no_graph_before_a_raw_operation(nested):
