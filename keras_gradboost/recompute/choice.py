@@ -260,9 +260,8 @@ def retyped(model):
     layer) has fewer cut points than as built: it computes in another dtype
     than it was built in, and an operation computing in the dtype it is
     given reads a tensor that would be one (`_crossable`)."""
-    graphs = {id(g): g for g in map(hooks.layer_graph, hooks.flatten_layers(model)) if g}
     return any(
-        len(cut_points(g)[1]) < len(cut_points(g, as_built=True)[1]) for g in graphs.values()
+        len(cut_points(g)[1]) < len(cut_points(g, as_built=True)[1]) for g in _graphs(model)
     )
 
 
@@ -270,8 +269,13 @@ def graphs_retyped(model):
     """Whether a functional graph of `model` (its own, or one it calls as a
     layer) computes in another dtype than it was built in (`_retyped`: a
     mixed policy set after building, as `compile(precision=...)` does)."""
+    return any(_retyped(hooks.functional_nodes(g)) for g in _graphs(model))
+
+
+def _graphs(model):
+    """The functional graphs of `model`, its own and its layers', each once."""
     graphs = {id(g): g for g in map(hooks.layer_graph, hooks.flatten_layers(model)) if g}
-    return any(_retyped(hooks.functional_nodes(g)) for g in graphs.values())
+    return list(graphs.values())
 
 
 RETYPED_NOTE = (
@@ -395,9 +399,10 @@ def nested_graphs(model, blocks):
     are few (`NESTED_UP_TO`), or else the one that holds more layers than all the
     others together: a keras.applications base called as a layer is one
     block, whose replay would hold all its activations at once, and its
-    graph can be cut like a model's. (Each costs a traced estimate.) Not
-    one whose input carries a Keras mask, which does not cross the cut
-    tensors."""
+    graph can be cut like a model's (its segments share the search's one
+    trace, but under a mixed policy set after building, where each holder's
+    takes a trace of its own). Not one whose input carries a Keras mask,
+    which does not cross the cut tensors."""
     cuttable = [
         layer
         for layer in blocks
@@ -518,8 +523,8 @@ def _own_train_step(model):
 def search_families(model):
     """The kinds of plan "auto" and a budget choose among, estimated from
     one trace (`RecomputeSetup.search`): the nested blocks "auto" would
-    recompute (if any),
-    and a segment between every two cut points of a functional model's
+    recompute (if any), and a segment between every two cut points of a
+    functional model's
     graph (if it has any), whose coarser segmentations the search merges.
     A model whose nested blocks are few or small beside the flat graph
     around them (ConvNeXt's 18 blocks sit inline between 4 nested

@@ -408,7 +408,9 @@ def estimate(
     )[0]
 
 
-def estimate_together(model, forward, input_spec, families, pile_up=_FROM_MODEL, update_buffers=0):
+def estimate_together(
+    model, forward, input_spec, families, pile_up=_FROM_MODEL, update_buffers=0
+):
     """`estimate` of several kinds of plan from one traced training step
     (tracing is most of an estimate's time: 3.4 s of MobileNetV2's at 32x32).
 

@@ -69,14 +69,7 @@ def active(layer_ids, selective=False):
 
 def probing(probe, layer_ids):
     """Calls of marked layers in `layer_ids` go through `probe.run(id, ...)`."""
-    layer_ids = frozenset(layer_ids)
-
-    def handle(layer, call, args, kwargs):
-        if id(layer) not in layer_ids:
-            return call(*args, **kwargs)
-        return probe.run(id(layer), call, *args, **kwargs)
-
-    return _handling(handle)
+    return probing_together([(probe, layer_ids)], {})
 
 
 def probing_together(probes, replaced):
@@ -90,8 +83,7 @@ def probing_together(probes, replaced):
     def handle(layer, call, args, kwargs):
         fn = call
         if id(layer) in replaced:
-            run = replaced[id(layer)]
-            fn = lambda *a, **k: run(a, k)  # noqa: E731
+            fn = functools.partial(_run_as_call, replaced[id(layer)])
         for probe, ids in probes:
             if id(layer) in ids:
                 fn = functools.partial(probe.run, id(layer), fn)
@@ -100,18 +92,17 @@ def probing_together(probes, replaced):
     return _handling(handle)
 
 
+def _run_as_call(run, *args, **kwargs):
+    """`run(args, kwargs)` called as the `call` it replaces."""
+    return run(args, kwargs)
+
+
 def replacing(layer, run):
     """The marked `layer`'s calls run `run(args, kwargs)` (the arguments of
     its `call`) instead of its `call` inside this context; other marked
     layers run as they are (a functional layer run as a chain of its
     segments, `RecomputeSetup`)."""
-
-    def handle(marked, call, args, kwargs):
-        if marked is layer:
-            return run(args, kwargs)
-        return call(*args, **kwargs)
-
-    return _handling(handle)
+    return probing_together([], {id(layer): run})
 
 
 def _plain():

@@ -761,9 +761,10 @@ class RecomputeSetup:
             `Candidate`s, whose `layout` indexes `layouts`.
         """
         families, layouts, found = [], [], []
+        _build(model, spec)  # (an unbuilt `Sequential` has no graph to cut yet)
         kinds = search_families(model)
         estimated = self._estimate_together(model, spec, kinds)
-        gradients = _gradient_bytes(model)  # (the estimate builds the layers)
+        gradients = _gradient_bytes(model)
         for (layers, pieces), (family_total, per_block, sizes) in zip(kinds, estimated):
             self.layers, self.segments = layers, pieces
             family = len(families)
@@ -912,7 +913,9 @@ def _same_policies(a, b):
 
 def _build(model, spec):
     """Builds the layers a model builds at its first call (a subclassed
-    one's), by tracing its forward at `spec`, if any is not built yet.
+    one's), by tracing its forward at `spec`, if the model is not built yet
+    (a layer its training call never reaches stays unbuilt: not traced
+    again for it at each estimate).
 
     Built inside an estimate's traced step, their weights' initial values
     landed in the blocks' operations and each block's weights were not yet
@@ -921,7 +924,7 @@ def _build(model, spec):
     KFLOP to recompute instead of 12.9) and "auto" chose the blocks whole
     instead of the blocks and the blocks inside them.
     """
-    if all(layer.built for layer in hooks.flatten_layers(model)):
+    if model.built:
         return
     tf.function(lambda x: _own_call(model, x), autograph=False).get_concrete_function(spec)
 

@@ -488,12 +488,22 @@ def test_under_graph_rewrites_equal_up_to_rounding(data):
 
 
 class Net(keras.Model):
-    """A subclassed model: its layers are built at its first call."""
+    """A subclassed model: its layers are built at its first call. With
+    `sequential`, its blocks are `Sequential`s without an `Input`, whose
+    graph (which "auto" may cut) exists only once built."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, sequential=False, **kwargs):
         super().__init__(**kwargs)
         self.stem = keras.layers.Dense(WIDTH)
-        self.body = [ResBlock(name=f"blk_{i}") for i in range(2)]
+        self.body = [
+            keras.Sequential(
+                [keras.layers.Dense(4 * WIDTH, activation="gelu"), keras.layers.Dense(WIDTH)],
+                name=f"blk_{i}",
+            )
+            if sequential
+            else ResBlock(name=f"blk_{i}")
+            for i in range(2)
+        ]
         self.head = keras.layers.Dense(3)
 
     def call(self, x, training=None):
@@ -519,21 +529,25 @@ def test_subclassed_and_boosted_models(data):
     assert_same_state(plain, rc)
 
 
-def test_a_model_built_at_its_first_call_is_estimated_as_one_built_before():
+@pytest.mark.parametrize("sequential", [False, True], ids=["layers", "sequentials"])
+def test_a_model_built_at_its_first_call_is_estimated_as_one_built_before(sequential):
     # Built inside the estimate's traced step, the layers' initializers
     # landed in the first block's operations: "auto" estimated blk_0 as if it
-    # also held the stem (39.3 KFLOP to recompute instead of 12.9).
+    # also held the stem (39.3 KFLOP to recompute instead of 12.9). And a
+    # `Sequential` block has a graph to cut only once built.
     spec = tf.TensorSpec((16, WIDTH))
     found = []
     for build_first in (True, False):
         keras.utils.set_random_seed(0)
-        model = boost(Net())
+        model = boost(Net(sequential))
         if build_first:
             model(tf.zeros((1, WIDTH)))
         model.compile(optimizer="sgd", loss="mse", recompute="auto")
-        _, _, _, candidates = model._gradboost.recompute.search(model, spec)
-        found.append([(c.bytes, c.peak, c.flops) for c in candidates])
+        _, families, _, candidates = model._gradboost.recompute.search(model, spec)
+        kinds = [bool(segments) for _, segments, _, _ in families]
+        found.append((kinds, [(c.bytes, c.peak, c.flops) for c in candidates]))
     assert found[0] == found[1]
+    assert any(found[0][0]) == sequential  # a kind of segments: the Sequentials'
 
 
 

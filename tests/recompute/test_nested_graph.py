@@ -16,6 +16,7 @@ from keras_gradboost import hooks
 from keras_gradboost import precision_measure
 from keras_gradboost import recompute
 from keras_gradboost.recompute import choice
+from keras_gradboost.recompute import estimates
 from recompute.models import assert_same_state
 from recompute.models import grappler
 
@@ -102,17 +103,13 @@ def test_auto_cuts_a_nested_base_and_trains_exactly_like_keras(kind, onednn_conv
     assert_same_state(reference, model)
 
 
-def test_nested_base_in_mixed_precision_equals_no_recompute():
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    try:
-        reference = base_classifier(GradBoostModel)
-        _fit(reference)
-        model = base_classifier(GradBoostModel)
-        _fit(model, recompute="auto")
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-    assert model.recompute_plan().recomputed[0].startswith(f"{BASE}/")
-    assert_same_state(reference, model, atol=0)
+# The base under a global mixed_bfloat16 policy, "auto" against no recompute
+# (32-34 s of CI on an AVX2 CPU), dropped to keep CI under its limit: the
+# interaction matrix trains "auto" on a nested functional tower in
+# mixed_float16 (and, measuring precision, steps in mixed_bfloat16) against
+# plain Keras, and the plans chosen
+# under a policy set at compile or measured are tested below on this base's
+# kind of graph.
 
 
 def test_budgets_on_a_nested_base_are_monotonic_and_reach_auto(onednn_convolutions):
@@ -366,13 +363,13 @@ def _numbers(figures):
             out[field] = (len(value), sum(v for v in value.values() if isinstance(v, int)))
         elif isinstance(value, (set, list, tuple)):
             out[field] = len(value)
-        elif field != "parent":  # a key: id(layer), the same here
+        else:  # numbers, and `parent`: a key, id(layer), the same here
             out[field] = value
     return out
 
 
 @pytest.mark.parametrize("precision", [None, "mixed_bfloat16"])
-def test_one_trace_gives_each_kind_of_plan_the_figures_of_its_own_trace(precision):
+def test_one_trace_gives_each_kind_of_plan_the_figures_of_its_own_trace(precision, monkeypatch):
     # The search traces the step once for every kind of plan (here the
     # tower whole, the tower's segments, the model's segments): the model
     # run as its segments, the tower as the chain of its own. Each kind's
@@ -388,7 +385,13 @@ def test_one_trace_gives_each_kind_of_plan_the_figures_of_its_own_trace(precisio
     kinds = choice.search_families(model)
     assert [bool(layers) for layers, _ in kinds] == [True, False, False]
     assert kinds[1][1][0].holder is not None and kinds[2][1][0].holder is None
+    traces = []
+    trace_step = estimates._trace_step
+    monkeypatch.setattr(estimates, "_trace_step", lambda *a: traces.append(1) or trace_step(*a))
     together = setup._estimate_together(model, spec, kinds)
+    # One trace; under the mixed policy, the tower's and the model's
+    # segments each their own, the tower whole in the model's call.
+    assert len(traces) == (3 if precision else 1)
     for (layers, pieces), (total, per_block, sizes) in zip(kinds, together):
         setup.layers, setup.segments = layers, pieces
         setup.apply()
