@@ -61,7 +61,8 @@ configuration.
 `--models ... --search-time` times, in one process, the estimates "auto" and
 a budget search at the first traced batch: every kind of plan from one
 traced step (`RecomputeSetup.search` now) against a trace per kind (what
-it did before), pairs in alternating order, an A/A row beside; batch 16.
+it did before), pairs in alternating order, an A/A row beside; batch 16
+(the residual MLP's 2048).
 
     python benchmarks/bench_recompute.py --models nested_MobileNetV2,gpt2 \
         --search-time --pixels 32 --rounds 6
@@ -420,6 +421,8 @@ def main():
         parser.error(
             "--precision, --global-policy and --update apply to the --models memory table"
         )
+    if args.search_time and not args.models:
+        parser.error("--search-time times the search on --models: name them")
     if args.worker:
         return worker(args)
     if args.time_worker:
@@ -571,6 +574,7 @@ def search_time(args):
     import tensorflow as tf
 
     from fit_rounds import ratio
+    from keras_gradboost import zoo
     from keras_gradboost.recompute import choice
 
     print(
@@ -581,7 +585,10 @@ def search_time(args):
     )
     for name in args.models.split(","):
         select_model(args, name)
-        model = hub_model(args) if args.hub else application(args)
+        model = (
+            hub_model(args) if args.hub else application(args) if args.app
+            else zoo.residual_mlp(blocks=args.blocks, width=args.width)
+        )
         model.compile(optimizer="adam", loss="mse", recompute="auto")
         setup = model._gradboost.recompute
         spec = tf.nest.map_structure(
