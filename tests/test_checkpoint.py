@@ -242,6 +242,7 @@ def test_a_saved_dynamic_scale_never_overwrites_a_fixed_one(tmp_path, loss_scale
         assert float(fixed._gradboost.scaler.scale.numpy()) == 128.0
 
 
+@pytest.mark.usefixtures("no_graph_rewrites")
 def test_a_real_architecture_saved_mid_window_goes_on_as_if_never_saved(tmp_path):
     # keras.applications MobileNetV2 (BatchNormalization, depthwise convs)
     # through boost(): loss scale, skip counter and window survive `.keras`.

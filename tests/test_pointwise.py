@@ -138,6 +138,7 @@ def test_matmul_equals_keras_values_and_gradients():
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.usefixtures("no_graph_rewrites")
 def test_a_real_architecture_trains_like_keras():
     """keras.applications.MobileNetV3Small (1x1 convolutions in its inverted
     residuals and squeeze-and-excite blocks, hard-swish), boosted with
@@ -192,6 +193,7 @@ def _fit_weights(pointwise_setting, seed=0, **compile_kwargs):
     ],
     ids=["recompute", "selective", "accumulate", "bfloat16"],
 )
+@pytest.mark.usefixtures("no_graph_rewrites")
 def test_matmul_with_other_features_trains_like_keras(extra):
     """Each feature with 1x1 convolutions as matmuls against the same
     feature with Keras' convolutions: the same weights after 4 steps. The

@@ -84,12 +84,6 @@ def all_state(model):
     return [np.asarray(v) for v in model.variables]
 
 
-def grappler(disabled):
-    before = tf.config.optimizer.get_experimental_options()
-    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": disabled})
-    return before.get("disable_meta_optimizer", False)
-
-
 def assert_same_state(a, b, atol=1e-6):
     for va, vb, var in zip(all_state(a), all_state(b), a.variables):
         np.testing.assert_allclose(va, vb, atol=atol, rtol=0, err_msg=var.path)

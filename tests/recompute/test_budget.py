@@ -15,10 +15,10 @@ import tensorflow as tf
 
 import keras
 import keras_gradboost as kgb
+from conftest import grappler
 from keras_gradboost import recompute
 from keras_gradboost import zoo
 from recompute.models import flat_model
-from recompute.models import grappler
 from recompute.models import wide_model
 
 MIB = recompute.MIB

@@ -9,11 +9,11 @@ import tensorflow as tf
 import keras
 
 from conftest import frozen_base_classifier
+from conftest import grappler
 from conftest import kept_for_backward
 from keras_gradboost import GradBoostModel
 from keras_gradboost import recompute
 from recompute.models import assert_same_state
-from recompute.models import grappler
 from recompute.models import residual_model
 from recompute.models import train
 from recompute.models import wide_model

@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import keras
+from conftest import grappler
 from conftest import rnn_states
 from conftest import stateful_rnn_data
 from conftest import stateful_rnn_model
@@ -20,7 +21,6 @@ from recompute.models import WIDTH
 from recompute.models import ResBlock
 from recompute.models import TfRandomBlock
 from recompute.models import assert_same_state
-from recompute.models import grappler
 from recompute.models import residual_model
 from recompute.models import train
 

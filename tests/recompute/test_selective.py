@@ -8,12 +8,12 @@ import pytest
 import tensorflow as tf
 
 import keras
+from conftest import grappler
 from keras_gradboost import GradBoostModel
 from keras_gradboost.recompute import estimates
 from recompute.models import WIDTH
 from recompute.models import ResBlock
 from recompute.models import assert_same_state
-from recompute.models import grappler
 from recompute.models import residual_model
 from recompute.models import train
 
