@@ -72,9 +72,15 @@ def no_graph_rewrites():
     the training graph are about a third of a test's time (MobileNetV3Small
     with pointwise="matmul": 22.6 s with them, 16.2 s without).
 
-    The tests that measure memory, name a NaN's layer (NaNWatcher's
-    in-graph checks), or run the interaction matrix keep grappler on, as
-    users run; so does `test_under_graph_rewrites_equal_up_to_rounding`."""
+    Used only where grappler changes nothing the test checks. It also
+    decides what "auto" plans for (with it off, every gradient waits for
+    the whole backward: `updates.step_gradients_pile_up`), and a recomputed
+    block's weight reads race the optimizer's updates only with it on
+    (`mechanism.recomputed`). So outside tests/recompute/ (whose
+    `test_under_graph_rewrites_equal_up_to_rounding` checks the default
+    set-up), the tests that measure memory, run NaNWatcher's in-graph
+    checks or the interaction matrix, or recompute keep it on, as users
+    run."""
     before = grappler(True)
     yield
     grappler(before)

@@ -157,7 +157,6 @@ def test_multi_worker_mirrored_strategy_is_accepted_and_named_publicly():
         )
 
 
-@pytest.mark.usefixtures("no_graph_rewrites")
 def test_mirrored_recompute_equals_no_recompute():
     """Each replica's thread recomputes its own blocks, with its own Dropout
     masks and BatchNormalization statistics restored; selectively too (the
@@ -212,7 +211,6 @@ def test_an_uneven_split_without_accumulation_warns(samples, uneven):
         assert "1 of them" in said[0] and "accumulate_steps >= 2" in said[0]
 
 
-@pytest.mark.usefixtures("no_graph_rewrites")
 def test_mirrored_auto_fed_by_a_generator_trains_as_on_arrays():
     """"auto" reads a generator's first batch for the batch size, and each
     replica traces half of it: the plan and the training equal those of

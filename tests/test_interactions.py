@@ -23,13 +23,6 @@ it xfails only when every failed check is one its defects explain and each
 of its defects still shows; any other failed check fails the test, and so
 does a defect that no longer shows (the day it is fixed the test says so).
 
-The cells run without graph rewrites (grappler; the `no_graph_rewrites`
-fixture), as their eager references do: a rewrite changes the rounding of
-one graph and not the other, never what a feature does, and grappler's
-passes were about a third of a cell's time. tests/callbacks/ and
-tests/test_accumulate.py run the same features with grappler on, as users
-run.
-
 `pytest -s tests/test_interactions.py` prints the matrix as a table at the
 end of the module (also without `-s`, through the terminal reporter).
 """
@@ -59,8 +52,6 @@ from keras_gradboost.callbacks import NaNWatcher
 from keras_gradboost.callbacks import NonFiniteError
 from keras_gradboost.callbacks import RetraceCounter
 from keras_gradboost.callbacks import StepTimeMonitor
-
-pytestmark = pytest.mark.usefixtures("no_graph_rewrites")
 
 BATCH = 4  # samples per batch (micro-batch under accumulation)
 BATCHES = 8  # batches per epoch

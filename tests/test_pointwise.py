@@ -193,7 +193,6 @@ def _fit_weights(pointwise_setting, seed=0, **compile_kwargs):
     ],
     ids=["recompute", "selective", "accumulate", "bfloat16"],
 )
-@pytest.mark.usefixtures("no_graph_rewrites")
 def test_matmul_with_other_features_trains_like_keras(extra):
     """Each feature with 1x1 convolutions as matmuls against the same
     feature with Keras' convolutions: the same weights after 4 steps. The

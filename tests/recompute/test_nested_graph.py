@@ -134,6 +134,28 @@ def test_budgets_on_a_nested_base_are_monotonic_and_reach_auto(onednn_convolutio
     assert fits and chosen.chosen and chosen.peak <= budget, chosen
 
 
+def _conv_base(name):
+    """Six convolution blocks (BatchNormalization, Dropout) as a functional
+    model on 32x32 images: a base with cut points, seconds to trace."""
+    inputs = keras.Input((32, 32, 3))
+    h = inputs
+    for i in range(6):
+        h = keras.layers.Conv2D(16, 3, padding="same", name=f"conv_{i}")(h)
+        h = keras.layers.BatchNormalization(name=f"bn_{i}")(h)
+        h = keras.layers.ReLU(name=f"relu_{i}")(h)
+        h = keras.layers.Dropout(0.1, name=f"drop_{i}")(h)
+    return keras.Model(inputs, h, name=name)
+
+
+def _tower_classifier(cls):
+    """`_conv_base` called as a layer, pooled, and a Dense head."""
+    keras.utils.set_random_seed(0)
+    base = _conv_base("tower_base")
+    inputs = keras.Input((32, 32, 3))
+    pooled = keras.layers.GlobalAveragePooling2D()(base(inputs))
+    return cls(inputs, keras.layers.Dense(3)(pooled))
+
+
 class OwnStep(GradBoostModel):
     """keras.io's pattern of an own `train_step` with its own forward."""
 
@@ -162,7 +184,8 @@ def _count_recomputed(monkeypatch):
 def test_an_own_train_step_runs_the_base_as_its_segments(monkeypatch, onednn_convolutions):
     # Top-level segments need GradBoostModel's forward (refused otherwise);
     # a nested base's run inside the model's own call, whoever calls it.
-    # (On the MobileNetV2 base, 22 s of CI; the six-block tower takes 6.)
+    # (The MobileNetV2 base took 22 s of CI, the tower 6: the tests above
+    # cut MobileNetV2 in GradBoostModel's train_step against plain Keras.)
     reference = _tower_classifier(keras.Model)
     _fit(reference)
     model = _tower_classifier(OwnStep)
@@ -290,28 +313,6 @@ def test_auto_cuts_a_nested_sequential_and_trains_exactly_like_keras(onednn_conv
     assert plan.peak_bytes < 0.6 * plan.peak_bytes_without, plan
     np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-6)
     assert_same_state(reference, model)
-
-
-def _conv_base(name):
-    """Six convolution blocks (BatchNormalization, Dropout) as a functional
-    model on 32x32 images: a base with cut points, seconds to trace."""
-    inputs = keras.Input((32, 32, 3))
-    h = inputs
-    for i in range(6):
-        h = keras.layers.Conv2D(16, 3, padding="same", name=f"conv_{i}")(h)
-        h = keras.layers.BatchNormalization(name=f"bn_{i}")(h)
-        h = keras.layers.ReLU(name=f"relu_{i}")(h)
-        h = keras.layers.Dropout(0.1, name=f"drop_{i}")(h)
-    return keras.Model(inputs, h, name=name)
-
-
-def _tower_classifier(cls):
-    """`_conv_base` called as a layer, pooled, and a Dense head."""
-    keras.utils.set_random_seed(0)
-    base = _conv_base("tower_base")
-    inputs = keras.Input((32, 32, 3))
-    pooled = keras.layers.GlobalAveragePooling2D()(base(inputs))
-    return cls(inputs, keras.layers.Dense(3)(pooled))
 
 
 def _siamese(cls):
