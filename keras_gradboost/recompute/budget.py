@@ -25,6 +25,7 @@ estimate gets a plan estimated no higher than "auto"'s (when none fits,
 import dataclasses
 
 from keras_gradboost.recompute.estimates import plan_bytes
+from keras_gradboost.recompute.estimates import plan_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,15 +124,20 @@ def candidates(total, layouts, sizes, gradient_bytes=None):
         A list of `Candidate`s, recomputing nothing first.
     """
 
-    def peak(figures, chosen):
+    # Per layout, what its plans' estimates share (`plan_layout`), found once.
+    bare = [plan_layout(figures) for figures, _ in layouts]
+    trained = [plan_layout(figures, gradient_bytes) for figures, _ in layouts]
+
+    def peak(layout, chosen):
         if gradient_bytes is None:
             return None
-        return plan_bytes(total, figures, sizes, chosen, gradient_bytes)
+        figures = layouts[layout][0]
+        return plan_bytes(total, figures, sizes, chosen, gradient_bytes, trained[layout])
 
     # Recomputing nothing: its training peak from the finest layout (the
     # gradients alive at a moment are counted per block, so a coarse
     # layout's reads higher).
-    nothing = [peak(figures, ()) for figures, _ in layouts]
+    nothing = [peak(layout, ()) for layout in range(len(layouts))]
     found = [Candidate(0, (), total, 0.0, min(nothing) if gradient_bytes is not None else None)]
     for layout, (figures, keys) in enumerate(layouts):
         ranked = sorted(
@@ -161,9 +167,9 @@ def candidates(total, layouts, sizes, gradient_bytes=None):
                 Candidate(
                     layout,
                     tuple(sorted(prefix)),
-                    plan_bytes(total, figures, sizes, prefix),
+                    plan_bytes(total, figures, sizes, prefix, layout=bare[layout]),
                     sum(figures[k]["flops"] for k in prefix),
-                    peak(figures, prefix),
+                    peak(layout, prefix),
                 )
             )
     return found

@@ -18,6 +18,7 @@ import keras_gradboost as kgb
 from conftest import grappler
 from keras_gradboost import recompute
 from keras_gradboost import zoo
+from keras_gradboost.recompute import estimates
 from recompute.models import flat_model
 from recompute.models import wide_model
 
@@ -395,6 +396,13 @@ def test_the_training_peak_counts_each_blocks_gradients_at_its_moment(
     sizes = {**{f"t{k}": 10 for k in range(3)}, "out-1": 1, "out0": 1, "out1": 1, "rest": 2}
     gradients = 4 + 6 + 20 + head + 7 + 2
     assert recompute.plan_bytes(35, figures, sizes, chosen, gradients) == peak
+    # The budget's candidates pass each layout's shared moments, found once
+    # (`plan_layout`): the same peak; a layout of other gradient bytes is
+    # refused, not used.
+    layout = estimates.plan_layout(figures, gradients)
+    assert recompute.plan_bytes(35, figures, sizes, chosen, gradients, layout) == peak
+    with pytest.raises(ValueError, match="`layout` was found for other .*plan_layout"):
+        recompute.plan_bytes(35, figures, sizes, chosen, None, layout)
     # Without the gradients: the activations alone, as before.
     assert recompute.plan_bytes(35, figures, sizes, chosen) == (15 if chosen else 35)
     # The same blocks chosen by the selective policy, 4 bytes of each
