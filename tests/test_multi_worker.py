@@ -12,19 +12,24 @@ window.
 
 import importlib.util
 import io
+import json
 import os
 import pathlib
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras
 import keras_gradboost
 from keras_gradboost.launcher import launch
 
 WORKERS = 2
-TIMEOUT = 100.0  # seconds for the whole job; it takes about 50 s on 2 cores
+# Seconds for the whole job; it took 55-79 s on 2 cores with the rest of
+# the suite running beside it (the callbacks' fits about 10 more).
+TIMEOUT = 150.0
 SCRIPT = pathlib.Path(__file__).parent / "workers" / "exact_fit.py"
+CALLBACKS_SCRIPT = SCRIPT.parent / "callbacks_fit.py"
 # Relative to the update: the mixed-precision cases' matmuls reduce over
 # each replica's rows in 16 bits, the reference's over the global batch.
 TOLERANCE = {"k2_bf16": 3e-2, "k2_f16": 3e-3}
@@ -84,7 +89,7 @@ def _reference(ef, name, init):
 
 
 @pytest.mark.multiworker
-def test_multi_worker_fit_equals_one_process_large_batch(tmp_path):
+def test_multi_worker_fits_and_callbacks_equal_one_process(tmp_path):
     """Two workers, eleven cases (accumulate_steps 1, 4, an uneven 3 with Adam, 3
     with a last global batch split 5 + 4 and 1 + 0 between the workers, 4
     with a dynamic loss scale, 4 with a NaN in one worker's part of a
@@ -97,7 +102,9 @@ def test_multi_worker_fit_equals_one_process_large_batch(tmp_path):
     on both workers); the NaN micro-batch is skipped on every worker, and
     only it; the gradients are all-reduced once per update (2 for 8
     micro-batches with accumulate_steps=4). XLA, which TensorFlow cannot
-    compile with CPU collectives, is off with the reason given."""
+    compile with CPU collectives, is off with the reason given. Then, in the
+    same job, the four callbacks agree across workers and with one process
+    (`_assert_callbacks_agree`)."""
     out = io.StringIO()
     codes = launch(
         SCRIPT, [str(tmp_path)], workers=WORKERS, timeout=TIMEOUT, env=_env(), output=out
@@ -163,3 +170,55 @@ def test_multi_worker_fit_equals_one_process_large_batch(tmp_path):
             np.testing.assert_allclose(
                 float(saved[0][f"{name}/loss"][-1]), mean_loss, rtol=TOLERANCE.get(name, 1e-5)
             )
+    _assert_callbacks_agree(tmp_path / "callbacks")
+
+
+def _assert_callbacks_agree(tmp_path):
+    """The four callbacks' fits of the job (tests/workers/callbacks_fit.py,
+    in `tmp_path`) against the same fit in this process on the same global
+    batches: a NaN in worker 1's part of a micro-batch is restored from on
+    every worker at the same step, and the weights after it equal one
+    process's; GradientAuditor names the same cut variables on each worker
+    and RetraceCounter counts the same traces; StepTimeMonitor times each
+    worker's own steps and only the chief writes TensorBoard's `log_dir`;
+    NaNWatcher's dumps are one file per worker (each holds its own part of
+    the bad batch). With `action="warn"` every worker drops the bad
+    micro-batch and goes on, as one process does."""
+    cf = load_script(CALLBACKS_SCRIPT)
+    one_dir = tmp_path / "one"
+    weights, report = cf.run(tf.distribute.get_strategy(), str(one_dir), shard=False)
+    init = cf.build().get_weights()
+    update = max(float(np.max(np.abs(w - i))) for w, i in zip(weights, init))
+    # Global batch 3 of each epoch.
+    assert report["nan_events"] == [[0, 3, "restored"], [1, 3, "restored"]], report
+    assert report["missing"] and all("cut" in v for v in report["missing"]), report
+    for i in range(WORKERS):
+        saved = np.load(tmp_path / f"callbacks-worker{i}.npz")
+        got = json.loads(str(saved["report"]))
+        for key in ("nan_events", "missing", "retraces", "iterations", "steps_timed"):
+            assert got[key] == report[key], (i, key, got[key], report[key])
+        final = [saved[f"arr_{j}"] for j in range(len(weights))]
+        diff = max(float(np.max(np.abs(f - w))) for f, w in zip(final, weights))
+        assert diff <= 1e-5 * update, (i, diff)
+    # TensorBoard: the chief's scalars only (one process wrote the same kind).
+    assert os.listdir(tmp_path / "tensorboard") and os.listdir(one_dir / "tensorboard")
+    assert len(os.listdir(tmp_path / "tensorboard")) == len(os.listdir(one_dir / "tensorboard"))
+    # The dumps: each worker its own part of the bad batch; the NaN in worker 1's.
+    dumps = sorted(os.listdir(tmp_path / "dumps"))
+    assert dumps == [
+        f"nonfinite_epoch{e}_step3_worker{i}.npz" for e in range(2) for i in range(WORKERS)
+    ], dumps
+    x_parts = [np.load(tmp_path / "dumps" / d)["arr_0"] for d in dumps]
+    assert [bool(np.isnan(p).any()) for p in x_parts] == [False, True] * 2
+    # NaNWatcher(action="warn"): every worker drops the bad micro-batch and
+    # goes on, as one process does.
+    weights, report = cf.run(tf.distribute.get_strategy(), str(tmp_path / "one-warn"),
+                             shard=False, action="warn")
+    assert report["nan_events"] == [[0, 3, "warned"], [1, 3, "warned"]], report
+    for i in range(WORKERS):
+        saved = np.load(tmp_path / f"warn-worker{i}.npz")
+        got = json.loads(str(saved["report"]))
+        assert got["nan_events"] == report["nan_events"] and got["iterations"] == report["iterations"]
+        final = [saved[f"arr_{j}"] for j in range(len(weights))]
+        diff = max(float(np.max(np.abs(f - w))) for f, w in zip(final, weights))
+        assert diff <= 1e-5 * update, (i, diff)

@@ -1,13 +1,17 @@
-"""A worker of tests/test_multi_worker_callbacks.py: GradBoostModel.fit under
-MultiWorkerMirroredStrategy with the four callbacks, a NaN in worker 1's
-part of one global batch, a variable whose gradient is cut.
+"""The callbacks part of the job of tests/test_multi_worker.py:
+GradBoostModel.fit under MultiWorkerMirroredStrategy with the four
+callbacks, a NaN in worker 1's part of one global batch, a variable whose
+gradient is cut.
 
-Run by `keras_gradboost.launch` with the output directory as argument. Each
-worker writes `callbacks-worker<i>.npz`: its final weights, the optimizer's
-iterations, what each callback reported; then the same with
-`NaNWatcher(action="warn")` (in `<out_dir>/warn`), `warn-worker<i>.npz`. `run(strategy, out_dir)` is also
-called by the test in its own process (the default strategy, no sharding)
-for the single-process reference.
+tests/workers/exact_fit.py calls `run_cases` after its own cases, in the
+same worker processes (a job of its own would start two more processes:
+about 20 s of CI); run alone (`keras_gradboost.launch`, the output
+directory as argument), `main` does the same. Each worker writes
+`callbacks-worker<i>.npz`: its final weights, the optimizer's iterations,
+what each callback reported; then the same with
+`NaNWatcher(action="warn")` (in `<out_dir>/warn`), `warn-worker<i>.npz`.
+`run(strategy, out_dir)` is also called by the test in its own process
+(the default strategy, no sharding) for the single-process reference.
 """
 
 import json
@@ -83,16 +87,20 @@ def run(strategy, out_dir, index=0, shard=True, action="restore"):
     return model.get_weights(), report
 
 
-def main(out_dir):
-    import tensorflow as tf
-
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+def run_cases(strategy, out_dir, index):
+    """Both actions' fits on every worker, their files in `out_dir`."""
     for action, name in (("restore", "callbacks"), ("warn", "warn")):
         where = out_dir if action == "restore" else os.path.join(out_dir, action)
         weights, report = run(strategy, where, index, action=action)
         np.savez(os.path.join(out_dir, f"{name}-worker{index}.npz"), *weights,
                  report=np.array(json.dumps(report)))
+
+
+def main(out_dir):
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    run_cases(strategy, out_dir, json.loads(os.environ["TF_CONFIG"])["task"]["index"])
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ directory as argument. Each worker writes `worker<index>.npz`: per case the
 initial and final weights, the optimizer's iterations, the gradient
 all-reduces that ran, the skipped steps and the logged losses; and, for the
 sharding check, the rows of `x` this worker's replica received at each step
-of the regression dataset.
+of the regression dataset. Then the four callbacks' fits
+(tests/workers/callbacks_fit.py) write theirs in `<out_dir>/callbacks`.
 
 The dataset is batched with the global batch size and sharded with
 `tf.data.experimental.AutoShardPolicy.DATA`: every worker reads the whole
@@ -235,6 +236,13 @@ def main(out_dir):
     saved["xla_warning"] = np.array(" ".join(str(w.message) for w in caught))
     saved["jit_compile"] = np.array(bool(model.jit_compile))
     np.savez(os.path.join(out_dir, f"worker{index}.npz"), **saved)
+    # The four callbacks, in this job's processes (tests/workers/callbacks_fit.py,
+    # beside this script: on the path of a script run as one).
+    import callbacks_fit
+
+    callbacks_dir = os.path.join(out_dir, "callbacks")
+    os.makedirs(callbacks_dir, exist_ok=True)
+    callbacks_fit.run_cases(strategy, callbacks_dir, index)
 
 
 if __name__ == "__main__":
