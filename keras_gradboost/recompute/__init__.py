@@ -43,6 +43,7 @@ from keras_gradboost.recompute.estimates import BlockEstimate
 from keras_gradboost.recompute.estimates import RecomputePlan
 from keras_gradboost.recompute.estimates import estimate
 from keras_gradboost.recompute.estimates import plan_bytes
+from keras_gradboost.recompute.estimates import plan_layout
 from keras_gradboost.recompute.estimates import selective_plan_bytes
 from keras_gradboost.recompute.mechanism import active
 from keras_gradboost.recompute.mechanism import is_marked

@@ -126,7 +126,8 @@ def candidates(total, layouts, sizes, gradient_bytes=None):
 
     # Per layout, what its plans' estimates share (`plan_layout`), found once.
     bare = [plan_layout(figures) for figures, _ in layouts]
-    trained = [plan_layout(figures, gradient_bytes) for figures, _ in layouts]
+    if gradient_bytes is not None:
+        trained = [plan_layout(figures, gradient_bytes) for figures, _ in layouts]
 
     def peak(layout, chosen):
         if gradient_bytes is None:

@@ -1039,9 +1039,14 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None, layout=None
     """
     if layout is None:
         layout = plan_layout(per_block, gradient_bytes)
-    elif layout.per_block is not per_block or layout.gradient_bytes != gradient_bytes:
+    elif layout.per_block is not per_block:
         raise ValueError(
-            "plan_bytes: `layout` was found for other figures or gradient bytes "
+            "plan_bytes: `layout` was found for other figures than `per_block`; "
+            "pass plan_layout(per_block, gradient_bytes)."
+        )
+    elif layout.gradient_bytes != gradient_bytes:
+        raise ValueError(
+            f"plan_bytes: `layout` was found for other gradient bytes "
             f"({layout.gradient_bytes}, here {gradient_bytes}); pass "
             "plan_layout(per_block, gradient_bytes)."
         )

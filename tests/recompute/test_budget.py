@@ -18,7 +18,6 @@ import keras_gradboost as kgb
 from conftest import grappler
 from keras_gradboost import recompute
 from keras_gradboost import zoo
-from keras_gradboost.recompute import estimates
 from recompute.models import flat_model
 from recompute.models import wide_model
 
@@ -399,10 +398,12 @@ def test_the_training_peak_counts_each_blocks_gradients_at_its_moment(
     # The budget's candidates pass each layout's shared moments, found once
     # (`plan_layout`): the same peak; a layout of other gradient bytes is
     # refused, not used.
-    layout = estimates.plan_layout(figures, gradients)
+    layout = recompute.plan_layout(figures, gradients)
     assert recompute.plan_bytes(35, figures, sizes, chosen, gradients, layout) == peak
-    with pytest.raises(ValueError, match="`layout` was found for other .*plan_layout"):
+    with pytest.raises(ValueError, match="`layout` was found for other gradient bytes"):
         recompute.plan_bytes(35, figures, sizes, chosen, None, layout)
+    with pytest.raises(ValueError, match="`layout` was found for other figures"):
+        recompute.plan_bytes(35, dict(figures), sizes, chosen, gradients, layout)
     # Without the gradients: the activations alone, as before.
     assert recompute.plan_bytes(35, figures, sizes, chosen) == (15 if chosen else 35)
     # The same blocks chosen by the selective policy, 4 bytes of each

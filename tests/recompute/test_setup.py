@@ -319,14 +319,10 @@ def test_a_convolution_after_a_grouped_one_counts_its_inputs_buffer(monkeypatch)
     assert 2 * buffer - 4 * 8 * 8 * 4 * 4 <= added <= 2 * buffer, (added, buffer)
 
 
-# (`Dataset.batch(8)`, a PyDataset and a dataset batched with
-# `drop_remainder=True` fed the same way: 62 s of CI, left out to keep CI
-# under its limit; `batch_size_hint` reads their batch sizes, tested above,
-# and fixed-size batches are what the other tests fit.)
 def _conv_stack(blocks=6):
-    """Six Conv2D -> BatchNormalization -> ReLU blocks on 32x32 images: a
-    graph whose segments "auto" takes at compile (coarse, about sqrt(n))
-    are not those the estimates choose at batch 8."""
+    """`blocks` Conv2D -> BatchNormalization -> ReLU blocks on 32x32
+    images: with six, a graph whose segments "auto" takes at compile
+    (coarse, about sqrt(n)) are not those the estimates choose at batch 8."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((32, 32, 3))
     h = inputs
@@ -338,12 +334,16 @@ def _conv_stack(blocks=6):
     return GradBoostModel(inputs, keras.layers.Dense(3)(pooled))
 
 
+# (`Dataset.batch(8)`, a PyDataset and a dataset batched with
+# `drop_remainder=True` fed the same way: 62 s of CI, left out to keep CI
+# under its limit; `batch_size_hint` reads their batch sizes, tested above,
+# and fixed-size batches are what the other tests fit.)
 def test_auto_chooses_at_fits_batch_size_when_the_trace_has_none():
     # A generator (as `Dataset.batch(8)` and a PyDataset) traces batches of
     # no fixed size: "auto" took the blocks found at compile there (coarse
     # segments), where the same data batched with `drop_remainder=True`
     # gets the plan the estimates at batch 8 choose. (MobileNetV2 took 21 s
-    # of CI here, the six blocks 4.)
+    # of CI here, the six blocks 3.)
     model = _conv_stack()
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", recompute="auto")
     setup = model._gradboost.recompute

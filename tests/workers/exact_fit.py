@@ -237,7 +237,8 @@ def main(out_dir):
     saved["jit_compile"] = np.array(bool(model.jit_compile))
     np.savez(os.path.join(out_dir, f"worker{index}.npz"), **saved)
     # The four callbacks, in this job's processes (tests/workers/callbacks_fit.py,
-    # beside this script: on the path of a script run as one).
+    # beside this script; on the path even with PYTHONSAFEPATH set).
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import callbacks_fit
 
     callbacks_dir = os.path.join(out_dir, "callbacks")
