@@ -1063,7 +1063,7 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None, layout=None
         for name, size in per_block[key]["input_roots"].items():
             if name not in sizes or name in dropped:
                 extra[name] = size
-    held, inside = _nested_moments(per_block, parent, chosen, layout.children)
+    held, inside = _nested_moments(per_block, layout.children, chosen)
     top = layout.top
     kept_inside = {key: 0 if key in chosen else held[key] for key in top}
     outside_at = _outside(per_block, max(0, kept - sum(kept_inside.values())))
@@ -1144,15 +1144,13 @@ def _children(parent):
     return children
 
 
-def _nested_moments(per_block, parent, chosen, children=None):
+def _nested_moments(per_block, children, chosen):
     """Per block, `(held, moment)`: the bytes of its activations alive when
     the backward enters it (kept, or rebuilt when it is recomputed; its
     chosen nested blocks' own activations left out, their inputs in), and
     the most alive while the backward is inside it (a nested block's
     replay, or a nested block's own nested replays, on top). `children`:
-    `_children(parent)`, when already found."""
-    if children is None:
-        children = _children(parent)
+    per block, its nested blocks (`_children`)."""
     held, moment = {}, {}
 
     def visit(key):
