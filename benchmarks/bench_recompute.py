@@ -50,13 +50,15 @@ only:
         --update nan_watcher
 
 `--models ... --time` instead times, in one process per model, no
-recompute against itself (A/A), "auto" and selective recompute: pairs of
-back-to-back `fit`s in alternating order (`fit_rounds.paired`, tf.data
-autotuning off), the median ratio over `--rounds` rounds with a bootstrap
-95% CI. Step time only: the memory figures need a process per
+recompute against itself (A/A) and each of `--configs` ("auto" and
+selective recompute by default; budget_F as above) against no recompute:
+pairs of back-to-back `fit`s in alternating order (`fit_rounds.paired`,
+tf.data autotuning off), the median ratio over `--rounds` rounds with a
+bootstrap 95% CI. Step time only: the memory figures need a process per
 configuration.
 
     python benchmarks/bench_recompute.py --models bert,gpt2 --time --rounds 12
+    python benchmarks/bench_recompute.py --models gpt2 --time --configs auto,budget_0.45
 
 `--models ... --search-time` times, in one process, the estimates "auto" and
 a budget search at the first traced batch: every kind of plan from one
@@ -408,7 +410,8 @@ def main():
                         help="an update that waits for every gradient in every "
                         "configuration (memory table only)")
     parser.add_argument("--time", action="store_true",
-                        help="with --models: step time only, paired in one process")
+                        help="with --models: step time only, paired in one process "
+                        "(--configs: auto, selective, budget_F)")
     parser.add_argument("--search-time", action="store_true",
                         help="with --models: the search's estimates, one trace for "
                         "every kind of plan against one per kind, paired in one process")
@@ -507,7 +510,7 @@ def time_model(args):
     )
     for name in args.models.split(","):
         command = [sys.executable, __file__, "--time-worker", name, "--rounds",
-                   str(args.rounds), "--steps", str(args.steps),
+                   str(args.rounds), "--steps", str(args.steps), "--configs", args.configs,
                    "--pixels", str(args.pixels)] + (["--jit"] if args.jit else []) + (
                    ["--depthwise", args.depthwise] if args.depthwise else []) + (
                    ["--pointwise", args.pointwise] if args.pointwise else [])
@@ -552,11 +555,17 @@ def time_worker(args):
     ds = (tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch, drop_remainder=True)
           .repeat().with_options(options))
     base = build(None)
-    pairs = {
-        "A/A: no recompute / itself": [((base, []), (build(None), []))],
-        'recompute="auto"': [((base, []), (build("auto"), []))],
-        'recompute={"policy": "selective"}': [((base, []), (build({"policy": "selective"}), []))],
-    }
+    pairs = {"A/A: no recompute / itself": [((base, []), (build(None), []))]}
+    for config in args.configs.split(","):
+        if config == "baseline":
+            continue
+        if config.startswith("budget_"):  # F times no recompute's training peak estimate
+            fraction = float(config.split("_")[1])
+            mib = estimates(args).peak_bytes_without * fraction / 2**20
+            setting = {"budget_mb": round(mib, 1), "batch_size": args.batch}
+        else:
+            setting = _recompute_setting(config)
+        pairs[f"recompute={setting!r}"] = [((base, []), (build(setting), []))]
     with _warnings.catch_warnings():
         _warnings.simplefilter("ignore")
         times = paired(pairs, ds, args.steps, args.rounds)
