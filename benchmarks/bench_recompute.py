@@ -554,17 +554,20 @@ def time_worker(args):
     options.autotune.enabled = False
     ds = (tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch, drop_remainder=True)
           .repeat().with_options(options))
+    configs = [c for c in args.configs.split(",") if c != "baseline"]
+    unknown = [c for c in configs if _recompute_setting(c) is None]
+    if unknown:
+        raise SystemExit(f"--configs: {unknown} are none of auto, selective, budget_F, "
+                         "blocks_GLOB, baseline")
+    if any(c.startswith("budget_") for c in configs):
+        without = estimates(args).peak_bytes_without  # budget_F: F times it
     base = build(None)
     pairs = {"A/A: no recompute / itself": [((base, []), (build(None), []))]}
-    for config in args.configs.split(","):
-        if config == "baseline":
-            continue
-        if config.startswith("budget_"):  # F times no recompute's training peak estimate
-            fraction = float(config.split("_")[1])
-            mib = estimates(args).peak_bytes_without * fraction / 2**20
+    for config in configs:
+        setting = _recompute_setting(config)
+        if config.startswith("budget_"):
+            mib = without * float(config.split("_")[1]) / 2**20
             setting = {"budget_mb": round(mib, 1), "batch_size": args.batch}
-        else:
-            setting = _recompute_setting(config)
         pairs[f"recompute={setting!r}"] = [((base, []), (build(setting), []))]
     with _warnings.catch_warnings():
         _warnings.simplefilter("ignore")
@@ -573,7 +576,7 @@ def time_worker(args):
         value, (low, high) = ratio(pair_times)
         model = pairs[label][0][1][0]
         blocks = len(model.recompute_plan().recomputed) if model.gradboost_config.recompute else "-"
-        print(f"  {label:<36} {value:6.3f}x [95% CI {low:.3f}-{high:.3f}]  blocks {blocks}")
+        print(f"  {label:<48} {value:6.3f}x [95% CI {low:.3f}-{high:.3f}]  blocks {blocks}")
 
 
 def search_time(args):

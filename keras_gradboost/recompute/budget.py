@@ -14,8 +14,9 @@ blocks ranked by saving per recompute cost, every block ("auto"'s plan),
 and every block but the one the backward meets first (whose rebuild would
 come while everything else is still kept: the same peak, less recompute);
 for nested blocks also every plan of them (up to `EVERY_PLAN_BLOCKS`
-blocks; more: the plans `_walk` finds between every block and none), as
-a nested block and its parent, ranked each alone, miss the plans between.
+blocks; more, up to `WALK_BLOCKS`: the plans `_walk` finds between every
+block and none), as a nested block and its parent, ranked each alone,
+miss the plans between.
 The candidates do not depend on the budget, and the choice is the cheapest
 in recompute cost among those whose estimated training peak (activations
 and the gradients alive with them) fits (else the lowest estimate), so a
@@ -33,9 +34,11 @@ from keras_gradboost.recompute.estimates import plan_layout
 
 
 # Nested blocks up to this many: every plan of them is a candidate (12
-# blocks: 4095 plans, estimated in 0.23 s on a 2-core AMD EPYC); more:
-# `_walk`'s (36 blocks: 700 plans, 0.15 s).
+# blocks: 4095 plans, estimated in 0.23 s on a 2-core AMD EPYC); more, up
+# to WALK_BLOCKS: `_walk`'s (36 blocks: 700 plans, 0.15 s; ~n(n+1) plans
+# of ~n figures each, so 150 blocks took 10 s); more: the ranking's alone.
 EVERY_PLAN_BLOCKS = 12
+WALK_BLOCKS = 48
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +185,7 @@ def candidates(total, layouts, sizes, gradient_bytes=None):
                 prefixes += [
                     c for n in range(1, len(keys)) for c in itertools.combinations(keys, n)
                 ]
-            else:
+            elif len(keys) <= WALK_BLOCKS:
                 prefixes += _walk(figures, keys, lambda chosen: estimate(layout, chosen))
         for prefix in dict.fromkeys(tuple(sorted(p)) for p in prefixes):
             if not prefix:
@@ -210,7 +213,9 @@ def _walk(figures, keys, estimate):
     block: the one that adds the fewest bytes to the estimate
     (`estimate(chosen)`; small steps, from the lowest peak on), and the
     one that costs the most recompute per byte it adds (large steps),
-    the free ones first in both. n(n+1) estimates for n blocks.
+    the free ones first in both. Returns every plan a step weighed (each
+    one block off a plan of the walks; theirs among them): at most n(n+1)
+    for n blocks.
     """
     known = {}
 
@@ -219,7 +224,6 @@ def _walk(figures, keys, estimate):
             known[chosen] = estimate(chosen)
         return known[chosen]
 
-    plans = []
     for per_flop in (False, True):
         chosen = tuple(keys)
         while chosen:
@@ -233,10 +237,7 @@ def _walk(figures, keys, estimate):
                 if best is None or rank < best[0]:
                     best = (rank, rest)
             chosen = best[1]
-            plans.append(chosen)
-    # And every plan a step of theirs weighed (each one block off a plan of
-    # theirs): estimated already.
-    return plans + list(known)
+    return list(known)
 
 
 def estimated_peak(candidate):
