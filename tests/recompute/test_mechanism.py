@@ -14,7 +14,6 @@ from conftest import stateful_rnn_model
 from keras_gradboost import GradBoostModel
 from keras_gradboost import boost
 from keras_gradboost import hooks
-from keras_gradboost import precision
 from keras_gradboost import recompute
 from keras_gradboost.recompute import mechanism
 from recompute.models import WIDTH
@@ -716,13 +715,8 @@ def _replay_casts_when_it_runs(requested_peak):
         peaks[key] = sorted(requested_peak.requested_peak(steps) for _ in range(3))[1]
         models[key] = model
     assert peaks["blocks"] < 0.85 * peaks["none"], peaks
+    # On a CPU without bfloat16 instructions (oneDNN off) the first layer's
+    # matmul widens its weight to float32 beside the casts: 20.2 MiB
+    # requested, 1.24x the estimate before it counted that buffer (16.3).
     estimated = models["blocks"].recompute_plan().peak_bytes
-    within = 0.85 * estimated <= peaks["blocks"] <= 1.15 * estimated
-    if not within and not precision.cpu_has_native_bfloat16():
-        pytest.xfail(
-            "on a CPU without bfloat16 instructions (an AMD EPYC with AVX2) the "
-            "recomputed steps requested 20.2 MiB, 1.24x the estimate of 16.3 (what "
-            "the estimate misses there is not traced yet); within 15% on CPUs with "
-            f"avx512_bf16 or AMX. Here: {peaks}, estimated {estimated}"
-        )
-    assert within, (peaks, estimated)
+    assert 0.85 * estimated <= peaks["blocks"] <= 1.15 * estimated, (peaks, estimated)
