@@ -532,7 +532,7 @@ def _forward_working(forward_ops):
         for t in op.inputs:
             if t.dtype.is_floating and _from_weight(t):
                 last_read[(_weight_handle(t), t.dtype)] = index
-    widened = []
+    widened, widens = [], None  # (asked once, at the first bfloat16 matmul)
     for index, op in enumerate(forward_ops):
         if op.type in _ALIASES or op.type in ("ReadVariableOp", "Const", "Placeholder"):
             continue
@@ -543,9 +543,12 @@ def _forward_working(forward_ops):
         reads = [t for t in op.inputs if not _from_weight(t)]
         working = sum(_bytes(t) for t in list(op.outputs) + reads if t.dtype.is_floating)
         worst = max(worst, working)
-        extra = _widened_bytes(op)
-        if extra:
-            widened.append((index, working + extra))
+        if op.type in flops_lib.MATMULS and op.outputs[0].dtype == tf.bfloat16:
+            if widens is None:
+                widens = _bfloat16_widened()
+            extra = _widened_bytes(op) if widens else 0
+            if extra:
+                widened.append((index, working + extra))
     worst = max(worst, sum(casts.values()))
     for index, working in widened:  # the casts not yet read (its own too), beside it
         alive = sum(b for key, b in casts.items() if last_read.get(key, -1) >= index)
@@ -554,16 +557,11 @@ def _forward_working(forward_ops):
 
 
 def _widened_bytes(op):
-    """The float32 buffers a bfloat16 matmul allocates on TensorFlow's own
-    CPU kernels (oneDNN off) where the CPU has no bfloat16 instructions:
-    its operands and its product widened (an AMD EPYC with AVX2, a
-    Dense(1024) at batch 16: a 4 MiB buffer for its 2 MiB weight). 0 for
-    other ops, or where those kernels do not run (a GPU; oneDNN on, whose
-    conversions are not seen here)."""
-    if op.type not in flops_lib.MATMULS or op.outputs[0].dtype != tf.bfloat16:
-        return 0
-    if not _bfloat16_widened():
-        return 0
+    """The float32 buffers the bfloat16 matmul `op` allocates on
+    TensorFlow's own CPU kernels (oneDNN off) where the CPU has no bfloat16
+    instructions (`_bfloat16_widened`, asked by the caller): its operands
+    and its product widened (an AMD EPYC with AVX2, a Dense(1024) at batch
+    16: a 4 MiB buffer for its 2 MiB weight). 0 where a shape is unknown."""
     shapes = [t.shape for t in list(op.inputs[:2]) + [op.outputs[0]]]
     if not all(shape.is_fully_defined() for shape in shapes):
         return 0
@@ -571,7 +569,9 @@ def _widened_bytes(op):
 
 
 def _bfloat16_widened():
-    """Whether bfloat16 matmuls run widened to float32 here (`_widened_bytes`)."""
+    """Whether bfloat16 matmuls run widened to float32 here (`_widened_bytes`):
+    not on a GPU, nor with oneDNN on (whose conversions are not seen here),
+    nor on a CPU with bfloat16 instructions."""
     return (
         not precision.gpu_available()
         and hooks.onednn_enabled() is False
