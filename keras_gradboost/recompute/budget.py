@@ -142,11 +142,16 @@ def candidates(total, layouts, sizes, gradient_bytes=None):
     if gradient_bytes is not None:
         trained = [plan_layout(figures, gradient_bytes) for figures, _ in layouts]
 
+    peaks = {}  # (`_walk` weighs plans that become candidates: estimated once)
+
     def peak(layout, chosen):
         if gradient_bytes is None:
             return None
-        figures = layouts[layout][0]
-        return plan_bytes(total, figures, sizes, chosen, gradient_bytes, trained[layout])
+        key = (layout, frozenset(chosen))
+        if key not in peaks:
+            figures = layouts[layout][0]
+            peaks[key] = plan_bytes(total, figures, sizes, chosen, gradient_bytes, trained[layout])
+        return peaks[key]
 
     def estimate(layout, chosen):  # what a budget compares (`estimated_peak`)
         found = peak(layout, chosen)

@@ -461,7 +461,7 @@ def _step_facts(model, graph, backward_start, pile_up, update_buffers):
         index={op.name: i for i, op in enumerate(operations)},
         # The same in every block's figures.
         common={
-            "forward_working": _forward_working(forward_ops),
+            "forward_working": _forward_working(forward_ops, _bfloat16_widened()),
             "gradients_pile_up": pile_up,
             "update_buffers": update_buffers,
             "update_bytes": updates.update_bytes(weights, update_buffers, in_turn=False),
@@ -508,7 +508,7 @@ def variable_bytes(variable):
     return count * tf.as_dtype(variable.dtype).size
 
 
-def _forward_working(forward_ops):
+def _forward_working(forward_ops, widens=False):
     """The largest working set of one forward operation: the float tensors
     it reads and writes, alive together. A floor under the training peak,
     whatever is recomputed: where the backward keeps little (a frozen
@@ -522,17 +522,12 @@ def _forward_working(forward_ops):
     them back, so TensorFlow casts every weight at the start of the step,
     and each lives until its layer's forward (8 Dense(1024) layers under
     mixed_bfloat16, recomputed: 16 MiB of casts at the start, where the
-    moments gave 8.3 MiB). Where a bfloat16 matmul widens its operands to
-    float32 (`_widened_bytes`), with the casts not yet read on top: the
-    first of those layers' matmul widened its 2 MiB weight into a 4 MiB
-    buffer beside the 16 MiB of casts (20.2 MiB requested, 16.3
-    estimated without it)."""
-    worst, casts, last_read = 0, {}, {}
-    for index, op in enumerate(forward_ops):
-        for t in op.inputs:
-            if t.dtype.is_floating and _from_weight(t):
-                last_read[(_weight_handle(t), t.dtype)] = index
-    widened, widens = [], None  # (asked once, at the first bfloat16 matmul)
+    moments gave 8.3 MiB). Where bfloat16 matmuls widen their operands to
+    float32 (`widens`: `_bfloat16_widened()`; `_widened_bytes`), with the
+    casts not yet read on top: the first of those layers' matmul widened
+    its 2 MiB weight into a 4 MiB buffer beside the 16 MiB of casts (20.2
+    MiB requested, 16.3 estimated without it)."""
+    worst, casts, widened = 0, {}, []
     for index, op in enumerate(forward_ops):
         if op.type in _ALIASES or op.type in ("ReadVariableOp", "Const", "Placeholder"):
             continue
@@ -543,13 +538,15 @@ def _forward_working(forward_ops):
         reads = [t for t in op.inputs if not _from_weight(t)]
         working = sum(_bytes(t) for t in list(op.outputs) + reads if t.dtype.is_floating)
         worst = max(worst, working)
-        if op.type in flops_lib.MATMULS and op.outputs[0].dtype == tf.bfloat16:
-            if widens is None:
-                widens = _bfloat16_widened()
-            extra = _widened_bytes(op) if widens else 0
-            if extra:
-                widened.append((index, working + extra))
+        extra = _widened_bytes(op) if widens else 0
+        if extra:
+            widened.append((index, working + extra))
     worst = max(worst, sum(casts.values()))
+    last_read = {}  # per weight's cast, the last forward op that reads it
+    for index, op in enumerate(forward_ops if widened else ()):
+        for t in op.inputs:
+            if t.dtype.is_floating and _from_weight(t):
+                last_read[(_weight_handle(t), t.dtype)] = index
     for index, working in widened:  # the casts not yet read (its own too), beside it
         alive = sum(b for key, b in casts.items() if last_read.get(key, -1) >= index)
         worst = max(worst, alive + working)
@@ -557,11 +554,14 @@ def _forward_working(forward_ops):
 
 
 def _widened_bytes(op):
-    """The float32 buffers the bfloat16 matmul `op` allocates on
-    TensorFlow's own CPU kernels (oneDNN off) where the CPU has no bfloat16
-    instructions (`_bfloat16_widened`, asked by the caller): its operands
-    and its product widened (an AMD EPYC with AVX2, a Dense(1024) at batch
-    16: a 4 MiB buffer for its 2 MiB weight). 0 where a shape is unknown."""
+    """The float32 buffers a bfloat16 matmul `op` allocates on TensorFlow's
+    own CPU kernels (oneDNN off) where the CPU has no bfloat16 instructions
+    (`_bfloat16_widened`, asked by the caller): its operands and its
+    product widened (an AMD EPYC with AVX2, a Dense(1024) at batch 16: a 4
+    MiB buffer for its 2 MiB weight). 0 for other ops, or where a shape is
+    unknown."""
+    if op.type not in flops_lib.MATMULS or op.outputs[0].dtype != tf.bfloat16:
+        return 0
     shapes = [t.shape for t in list(op.inputs[:2]) + [op.outputs[0]]]
     if not all(shape.is_fully_defined() for shape in shapes):
         return 0
