@@ -30,7 +30,9 @@ configurations (compile keyword arguments of GradBoostModel):
                   mixed policy, mixed_bfloat16 on a CPU, mixed_float16 on a
                   GPU, on the first 8 steps and keeps the faster)
   accumulate      accumulate_steps=4 (one update per 4 batches)
-  recompute       recompute="auto" (every block, or ~sqrt(n) graph segments)
+  recompute       recompute="auto" (blocks or graph segments: the plan
+                  cheapest to recompute within 8% of the activations above
+                  the lowest estimated training peak)
   all_on          everything, with the "auto" choices: jit_compile="auto"
                   (Keras: XLA on a GPU, not on a CPU), the policy
                   precision="auto" starts from (mixed_bfloat16 on a CPU

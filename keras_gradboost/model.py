@@ -283,9 +283,10 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 statistics are updated once). `None` (off); a list of layer
                 names or glob patterns (`["encoder_*", "res_block_3"]`),
                 nested layers included; `"auto"`: at the first training
-                batch, the plan with the lowest estimated training peak
-                (activations and the gradients alive with them) among two
-                kinds, every block (a layer that holds layers; a
+                batch, the plan cheapest to recompute whose estimated
+                training peak (activations and the gradients alive with
+                them) is at most 8% of the activation memory above
+                the lowest, among two kinds, every block (a layer that holds layers; a
                 stack of them is split into its members), and segmentations
                 of a functional model's layer graph cut where one tensor
                 carries everything (about 2..n segments, sqrt(n) among

@@ -314,7 +314,7 @@ def test_gpt2_recompute_equals_no_recompute(setting):
     assert max_diff(recomputed, plain) < 1e-6
 
 
-def test_gpt2_budgets_take_the_cheapest_plan_of_its_nested_blocks():
+def test_gpt2_auto_and_budgets_take_the_cheapest_plan_of_its_nested_blocks():
     # Its layers and the attention and feed-forward inside each: ranked
     # each alone, they missed the plans in between (a budget over the
     # lowest plan took it, 1.42x the step time on the benchmark's GPT-2,
@@ -341,6 +341,18 @@ def test_gpt2_budgets_take_the_cheapest_plan_of_its_nested_blocks():
         for n in range(len(keys) + 1)
         for chosen in itertools.combinations(keys, n)
     ]
+    # "auto": the cheapest plan within its slack (8% of the activations)
+    # above the lowest estimate, not the lowest.
+    from keras_gradboost.recompute.setup import AUTO_SLACK
+
+    auto = model.recompute_plan()
+    lowest = min(c.peak for c in found if c.chosen)
+    window = lowest + AUTO_SLACK * total
+    auto_flops = sum(b.recompute_flops for b in auto.blocks if b.recomputed)
+    assert auto.peak_bytes <= window
+    assert auto_flops <= min(f for e, f in every if e <= window and f > 0) * (1 + 1e-9)
+    lowest_flops = min(c.flops for c in found if c.chosen and c.peak == lowest)
+    assert auto_flops < lowest_flops  # here the slack buys something
     budgets = sorted({estimate for estimate, _ in every})
     for budget in budgets:
         chosen, fits = recompute.budget_choice(budget, found)

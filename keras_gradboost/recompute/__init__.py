@@ -52,5 +52,6 @@ from keras_gradboost.recompute.mechanism import probing
 from keras_gradboost.recompute.mechanism import recomputed
 from keras_gradboost.recompute.mechanism import snapshot
 from keras_gradboost.recompute.mechanism import state_variables
+from keras_gradboost.recompute.setup import AUTO_SLACK
 from keras_gradboost.recompute.setup import RecomputeSetup
 from keras_gradboost.recompute.setup import batch_size_hint

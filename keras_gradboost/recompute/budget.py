@@ -10,7 +10,7 @@ segment are merged from the fine ones, so one traced estimate serves every
 layout. For nested blocks there is one layout, the blocks themselves.
 
 Per layout the candidates are: nothing recomputed, each prefix of the
-blocks ranked by saving per recompute cost, every block ("auto"'s plan),
+blocks ranked by saving per recompute cost, every block,
 and every block but the one the backward meets first (whose rebuild would
 come while everything else is still kept: the same peak, less recompute);
 for nested blocks also every plan of them (up to `EVERY_PLAN_BLOCKS`
@@ -22,8 +22,8 @@ in recompute cost among those whose estimated training peak (activations
 and the gradients alive with them) fits (else the lowest estimate), so a
 smaller budget never gets a larger estimate, a budget at or below "auto"'s
 estimate gets a plan estimated no higher than "auto"'s (when none fits,
-"auto"'s lowest), and no plan estimated above no recompute is ever chosen
-(recomputing nothing is a candidate).
+the lowest, which "auto"'s is within its slack of), and no plan estimated
+above no recompute is ever chosen (recomputing nothing is a candidate).
 """
 
 import dataclasses
@@ -177,7 +177,7 @@ def candidates(total, layouts, sizes, gradient_bytes=None):
                 continue  # recomputing it alone would not save anything
             chosen.append(key)
             prefixes.append(tuple(chosen))
-        prefixes.append(tuple(keys))  # every block: "auto"'s plan
+        prefixes.append(tuple(keys))  # every block
         # Every block but the one the backward meets first: its rebuild
         # would come while everything else is still kept, so the same peak
         # for less recompute. (Blocks inside it still pay: recomputed at the
@@ -256,7 +256,7 @@ def budget_choice(budget_bytes, found):
     estimate, then the fewest blocks) of the `found` candidates whose
     estimated training peak (`estimated_peak`) fits `budget_bytes`, or,
     when none fits, the lowest estimate (recomputing nothing when nothing
-    saves; "auto"'s plan too, unless "auto"'s 10% gate refuses it).
+    saves; estimated no higher than "auto"'s plan).
 
     Returns:
         `(candidate, fits)`.
@@ -267,20 +267,26 @@ def budget_choice(budget_bytes, found):
     return min(found, key=lambda c: (estimated_peak(c), c.flops, len(c.chosen))), False
 
 
-def auto_choice(total, found, min_saving=0.1):
-    """The plan "auto" takes: the lowest estimated training peak (`peak`;
-    the activations, `bytes`, where the candidates have none), then the
-    cheapest to recompute, then the fewest blocks, among the `found`
-    candidates that recompute something, save at least `min_saving` of the
-    activation memory `total` and lower the training peak; recomputing
-    nothing (`found[0]`) when none does.
+def auto_choice(total, found, min_saving=0.1, slack=0.0):
+    """The plan "auto" takes: of the `found` candidates that recompute
+    something, save at least `min_saving` of the activation memory `total`
+    and lower the training peak, the cheapest to recompute (equal costs up
+    to rounding: the lower estimate, then the fewer blocks) whose
+    estimated training peak (`estimated_peak`) is at most `slack` times
+    `total` above the lowest of them, and at least that much below no
+    recompute's (`found[0]`; the lowest itself always qualifies);
+    recomputing nothing when none saves. With `slack=0`, the lowest
+    estimated training peak.
 
     The training peak counts the gradients alive with the activations, so
     where a model's last blocks hold large weights (ResNet50's last stage),
-    "auto" prefers plans whose last segments are short. (The gate is on the
-    activations, which scale with the batch as the saving does, so a plan
-    estimated at the global batch agrees with the one chosen at a replica's
-    share of it.)
+    "auto" prefers plans whose last segments are short. (The gate and the
+    slack are shares of the activations. A term every plan's peak shares
+    (every gradient held to the end of the backward) leaves the choice as
+    it is, and where the plans' peaks otherwise scale with the batch, the
+    choice at the global batch is the one at a replica's share of it.
+    Gradients alive at different moments in different plans, and bytes
+    that do not scale with the batch, can still change it.)
     """
     saving = [
         c
@@ -289,6 +295,16 @@ def auto_choice(total, found, min_saving=0.1):
         and c.bytes <= (1.0 - min_saving) * total
         and estimated_peak(c) < estimated_peak(found[0])
     ]
+    if not saving:
+        return found[0]
+    lowest = min(estimated_peak(c) for c in saving)
+    # Never recompute for a saving smaller than the slack.
+    near = min(lowest + slack * total, max(lowest, estimated_peak(found[0]) - slack * total))
+    window = [c for c in saving if estimated_peak(c) <= near]
+    # Plans of the same blocks in other layouts sum their costs in another
+    # order: equal up to rounding, the lower estimate.
+    cheapest = min(c.flops for c in window) * (1 + 1e-9)
     return min(
-        saving, key=lambda c: (estimated_peak(c), c.flops, len(c.chosen)), default=found[0]
+        (c for c in window if c.flops <= cheapest),
+        key=lambda c: (estimated_peak(c), len(c.chosen)),
     )

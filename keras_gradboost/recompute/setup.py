@@ -66,6 +66,18 @@ from keras_gradboost.recompute.updates import update_temporaries
 # measured more memory than none (the keras.io text Transformer: 1.06x).
 MIN_AUTO_SAVING = 0.1
 
+# "auto" takes the cheapest plan to recompute whose estimated training peak
+# is at most this share of the activation memory (without recompute) above
+# the lowest estimate. The estimates hold the requested bytes within about
+# 15% (benchmarks/RESULTS.md), for "auto"'s plans (about half the
+# activations) 7-8% of the activations: plans closer than that cannot be
+# told apart, and the lowest paid for it in step time. A keras-hub GPT-2
+# backbone of 2 layers (width 256, sequences of 128, batch 16): the lowest,
+# 61.6 MiB (no recompute: 155.1), took 8.46 GFLOP of recompute a step
+# (1.42x the step time); 8% of its 147.1 MiB of activations above it,
+# 69.6 MiB at 6.27 GFLOP (1.24x).
+AUTO_SLACK = 0.08
+
 
 def _has_forward(model):
     """Whether `model` has a `call` to estimate (one with its own
@@ -580,10 +592,11 @@ class RecomputeSetup:
         """Chooses the blocks of "auto" or `{"budget_mb": N}` (at the first
         trace).
 
-        "auto" takes the plan with the lowest estimated training peak
-        (activations and the gradients alive with them) among those of both
-        kinds (`search`), when it saves at least `MIN_AUTO_SAVING` of the
-        activation memory and lowers the peak, and else recomputes nothing
+        "auto" takes, among the plans of both kinds (`search`) that save at
+        least `MIN_AUTO_SAVING` of the activation memory and lower the
+        estimated training peak (activations and the gradients alive with
+        them), the cheapest to recompute within `AUTO_SLACK` of the
+        activation memory above the lowest estimate, and else recomputes nothing
         (with a warning); a budget takes the cheapest to recompute whose
         estimated training peak fits.
 
@@ -616,7 +629,7 @@ class RecomputeSetup:
             )
         total, families, layouts, found = self.search(model, spec)
         if self.auto:
-            best = auto_choice(total, found, MIN_AUTO_SAVING)
+            best = auto_choice(total, found, MIN_AUTO_SAVING, AUTO_SLACK)
             fits = bool(best.chosen)
         else:
             best, fits = budget_choice(self.setting["budget_mb"] * MIB, found)

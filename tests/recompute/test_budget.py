@@ -3,6 +3,7 @@ direct estimate, a smaller budget never gets a larger estimate, "auto"'s plan
 is never beaten by the budget's, and nothing is recomputed when nothing
 saves."""
 
+import dataclasses
 import itertools
 import json
 import os
@@ -83,6 +84,42 @@ def test_budget_sweep_is_monotonic_and_never_worse_than_auto(name):
     assert estimates[0] == without and chosen[0][0].chosen == ()
 
 
+def test_auto_takes_the_cheapest_plan_within_its_slack_of_the_lowest():
+    """Plans whose estimates are closer than the estimates' error cannot be
+    told apart: "auto" takes the cheapest to recompute within its slack (a
+    share of the activations) above the lowest, never one that saves less
+    than its gate or lowers no peak."""
+    from keras_gradboost.recompute.budget import Candidate
+
+    nothing = Candidate(0, (), 100, 0.0, 200)
+    lowest = Candidate(0, (0, 1, 2), 30, 9.0, 80)
+    near = Candidate(0, (0, 1), 40, 6.0, 87)
+    edge = Candidate(1, (1,), 45, 5.0, 90)  # 80 + 0.1 * 100: still within
+    beyond = Candidate(0, (0,), 60, 2.0, 91)
+    gated = Candidate(0, (2,), 95, 0.5, 85)  # saves 5% of the activations
+    found = [nothing, beyond, near, gated, edge, lowest]
+    assert recompute.auto_choice(100, found, 0.1, 0.1) is edge
+    assert recompute.auto_choice(100, found, 0.1, 0.09) is near
+    assert recompute.auto_choice(100, found, 0.1, 0.0) is lowest
+    assert recompute.auto_choice(100, found, 0.0, 0.1) is gated  # no gate
+    # Gradients alive in every plan add to every peak: the same choice.
+    held = [dataclasses.replace(c, peak=c.peak + 1000) for c in found]
+    chosen = recompute.auto_choice(100, held, 0.1, 0.1)
+    assert (chosen.layout, chosen.chosen) == (edge.layout, edge.chosen)
+    # Nothing lowers the peak: nothing is recomputed, whatever the slack.
+    same = Candidate(0, (0,), 50, 1.0, 200)
+    assert recompute.auto_choice(100, [nothing, same], 0.1, 1.0) is nothing
+    # Never recompute for less than the slack: within it of no recompute,
+    # only the lowest.
+    little = Candidate(0, (0,), 80, 1.0, 195)
+    least = Candidate(0, (0, 1), 70, 3.0, 188)
+    assert recompute.auto_choice(100, [nothing, little, least], 0.1, 0.1) is least
+    # Costs equal up to rounding (the same blocks in another layout): the
+    # lower estimate.
+    other = dataclasses.replace(edge, layout=2, flops=5.0 * (1 + 1e-12), peak=85)
+    assert recompute.auto_choice(100, found + [other], 0.1, 0.1) is other
+
+
 def test_merged_segments_match_a_direct_estimate():
     """Merging the every-cut segments into the layout "auto" chose gives,
     block by block, the figures of tracing those segments themselves."""
@@ -106,7 +143,8 @@ def test_merged_segments_match_a_direct_estimate():
         assert figures[index]["cached"] == block.cached_bytes, block.name
         assert figures[index]["inputs"] == block.input_bytes, block.name
         assert figures[index]["flops"] == pytest.approx(block.recompute_flops)
-    keys = layouts[chosen][3]
+    keys = [index for index, block in enumerate(direct.blocks) if block.recomputed]
+    assert keys and set(keys) <= set(layouts[chosen][3])
     assert recompute.plan_bytes(total, figures, sizes, keys) == direct.bytes_with
 
 
