@@ -343,11 +343,9 @@ def test_gpt2_auto_and_budgets_take_the_cheapest_plan_of_its_nested_blocks():
     ]
     # "auto": the cheapest plan within its slack (8% of the activations)
     # above the lowest estimate, not the lowest.
-    from keras_gradboost.recompute.setup import AUTO_SLACK
-
     auto = model.recompute_plan()
     lowest = min(c.peak for c in found if c.chosen)
-    window = lowest + AUTO_SLACK * total
+    window = lowest + recompute.AUTO_SLACK * total
     auto_flops = sum(b.recompute_flops for b in auto.blocks if b.recomputed)
     assert auto.peak_bytes <= window
     assert auto_flops <= min(f for e, f in every if e <= window and f > 0) * (1 + 1e-9)
