@@ -15,7 +15,8 @@ The factors are in `FACTORS`, one device or MirroredStrategy over two
 logical CPUs among them. Their full product (60,480 valid cells) is too
 slow here, so `all_pairs` generates a seeded greedy pairwise design: every
 allowed pair of values of any two factors appears in at least one cell
-(24 cells). `benchmarks/interaction_matrix.py` runs the full product, or a
+(20 cells: of the seeds 0-299, the fewest cells and among the cheapest to
+run; seed 12's 24 took about 25 s more of CI). `benchmarks/interaction_matrix.py` runs the full product, or a
 seeded sample of it, with these same checks. `SPECIFIC` adds the known-risky cells the design reaches only by
 chance. A cell that runs into a known defect of the recovery issue (issue
 14's numbers, `DEFECTS`) is marked `xfail(strict=True, raises=KnownDefect)`:
@@ -59,7 +60,7 @@ EPOCHS = 2
 K = 4  # accumulate_steps when on: windows (0-3), (4-7)
 LR = 0.1
 LR_FACTOR = 0.5  # NaNWatcher's default
-SEED = 12  # of the pairwise design
+SEED = 49  # of the pairwise design
 
 # Tolerance on max |w - w_ref|, relative to how far a clean run (no NaN, no
 # watcher) moves the weights: one update is several percent of that.

@@ -363,11 +363,13 @@ def test_auto_chooses_at_fits_batch_size_when_the_trace_has_none():
     assert chosen.peak_bytes == expected.plan.peak_bytes
 
 
-@pytest.mark.parametrize("accumulate_steps", [1, 2])
-def test_auto_fed_by_a_generator_trains_as_on_the_same_batches_as_arrays(data, accumulate_steps):
+def test_auto_fed_by_a_generator_trains_as_on_the_same_batches_as_arrays(data):
     # "auto" reads the generator's first batch before fit; the fit must
     # still train on every batch once, in order, with accumulation windows
-    # intact, and recompute what it recomputes on the arrays.
+    # intact, and recompute what it recomputes on the arrays. (Without
+    # accumulation too until 2026-12-06: the same batches, one update each,
+    # 9 s of CI; windows of 2 take the same path and keep the windows.)
+    accumulate_steps = 2
     x, y = data
     trained = {}
     for feed in ("arrays", "generator"):
