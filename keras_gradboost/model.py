@@ -301,7 +301,8 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 whose estimated training peak (activations and the gradients
                 alive with them, `recompute_plan().peak_bytes`) fits N MiB
                 at the training batch size (add `"batch_size": B` when
-                batches have no fixed size); `{"policy": "selective"}` (with `"blocks"`: `"auto"`
+                batches have no fixed size; a fit whose measured
+                allocator peak is over N warns); `{"policy": "selective"}` (with `"blocks"`: `"auto"`
                 or a list of patterns; "auto" takes the kind of plan whose
                 blocks hold the most kernel layers): inside the blocks the
                 outputs of the kernel layers (Dense, EinsumDense,

@@ -295,6 +295,30 @@ class RecomputeSetup:
             return
         if peak > 0:  # 0: an allocator that keeps no statistics
             self.measured = (peak - before, self.batch_hint)
+            self._warn_if_over_budget(peak - before)
+
+    def _warn_if_over_budget(self, measured):
+        """A budget is met by the estimates (within ~15% of the bytes
+        requested), and the allocator reserves whole chunks: a fit can
+        measure over the budget the plan was estimated under. Said, with
+        the figures, rather than left for `recompute_plan()` to show."""
+        if not self.budget or measured <= self.setting["budget_mb"] * MIB:
+            return
+        estimate = (
+            f", the plan estimated at ~{self.plan.peak_bytes / MIB:.1f} MiB"
+            if getattr(self, "plan", None) is not None and self.plan.peak_bytes
+            else ""
+        )
+        warnings.warn(
+            f"recompute={self.setting!r}: the last fit's allocator peak was "
+            f"{measured / MIB:.1f} MiB above the level before it, over the "
+            f"budget of {self.setting['budget_mb']:g} MiB{estimate} (the "
+            "estimates hold the bytes requested within ~15%, and the "
+            "allocator reserves whole chunks). Lower budget_mb by the "
+            "difference, or the batch size (with accumulate_steps to keep "
+            "the effective batch).",
+            stacklevel=3,
+        )
 
     # ---------------------------------------------------------------- forward
 

@@ -633,6 +633,61 @@ def test_plan_shows_the_fits_measured_peak():
     assert result["other_batch"] is None
 
 
+def test_a_fit_measured_over_its_budget_warns_with_the_figures():
+    """The estimates meet a budget; the allocator's peak, measured around
+    the fit, can exceed it: that is said with both figures. A budget far
+    under the lowest plan (which warns at the choice too) is measured over;
+    one at 3x no recompute's estimate is not."""
+    build, shape, batch = MODELS["flat_model"]
+    x = np.zeros((2 * batch,) + shape, "float32")
+    y = np.zeros((2 * batch, 3), "float32")
+    for budget_mb, over in ((0.01, True), (None, False)):
+        model = build()
+        if budget_mb is None:  # 3x no recompute's estimated training peak
+            auto = _auto_plan(build, tf.TensorSpec((batch,) + shape))
+            budget_mb = 3 * auto.peak_bytes_without / MIB
+        model.compile(optimizer="sgd", loss="mse",
+                      recompute={"budget_mb": budget_mb, "batch_size": batch})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=batch, verbose=0)
+        measured = model.recompute_plan().measured_peak_bytes
+        assert measured and (measured > budget_mb * MIB) == over, (measured, budget_mb)
+        said = [str(w.message) for w in caught if "allocator peak" in str(w.message)]
+        if over:
+            assert len(said) == 1 and f"{measured / MIB:.1f} MiB above" in said[0], said
+            assert f"budget of {budget_mb:g} MiB" in said[0] and "plan estimated" in said[0]
+        else:
+            assert not said, said
+
+
+def test_a_fit_over_its_budget_is_told_only_for_a_budget(monkeypatch):
+    """Measured over "budget_mb" (the allocator's reply faked): a warning;
+    under it, or over the same bytes with recompute by names, none."""
+    peaks = iter([0, 3 * MIB, 0, MIB // 2, 0, 3 * MIB])
+
+    def memory_info(device):
+        return {"current": 0, "peak": next(peaks)}
+
+    monkeypatch.setattr(tf.config.experimental, "get_memory_info", memory_info)
+    monkeypatch.setattr(tf.config.experimental, "reset_memory_stats", lambda device: None)
+    for setting, warns in (({"budget_mb": 1.0}, True), ({"budget_mb": 1.0}, False),
+                           (["up_*"], False)):
+        model = None if isinstance(setting, dict) else flat_model()
+        setup = recompute.RecomputeSetup(model, setting)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            setup.start_measuring()
+            setup.stop_measuring()
+        assert setup.measured[0] in (3 * MIB, MIB // 2)
+        said = [str(w.message) for w in caught]
+        if warns:
+            assert len(said) == 1 and "3.0 MiB above the level before it" in said[0], said
+            assert "over the budget of 1 MiB" in said[0] and "budget_mb" in said[0]
+        else:
+            assert not said, said
+
+
 @pytest.mark.parametrize("reply", ["raises", "zeros"])
 def test_without_allocator_statistics_nothing_is_measured(monkeypatch, reply):
     """An allocator that keeps no statistics raises, or (TensorFlow's
