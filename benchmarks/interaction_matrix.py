@@ -1,7 +1,7 @@
 """The interaction matrix's full product, or a seeded sample of it.
 
-`tests/test_interactions.py` runs a pairwise design (24 cells) of its
-factors in CI; this script runs every one of the 13,440 valid cells of the
+`tests/test_interactions.py` runs a pairwise design (20 cells) of its
+factors in CI; this script runs every one of the 60,480 valid cells of the
 full product (hours on a 2-core CPU), or a seeded random sample, with the
 same checks against the same independent references, and prints one row
 per cell and a summary. The factors, references and checks are the test

@@ -1468,11 +1468,11 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
     def fit(self, *args, **kwargs):
         setup = self._gradboost.recompute
         if setup is not None:  # the allocator peak, read once after the fit
-            setup.start_measuring()
+            setup.start_measuring(self)
         try:
             history = self._fit(*args, **kwargs)
             if setup is not None:
-                setup.stop_measuring()
+                setup.stop_measuring(self)
             return history
         except tf.errors.InvalidArgumentError as error:
             found = jit_measure.unsupported_op(error, self) if self.jit_compile else None

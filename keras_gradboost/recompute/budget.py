@@ -78,12 +78,17 @@ def groups_of(all_cuts, cuts):
 def merge(per_block, sizes, groups):
     """The figures (as in `estimate`'s `per_block`) of blocks that each run
     the fine blocks of one group in order: inside a merged block is what is
-    inside its parts and the tensors passed between them.
+    inside its parts and the tensors passed between them, and outside
+    every block is what was outside every fine block but those (the same
+    figures, plan by plan, as a step traced with the merged blocks:
+    test_budget.py).
 
     Returns:
         A dict: group index -> figures.
     """
     merged = {}
+    fine_inside = set().union(*(figures["inside"] for figures in per_block.values()))
+    promoted = set()  # outside every fine block, inside a merged one so far
     for index, group in enumerate(groups):
         inside, flops, weights = set(), 0.0, {}
         for position, key in enumerate(group):
@@ -94,6 +99,7 @@ def merge(per_block, sizes, groups):
                 weights.update(per_block[key].get("after", {}))
             if position:
                 inside |= {n for n in per_block[key]["input_roots"] if n in sizes}
+        promoted |= inside - fine_inside
         first = per_block[group[0]]
         merged[index] = {
             "cached": sum(sizes[n] for n in inside),
@@ -119,6 +125,14 @@ def merge(per_block, sizes, groups):
             "update_bytes": first.get("update_bytes", 0),
             "update_bytes_in_turn": first.get("update_bytes_in_turn", 0),
         }
+        last = per_block[group[-1]]
+        if "outside_before" in last:
+            # Made outside every block until the group's end: the fine
+            # blocks' figure, less what the groups up to it hold inside
+            # (the tensors passed between their parts, made before its end).
+            merged[index]["outside_before"] = last["outside_before"] - sum(
+                sizes[n] for n in promoted
+            )
     return merged
 
 

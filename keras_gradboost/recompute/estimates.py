@@ -1038,8 +1038,7 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None, layout=None
     in it holds only its inputs until its own replay, `_nested_moments`),
     with the activations made outside every block until its end
     (`outside_before`: its outputs among them; those made after it are
-    freed; figures without it, such as a merged segment layout's, count
-    them all at every moment). The peak
+    freed; figures without it count them all at every moment). The peak
     is the largest of those moments and the end of the forward, on top of
     the recomputed blocks' inputs (a training peak: at least the forward's
     largest operation, `_forward_working`). So recomputing the last block saves at

@@ -276,13 +276,23 @@ class RecomputeSetup:
             self.resolve(model, x)
         check_gradients(model, self, batch)
 
-    def start_measuring(self):
+    def start_measuring(self, model=None):
         """Resets the device allocator's peak at the start of `fit` (when
         the device's allocator keeps statistics: a GPU; a CPU with
-        `TF_CPU_ALLOCATOR_USE_BFC=true`, or by default on some)."""
+        `TF_CPU_ALLOCATOR_USE_BFC=true`, or by default on some). With
+        `model`, notes what a budget's check after the fit needs: whether
+        this fit chooses the plan (so runs at its batch size), the
+        optimizer's variables before it, and the replicas."""
         self._level = _memory_level()
+        optimizer = getattr(model, "optimizer", None)
+        self._fit_facts = (
+            self.pending,
+            {id(v) for v in optimizer.variables} if optimizer is not None and optimizer.built
+            else set(),
+            model.distribute_strategy.num_replicas_in_sync if model is not None else 1,
+        )
 
-    def stop_measuring(self):
+    def stop_measuring(self, model=None):
         """Reads the allocator's peak at the end of `fit`: the measured
         figure `recompute_plan()` shows beside its estimate."""
         if self._level is None:
@@ -295,29 +305,41 @@ class RecomputeSetup:
             return
         if peak > 0:  # 0: an allocator that keeps no statistics
             self.measured = (peak - before, self.batch_hint)
-            self._warn_if_over_budget(peak - before)
+            self._warn_if_over_budget(model, peak - before)
 
-    def _warn_if_over_budget(self, measured):
+    def _warn_if_over_budget(self, model, measured):
         """A budget is met by the estimates (within ~15% of the bytes
         requested), and the allocator reserves whole chunks: a fit can
         measure over the budget the plan was estimated under. Said, with
-        the figures, rather than left for `recompute_plan()` to show."""
-        if not self.budget or measured <= self.setting["budget_mb"] * MIB:
+        the figures, rather than left for `recompute_plan()` to show. Only
+        for the fit that chose the plan (at its batch size), on one replica
+        (logical devices share one allocator), and without the optimizer's
+        slots the fit made (a budget counts none)."""
+        if not self.budget or getattr(self, "_fit_facts", None) is None:
+            return
+        chose, before, replicas = self._fit_facts
+        optimizer = getattr(model, "optimizer", None)
+        slots = sum(
+            variable_bytes(v) for v in optimizer.variables if id(v) not in before
+        ) if optimizer is not None else 0
+        if not chose or replicas != 1 or measured - slots <= self.setting["budget_mb"] * MIB:
             return
         estimate = (
             f", the plan estimated at ~{self.plan.peak_bytes / MIB:.1f} MiB"
             if getattr(self, "plan", None) is not None and self.plan.peak_bytes
             else ""
         )
+        made = f" ({(measured - slots) / MIB:.1f} MiB without the optimizer's slots it made)"
         warnings.warn(
             f"recompute={self.setting!r}: the last fit's allocator peak was "
-            f"{measured / MIB:.1f} MiB above the level before it, over the "
-            f"budget of {self.setting['budget_mb']:g} MiB{estimate} (the "
+            f"{measured / MIB:.1f} MiB above the level before it"
+            + (made if slots else "")
+            + f", over the budget of {self.setting['budget_mb']:g} MiB{estimate} (the "
             "estimates hold the bytes requested within ~15%, and the "
             "allocator reserves whole chunks). Lower budget_mb by the "
             "difference, or the batch size (with accumulate_steps to keep "
             "the effective batch).",
-            stacklevel=3,
+            stacklevel=4,
         )
 
     # ---------------------------------------------------------------- forward
