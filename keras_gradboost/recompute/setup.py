@@ -130,6 +130,9 @@ class RecomputeSetup:
         self.fit_pile_up = _NOT_FITTED
         self._updates = None  # (optimizer, update_temporaries of it)
         self._level = None
+        # (chose the plan, optimizer variables before, replicas) of the fit
+        # being measured: `_warn_if_over_budget`.
+        self._fit_facts = None
         # `(signature, choice)`: the choice made under each dtype signature
         # of the layers (cut points depend on it: `_settle`).
         self._choices = []
@@ -315,7 +318,7 @@ class RecomputeSetup:
         for the fit that chose the plan (at its batch size), on one replica
         (logical devices share one allocator), and without the optimizer's
         slots the fit made (a budget counts none)."""
-        if not self.budget or getattr(self, "_fit_facts", None) is None:
+        if not self.budget or self._fit_facts is None:
             return
         chose, before, replicas = self._fit_facts
         optimizer = getattr(model, "optimizer", None)
@@ -326,7 +329,7 @@ class RecomputeSetup:
             return
         estimate = (
             f", the plan estimated at ~{self.plan.peak_bytes / MIB:.1f} MiB"
-            if getattr(self, "plan", None) is not None and self.plan.peak_bytes
+            if self.plan is not None and self.plan.peak_bytes
             else ""
         )
         made = f" ({(measured - slots) / MIB:.1f} MiB without the optimizer's slots it made)"

@@ -159,7 +159,7 @@ def test_merged_segments_match_a_direct_estimate():
     # made outside every block until a block's end (`outside_before`) were
     # left out of merged figures, which then counted all of them at every
     # moment (28928 bytes for a plan a trace of its segments puts at 26880).
-    gradients = recompute.setup._gradient_bytes(model)
+    gradients = plan.gradient_bytes
     for _, cuts, figures, keys in layouts:
         if len(keys) > 6:  # (finer layouts merge less; 4 s more of CI)
             continue
