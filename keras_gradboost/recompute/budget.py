@@ -31,6 +31,7 @@ import itertools
 
 from keras_gradboost.recompute.estimates import plan_bytes
 from keras_gradboost.recompute.estimates import plan_layout
+from keras_gradboost.recompute.estimates import without_working_buffers
 
 
 # Nested blocks up to this many: every plan of them is a candidate (12
@@ -257,6 +258,24 @@ def _walk(figures, keys, estimate):
                     best = (rank, rest)
             chosen = best[1]
     return list(known)
+
+
+def lowest_without_buffers(found, layouts, gradient_bytes):
+    """The lowest training peak of the plans `found` (`Candidate`s, whose
+    `layout` indexes `layouts`: per layout `(total, figures, sizes)`),
+    estimated without the backward's working buffers
+    (`estimates.without_working_buffers`): where the convolutions allocate
+    none, as oneDNN's. An int, bytes; None without plans."""
+    unbuffered, lowest = {}, None
+    for c in found:
+        total, figures, sizes = layouts[c.layout]
+        if c.layout not in unbuffered:
+            free = without_working_buffers(figures)
+            unbuffered[c.layout] = free, plan_layout(free, gradient_bytes)
+        free, layout = unbuffered[c.layout]
+        peak = plan_bytes(total, free, sizes, c.chosen, gradient_bytes, layout)
+        lowest = peak if lowest is None else min(lowest, peak)
+    return lowest
 
 
 def estimated_peak(candidate):

@@ -105,6 +105,21 @@ class RecomputePlan:
             batch 16: ~220 MiB, where the activations are ~50); 0 when
             there is none.
         xla_temporary_layer: the name of that convolution, or None.
+        working_buffer_bytes: what those working buffers (Eigen's and the
+            XLA temporaries) add to `peak_bytes`: it less the same plan's
+            estimate without them (`without_working_buffers`), which is
+            about where oneDNN runs the convolutions (MobileNetV2 at 64x64,
+            batch 16, "auto", oneDNN off: ~XX of its ~68 MiB); 0 when
+            there are none, or not estimated.
+        lowest_unbuffered_bytes: for "auto" and a budget, the lowest
+            training peak of the plans they chose among, estimated without
+            those working buffers (`budget.lowest_without_buffers`: the
+            buffers bound what any plan saves, and a finer plan may then
+            save more); None otherwise.
+        pointwise_convolutions: how many 1x1 `Conv2D` layers of the model
+            run on Eigen's kernels that `compile(pointwise="matmul")` would
+            run as matmuls, whose backward needs no such buffer
+            (`pointwise.candidates`; 0 when it is on).
         measured_peak_bytes: after a `fit` at `batch_size`, the device
             allocator's peak during it above the level before it (activations,
             plus gradients, optimizer slots it created and temporaries), read
@@ -126,6 +141,9 @@ class RecomputePlan:
     eigen_convolutions: bool = False
     xla_temporary_bytes: int = 0
     xla_temporary_layer: object = None
+    working_buffer_bytes: int = 0
+    lowest_unbuffered_bytes: object = None
+    pointwise_convolutions: int = 0
 
     @property
     def recomputed(self):
@@ -188,6 +206,8 @@ class RecomputePlan:
                 "and again for its input (none for a 1x1 Conv2D that "
                 'compile(pointwise="matmul") runs as a matmul)'
             )
+            if self.working_buffer_bytes and self.peak_bytes:
+                lines.append(self._buffers_line())
         if self.measured_peak_bytes is not None:
             lines.append(
                 f"  measured in the last fit: allocator peak "
@@ -212,6 +232,29 @@ class RecomputePlan:
                 f"{b.recompute_flops / 1e9:>5.2f}"
             )
         return "\n".join(lines)
+
+
+    def _buffers_line(self):
+        """What the working buffers add to this plan's peak, and what plans
+        reach without them."""
+        unbuffered = self.peak_bytes - self.working_buffer_bytes
+        line = (
+            f"  they add ~{self.working_buffer_bytes / MIB:.1f} MiB to this plan's "
+            f"training peak (~{unbuffered / MIB:.1f} MiB without them), which "
+            "recompute cannot remove"
+        )
+        if self.lowest_unbuffered_bytes is not None and self.lowest_unbuffered_bytes < unbuffered:
+            line += (
+                "; without them the plans searched reach "
+                f"~{self.lowest_unbuffered_bytes / MIB:.1f} MiB"
+            )
+        if self.pointwise_convolutions:
+            s = "s" * (self.pointwise_convolutions != 1)
+            line += (
+                f'; compile(pointwise="matmul") removes those of its '
+                f"{self.pointwise_convolutions} 1x1 Conv2D layer{s}"
+            )
+        return line
 
 
 _ALIASES = {"Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient"}
@@ -584,6 +627,16 @@ def _weight_handle(tensor):
     casts and reshapes; `_from_weight`)."""
     read = _weight_root(tensor)
     return read.op.inputs[0].name if read.op.inputs else read.name
+
+
+def without_working_buffers(per_block):
+    """Copies of the figures `per_block` without the working buffers of the
+    backward (`_workspaces`): `plan_bytes` of them estimates a step that
+    allocates none (oneDNN's convolutions, no XLA depthwise temporaries)."""
+    return {
+        key: {**figures, "workspace": 0, "after_workspace": 0, "before_workspace": 0}
+        for key, figures in per_block.items()
+    }
 
 
 def _with_floor(peak, per_block, gradient_bytes):

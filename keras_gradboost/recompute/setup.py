@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from keras_gradboost import depthwise
 from keras_gradboost import hooks
+from keras_gradboost import pointwise
 from keras_gradboost.recompute import mechanism
 from keras_gradboost.recompute import selective as selective_lib
 from keras_gradboost.recompute.check import check as check_gradients
@@ -34,6 +35,7 @@ from keras_gradboost.recompute.budget import budget_choice
 from keras_gradboost.recompute.budget import candidates
 from keras_gradboost.recompute.budget import estimated_peak
 from keras_gradboost.recompute.budget import groups_of
+from keras_gradboost.recompute.budget import lowest_without_buffers
 from keras_gradboost.recompute.budget import merge
 from keras_gradboost.recompute.choice import RETYPED_NOTE
 from keras_gradboost.recompute.choice import choose
@@ -57,6 +59,7 @@ from keras_gradboost.recompute.estimates import selective_plan_bytes
 from keras_gradboost.recompute.estimates import tied_inner_blocks
 from keras_gradboost.recompute.estimates import variable_bytes
 from keras_gradboost.recompute.estimates import with_pile_up
+from keras_gradboost.recompute.estimates import without_working_buffers
 from keras_gradboost.recompute.updates import step_gradients_pile_up
 from keras_gradboost.recompute.updates import update_temporaries
 
@@ -706,6 +709,14 @@ class RecomputeSetup:
                 "NaNWatcher.",
                 stacklevel=2,
             )
+        if self.plan.working_buffer_bytes and (
+            self.plan.gradients_pile_up == step_gradients_pile_up(model)
+        ):  # what the plans would reach without them (`found`'s figures)
+            self.plan.lowest_unbuffered_bytes = lowest_without_buffers(
+                found,
+                [(families[f][2], figures, families[f][3]) for f, _, figures, _ in layouts],
+                self.plan.gradient_bytes,
+            )
         if fits:
             return
         temporary = self.plan.xla_temporary_bytes  # found by `_plan` above
@@ -715,7 +726,7 @@ class RecomputeSetup:
             'allocates, whatever is recomputed: compile(depthwise="native") removes it.'
             if temporary
             else ""
-        )
+        ) + _eigen_advice(self.plan)
         if self.auto:
             plans = [c for c in found if c.chosen]
             lowest = min(c.bytes for c in plans) if plans else total
@@ -874,6 +885,8 @@ class RecomputeSetup:
             for k in self.keys
         ]
         temporary, layer = depthwise.xla_backward_temporary(model)
+        peak = plan_bytes(total, per_block, sizes, self.chosen, gradients)
+        unbuffered = without_working_buffers(per_block)
         return RecomputePlan(
             setting=self.setting,
             batch_size=batch_size,
@@ -881,12 +894,14 @@ class RecomputeSetup:
             bytes_without=total,
             bytes_with=plan_bytes(total, per_block, sizes, self.chosen),
             gradient_bytes=gradients,
-            peak_bytes=plan_bytes(total, per_block, sizes, self.chosen, gradients),
+            peak_bytes=peak,
             peak_bytes_without=plan_bytes(total, per_block, sizes, (), gradients),
             gradients_pile_up=self._pile_up(model),
             eigen_convolutions=_eigen_convolutions(model),
             xla_temporary_bytes=temporary,
             xla_temporary_layer=layer.name if layer is not None else None,
+            working_buffer_bytes=peak - plan_bytes(total, unbuffered, sizes, self.chosen, gradients),
+            pointwise_convolutions=_pointwise_convolutions(model),
         )
 
     def report(self, model, batch_size=None):
@@ -937,12 +952,12 @@ class RecomputeSetup:
             # counted as rebuilt, inputs kept for the replays).
             kept = kept_bytes(model, lambda v, _: self.forward(model, v), spec)
             plan.bytes_with = selective_plan_bytes(total, per_block, self.chosen, kept)
+            figures = with_pile_up(per_block, plan.gradients_pile_up)
             plan.peak_bytes = selective_plan_bytes(
-                total,
-                with_pile_up(per_block, plan.gradients_pile_up),
-                self.chosen,
-                kept,
-                plan.gradient_bytes,
+                total, figures, self.chosen, kept, plan.gradient_bytes
+            )
+            plan.working_buffer_bytes = plan.peak_bytes - selective_plan_bytes(
+                total, without_working_buffers(figures), self.chosen, kept, plan.gradient_bytes
             )
         return plan
 
@@ -1006,6 +1021,40 @@ def _eigen_convolutions(model):
         "Conv" in type(layer).__name__
         and eigen_convolution_kernels(model, layer.dtype_policy.compute_dtype)
         for layer in hooks.flatten_layers(model, include_self=False)
+    )
+
+
+def _eigen_advice(plan):
+    """What the plans would reach without the working buffers of Eigen's
+    convolution kernels, for a warning that no plan fits ("" if nothing)."""
+    if not (plan.eigen_convolutions and plan.lowest_unbuffered_bytes is not None):
+        return ""
+    return (
+        " The training peaks include the working buffers of TensorFlow's Eigen "
+        f"convolution kernels (~{plan.working_buffer_bytes / MIB:.1f} MiB at this "
+        "plan's), which recompute cannot remove; without them the plans reach "
+        f"~{plan.lowest_unbuffered_bytes / MIB:.1f} MiB: TF_ENABLE_ONEDNN_OPTS=1 "
+        "runs the float32 convolutions on oneDNN, without them"
+        + (
+            f', and compile(pointwise="matmul") runs the {plan.pointwise_convolutions} '
+            "1x1 Conv2D layers as matmuls, without theirs."
+            if plan.pointwise_convolutions
+            else "."
+        )
+    )
+
+
+def _pointwise_convolutions(model):
+    """How many 1x1 `Conv2D` layers of `model` run on TensorFlow's Eigen
+    kernels that `compile(pointwise="matmul")` would run as matmuls (none
+    when it is on: `RecomputePlan.pointwise_convolutions`)."""
+    config = getattr(model, "gradboost_config", None)
+    if getattr(config, "pointwise", None) == "matmul":
+        return 0
+    return sum(
+        1
+        for layer in pointwise.candidates(model)
+        if eigen_convolution_kernels(model, layer.dtype_policy.compute_dtype)
     )
 
 

@@ -258,6 +258,72 @@ def test_the_plan_counts_eigen_convolution_buffers(
     added = plan.peak_bytes - without.peak_bytes
     assert (buffer - 2 * 4 * 36 * 4 <= added <= buffer) if noted else added == 0
     assert plan.bytes_with == without.bytes_with  # activations alone: unchanged
+    # What the plan says they add is that difference.
+    assert plan.working_buffer_bytes == added
+    assert ("MiB to this plan's training peak" in str(plan)) is noted
+
+
+def _pointwise_tower(cls):
+    """3x3 and 1x1 convolutions in turn on 8x8 images, flattened into a
+    Dense head: a graph with cut points, each 1x1 one a matmul candidate."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 3))
+    h = inputs
+    for i in range(3):
+        h = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name=f"wide_{i}")(h)
+        h = keras.layers.Conv2D(8, 1, activation="relu", name=f"point_{i}")(h)
+    return cls(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+
+
+def test_auto_says_what_plans_reach_without_the_eigen_buffers(monkeypatch):
+    """Where oneDNN is off, each Conv2D's backward allocates im2col buffers
+    of up to 30 MiB, whatever is recomputed: they bound what every plan
+    saves, and the plan says by how much. What it says the plans reach
+    without them is the lowest plan of the same search with oneDNN on; a
+    budget between the two cannot be met and says why, and what removes
+    them: oneDNN, or pointwise="matmul" for the 1x1 layers (3 here), after
+    which only the 3x3 convolutions' buffers are left."""
+    from keras_gradboost import hooks
+    from keras_gradboost import precision
+
+    monkeypatch.setattr(precision, "gpu_available", lambda: False)
+    spec = tf.TensorSpec((4, 8, 8, 3))
+
+    def searched(onednn, **compile_kwargs):
+        monkeypatch.setattr(hooks, "onednn_enabled", lambda: onednn)
+        model = _pointwise_tower(GradBoostModel)
+        model.compile(optimizer="adam", loss="mse", recompute="auto", **compile_kwargs)
+        _, _, _, found = model._gradboost.recompute.search(model, spec)
+        return model, model.recompute_plan(batch_size=4), found
+
+    _, plan, found = searched(onednn=False)
+    _, free_plan, free_found = searched(onednn=True)
+    lowest_free = min(c.peak for c in free_found)
+    assert plan.eigen_convolutions and not free_plan.eigen_convolutions
+    assert plan.working_buffer_bytes > 4 * 2**20 and free_plan.working_buffer_bytes == 0
+    assert plan.lowest_unbuffered_bytes == lowest_free
+    assert lowest_free < min(c.peak for c in found) - 4 * 2**20
+    assert plan.pointwise_convolutions == 3
+    text = str(plan)
+    assert f"the plans searched reach ~{lowest_free / 2**20:.1f} MiB" in text
+    assert 'compile(pointwise="matmul") removes those of its 3 1x1 Conv2D layers' in text
+
+    budget = (lowest_free + min(c.peak for c in found)) / 2 / 2**20
+    monkeypatch.setattr(hooks, "onednn_enabled", lambda: False)
+    model = _pointwise_tower(GradBoostModel)
+    model.compile(optimizer="adam", loss="mse", recompute={"budget_mb": budget})
+    with pytest.warns(UserWarning, match="cannot be brought under") as caught:
+        budgeted = model.recompute_plan(batch_size=4)
+    said = " ".join(str(w.message) for w in caught)
+    assert f"without them the plans reach ~{lowest_free / 2**20:.1f} MiB" in said
+    assert "TF_ENABLE_ONEDNN_OPTS=1" in said and "runs the 3 1x1 Conv2D layers" in said
+    assert budgeted.lowest_unbuffered_bytes == lowest_free
+
+    # With the 1x1 layers as matmuls: none left to name, fewer buffers.
+    _, matmul_plan, _ = searched(onednn=False, pointwise="matmul")
+    assert matmul_plan.pointwise_convolutions == 0
+    assert 0 < matmul_plan.working_buffer_bytes
+    assert "pointwise=" not in str(matmul_plan).split("they add")[1]
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
