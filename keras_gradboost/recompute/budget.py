@@ -260,22 +260,34 @@ def _walk(figures, keys, estimate):
     return list(known)
 
 
-def lowest_without_buffers(found, layouts, gradient_bytes):
-    """The lowest training peak of the plans `found` (`Candidate`s, whose
-    `layout` indexes `layouts`: per layout `(total, figures, sizes)`),
-    estimated without the backward's working buffers
+def peaks_without_buffers(found, layouts, gradient_bytes):
+    """Per plan of `found` (`Candidate`s, whose `layout` indexes `layouts`:
+    per layout `(total, figures, sizes)`), its training peak estimated
+    without the backward's working buffers
     (`estimates.without_working_buffers`): where the convolutions allocate
-    none, as oneDNN's. An int, bytes; None without plans."""
-    unbuffered, lowest = {}, None
-    for c in found:
-        total, figures, sizes = layouts[c.layout]
-        if c.layout not in unbuffered:
+    none. Recomputing nothing, at its lowest over the layouts, as
+    `candidates` estimates it with them. A list of ints, bytes (re-estimating
+    MobileNetV2's 1609 plans at 64x64: 0.28 s)."""
+    unbuffered = {}
+
+    def peak(index, chosen):
+        if index not in unbuffered:
+            total, figures, sizes = layouts[index]
             free = without_working_buffers(figures)
-            unbuffered[c.layout] = free, plan_layout(free, gradient_bytes)
-        free, layout = unbuffered[c.layout]
-        peak = plan_bytes(total, free, sizes, c.chosen, gradient_bytes, layout)
-        lowest = peak if lowest is None else min(lowest, peak)
-    return lowest
+            unbuffered[index] = total, free, sizes, plan_layout(free, gradient_bytes)
+        total, free, sizes, layout = unbuffered[index]
+        return plan_bytes(total, free, sizes, chosen, gradient_bytes, layout)
+
+    nothing = None
+    found_peaks = []
+    for c in found:
+        if not c.chosen:
+            if nothing is None:
+                nothing = min(peak(index, ()) for index in range(len(layouts)))
+            found_peaks.append(nothing)
+        else:
+            found_peaks.append(peak(c.layout, c.chosen))
+    return found_peaks
 
 
 def estimated_peak(candidate):

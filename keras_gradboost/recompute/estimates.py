@@ -105,17 +105,21 @@ class RecomputePlan:
             batch 16: ~220 MiB, where the activations are ~50); 0 when
             there is none.
         xla_temporary_layer: the name of that convolution, or None.
-        working_buffer_bytes: what those working buffers (Eigen's and the
-            XLA temporaries) add to `peak_bytes`: it less the same plan's
-            estimate without them (`without_working_buffers`), which is
-            about where oneDNN runs the convolutions (MobileNetV2 at 64x64,
-            batch 16, "auto", oneDNN off: ~XX of its ~68 MiB); 0 when
-            there are none, or not estimated.
-        lowest_unbuffered_bytes: for "auto" and a budget, the lowest
-            training peak of the plans they chose among, estimated without
-            those working buffers (`budget.lowest_without_buffers`: the
-            buffers bound what any plan saves, and a finer plan may then
-            save more); None otherwise.
+        working_buffer_bytes: what the working buffers of Eigen's
+            convolution kernels (`eigen_convolutions`) add to `peak_bytes`:
+            it less the same plan's estimate without them
+            (`without_working_buffers`), about where oneDNN runs the
+            convolutions (MobileNetV2 at 64x64, batch 16, "auto", oneDNN
+            off: ~16.2 of its ~68.0 MiB); 0 when there are none, when an
+            XLA depthwise temporary is counted too (`xla_temporary_bytes`
+            says what removes it), or not estimated.
+        lowest_unbuffered_bytes: with such buffers, for "auto" and a
+            budget, the lowest training peak of the plans they chose among,
+            each estimated again without the buffers
+            (`budget.peaks_without_buffers`: the buffers bound what any
+            plan saves, and a finer plan may then save more; MobileNetV2
+            as above: ~25.3 MiB); None otherwise, and in a fit whose
+            gradients pile up where the choice's did not (a NaNWatcher's).
         pointwise_convolutions: how many 1x1 `Conv2D` layers of the model
             run on Eigen's kernels that `compile(pointwise="matmul")` would
             run as matmuls, whose backward needs no such buffer
@@ -206,7 +210,9 @@ class RecomputePlan:
                 "and again for its input (none for a 1x1 Conv2D that "
                 'compile(pointwise="matmul") runs as a matmul)'
             )
-            if self.working_buffer_bytes and self.peak_bytes:
+            if self.peak_bytes and (
+                self.working_buffer_bytes or self.lowest_unbuffered_bytes is not None
+            ):
                 lines.append(self._buffers_line())
         if self.measured_peak_bytes is not None:
             lines.append(
@@ -233,7 +239,6 @@ class RecomputePlan:
             )
         return "\n".join(lines)
 
-
     def _buffers_line(self):
         """What the working buffers add to this plan's peak, and what plans
         reach without them."""
@@ -242,6 +247,8 @@ class RecomputePlan:
             f"  they add ~{self.working_buffer_bytes / MIB:.1f} MiB to this plan's "
             f"training peak (~{unbuffered / MIB:.1f} MiB without them), which "
             "recompute cannot remove"
+            if self.working_buffer_bytes
+            else "  this plan's training peak is not at one of them"
         )
         if self.lowest_unbuffered_bytes is not None and self.lowest_unbuffered_bytes < unbuffered:
             line += (
@@ -249,10 +256,10 @@ class RecomputePlan:
                 f"~{self.lowest_unbuffered_bytes / MIB:.1f} MiB"
             )
         if self.pointwise_convolutions:
-            s = "s" * (self.pointwise_convolutions != 1)
+            n = self.pointwise_convolutions
             line += (
-                f'; compile(pointwise="matmul") removes those of its '
-                f"{self.pointwise_convolutions} 1x1 Conv2D layer{s}"
+                f'; compile(pointwise="matmul") removes those of its {n} 1x1 '
+                f"Conv2D layer{'s' * (n != 1)}"
             )
         return line
 

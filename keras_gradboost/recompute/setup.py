@@ -35,7 +35,7 @@ from keras_gradboost.recompute.budget import budget_choice
 from keras_gradboost.recompute.budget import candidates
 from keras_gradboost.recompute.budget import estimated_peak
 from keras_gradboost.recompute.budget import groups_of
-from keras_gradboost.recompute.budget import lowest_without_buffers
+from keras_gradboost.recompute.budget import peaks_without_buffers
 from keras_gradboost.recompute.budget import merge
 from keras_gradboost.recompute.choice import RETYPED_NOTE
 from keras_gradboost.recompute.choice import choose
@@ -697,6 +697,16 @@ class RecomputeSetup:
             # the finest layout (`candidates`), and the chosen plan's.
             self.plan.peak_bytes_without = found[0].peak
             self.plan.peak_bytes = best.peak if best.chosen else found[0].peak
+            if _counts_eigen_buffers(self.plan):
+                # On the figures of the choice, and what the others reach.
+                free = peaks_without_buffers(
+                    found,
+                    [(families[f][2], figures, families[f][3]) for f, _, figures, _ in layouts],
+                    self.plan.gradient_bytes,
+                )
+                mine = next(p for c, p in zip(found, free) if c is best)
+                self.plan.working_buffer_bytes = max(0, self.plan.peak_bytes - mine)
+                self.plan.lowest_unbuffered_bytes = min(free)
         elif self.budget and self.plan.peak_bytes > self.setting["budget_mb"] * MIB:
             over = self.plan.peak_bytes - self.setting["budget_mb"] * MIB
             warnings.warn(
@@ -709,14 +719,6 @@ class RecomputeSetup:
                 "NaNWatcher.",
                 stacklevel=2,
             )
-        if self.plan.working_buffer_bytes and (
-            self.plan.gradients_pile_up == step_gradients_pile_up(model)
-        ):  # what the plans would reach without them (`found`'s figures)
-            self.plan.lowest_unbuffered_bytes = lowest_without_buffers(
-                found,
-                [(families[f][2], figures, families[f][3]) for f, _, figures, _ in layouts],
-                self.plan.gradient_bytes,
-            )
         if fits:
             return
         temporary = self.plan.xla_temporary_bytes  # found by `_plan` above
@@ -726,7 +728,7 @@ class RecomputeSetup:
             'allocates, whatever is recomputed: compile(depthwise="native") removes it.'
             if temporary
             else ""
-        ) + _eigen_advice(self.plan)
+        ) + _eigen_advice(self.plan, self.setting["budget_mb"] * MIB if self.budget else None)
         if self.auto:
             plans = [c for c in found if c.chosen]
             lowest = min(c.bytes for c in plans) if plans else total
@@ -886,8 +888,7 @@ class RecomputeSetup:
         ]
         temporary, layer = depthwise.xla_backward_temporary(model)
         peak = plan_bytes(total, per_block, sizes, self.chosen, gradients)
-        unbuffered = without_working_buffers(per_block)
-        return RecomputePlan(
+        plan = RecomputePlan(
             setting=self.setting,
             batch_size=batch_size,
             blocks=rows,
@@ -900,9 +901,14 @@ class RecomputeSetup:
             eigen_convolutions=_eigen_convolutions(model),
             xla_temporary_bytes=temporary,
             xla_temporary_layer=layer.name if layer is not None else None,
-            working_buffer_bytes=peak - plan_bytes(total, unbuffered, sizes, self.chosen, gradients),
             pointwise_convolutions=_pointwise_convolutions(model),
         )
+        if _counts_eigen_buffers(plan):
+            unbuffered = without_working_buffers(per_block)
+            plan.working_buffer_bytes = peak - plan_bytes(
+                total, unbuffered, sizes, self.chosen, gradients
+            )
+        return plan
 
     def report(self, model, batch_size=None):
         """A `RecomputePlan` with estimates when the input shapes are known,
@@ -956,9 +962,11 @@ class RecomputeSetup:
             plan.peak_bytes = selective_plan_bytes(
                 total, figures, self.chosen, kept, plan.gradient_bytes
             )
-            plan.working_buffer_bytes = plan.peak_bytes - selective_plan_bytes(
-                total, without_working_buffers(figures), self.chosen, kept, plan.gradient_bytes
-            )
+            if _counts_eigen_buffers(plan):
+                plan.working_buffer_bytes = plan.peak_bytes - selective_plan_bytes(
+                    total, without_working_buffers(figures), self.chosen, kept,
+                    plan.gradient_bytes,
+                )
         return plan
 
 
@@ -1024,23 +1032,57 @@ def _eigen_convolutions(model):
     )
 
 
-def _eigen_advice(plan):
-    """What the plans would reach without the working buffers of Eigen's
-    convolution kernels, for a warning that no plan fits ("" if nothing)."""
-    if not (plan.eigen_convolutions and plan.lowest_unbuffered_bytes is not None):
+def _counts_eigen_buffers(plan):
+    """Whether `plan`'s peaks count working buffers of Eigen's convolution
+    kernels alone (`RecomputePlan.working_buffer_bytes`): with an XLA
+    depthwise temporary too, its own line says what removes it first."""
+    return plan.eigen_convolutions and not plan.xla_temporary_bytes
+
+
+def _eigen_advice(plan, budget_bytes=None):
+    """For a warning that no plan fits a budget (`budget_bytes`) or that
+    "auto" recomputes nothing: what the plans would reach without the
+    working buffers of Eigen's convolution kernels, and what removes them
+    ("" without such figures)."""
+    if plan.lowest_unbuffered_bytes is None or plan.lowest_unbuffered_bytes >= plan.peak_bytes:
         return ""
+    lowest = plan.lowest_unbuffered_bytes / MIB
+    reach = (
+        f"without them the plans reach ~{lowest:.1f} MiB"
+        if budget_bytes is None
+        else f"without them the plans reach ~{lowest:.1f} MiB, "
+        + (
+            "under the budget"
+            if plan.lowest_unbuffered_bytes <= budget_bytes
+            else "still over it"
+        )
+    )
+    removers = []
+    if hooks.onednn_enabled() is False:
+        removers.append(
+            "TF_ENABLE_ONEDNN_OPTS=1 runs the float32 and bfloat16 convolutions "
+            "on oneDNN, without them"
+        )
+    else:
+        removers.append(
+            "oneDNN leaves float16 convolutions to these kernels: another "
+            "precision policy runs them on oneDNN"
+        )
+    if plan.pointwise_convolutions:
+        n = plan.pointwise_convolutions
+        removers.append(
+            f'compile(pointwise="matmul") runs the {n} 1x1 Conv2D layer{"s" * (n != 1)} '
+            "as matmuls, without theirs"
+        )
+    held = (
+        f"~{plan.working_buffer_bytes / MIB:.1f} MiB at this plan's"
+        if plan.working_buffer_bytes
+        else "none at this plan's, more at others'"
+    )
     return (
         " The training peaks include the working buffers of TensorFlow's Eigen "
-        f"convolution kernels (~{plan.working_buffer_bytes / MIB:.1f} MiB at this "
-        "plan's), which recompute cannot remove; without them the plans reach "
-        f"~{plan.lowest_unbuffered_bytes / MIB:.1f} MiB: TF_ENABLE_ONEDNN_OPTS=1 "
-        "runs the float32 convolutions on oneDNN, without them"
-        + (
-            f', and compile(pointwise="matmul") runs the {plan.pointwise_convolutions} '
-            "1x1 Conv2D layers as matmuls, without theirs."
-            if plan.pointwise_convolutions
-            else "."
-        )
+        f"convolution kernels ({held}), which recompute cannot remove; {reach}: "
+        + "; ".join(removers) + "."
     )
 
 

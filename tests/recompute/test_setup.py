@@ -278,13 +278,15 @@ def _pointwise_tower(cls):
 def test_auto_says_what_plans_reach_without_the_eigen_buffers(monkeypatch):
     """Where oneDNN is off, each Conv2D's backward allocates im2col buffers
     of up to 30 MiB, whatever is recomputed: they bound what every plan
-    saves, and the plan says by how much. What it says the plans reach
-    without them is the lowest plan of the same search with oneDNN on; a
-    budget between the two cannot be met and says why, and what removes
-    them: oneDNN, or pointwise="matmul" for the 1x1 layers (3 here), after
-    which only the 3x3 convolutions' buffers are left."""
+    saves, and the plan says by how much. Without them, its peak is the
+    same plan's where oneDNN runs the convolutions, and the plans reach the
+    lowest of that search. A budget between the two cannot be met and says
+    why, and what removes them: oneDNN, or pointwise="matmul" for the 1x1
+    layers (3 here), after which the 3x3 convolutions' are left (here they
+    hold the peak)."""
     from keras_gradboost import hooks
     from keras_gradboost import precision
+    from keras_gradboost.recompute import setup
 
     monkeypatch.setattr(precision, "gpu_available", lambda: False)
     spec = tf.TensorSpec((4, 8, 8, 3))
@@ -293,19 +295,24 @@ def test_auto_says_what_plans_reach_without_the_eigen_buffers(monkeypatch):
         monkeypatch.setattr(hooks, "onednn_enabled", lambda: onednn)
         model = _pointwise_tower(GradBoostModel)
         model.compile(optimizer="adam", loss="mse", recompute="auto", **compile_kwargs)
-        _, _, _, found = model._gradboost.recompute.search(model, spec)
-        return model, model.recompute_plan(batch_size=4), found
+        total, _, _, found = model._gradboost.recompute.search(model, spec)
+        best = recompute.auto_choice(total, found, setup.MIN_AUTO_SAVING, recompute.AUTO_SLACK)
+        return model.recompute_plan(batch_size=4), found, (best.layout, best.chosen)
 
-    _, plan, found = searched(onednn=False)
-    _, free_plan, free_found = searched(onednn=True)
+    plan, found, chosen = searched(onednn=False)
+    free_plan, free_found, _ = searched(onednn=True)
     lowest_free = min(c.peak for c in free_found)
     assert plan.eigen_convolutions and not free_plan.eigen_convolutions
-    assert plan.working_buffer_bytes > 4 * 2**20 and free_plan.working_buffer_bytes == 0
+    assert plan.recomputed and plan.working_buffer_bytes > 4 * 2**20
+    assert free_plan.working_buffer_bytes == 0
+    # Without them: the same plan's peak where oneDNN runs the convolutions.
+    same = {(c.layout, c.chosen): c.peak for c in free_found}[chosen]
+    assert plan.peak_bytes - plan.working_buffer_bytes == same
     assert plan.lowest_unbuffered_bytes == lowest_free
-    assert lowest_free < min(c.peak for c in found) - 4 * 2**20
+    assert free_plan.lowest_unbuffered_bytes is None
     assert plan.pointwise_convolutions == 3
     text = str(plan)
-    assert f"the plans searched reach ~{lowest_free / 2**20:.1f} MiB" in text
+    assert f"they add ~{plan.working_buffer_bytes / 2**20:.1f} MiB to this plan's" in text
     assert 'compile(pointwise="matmul") removes those of its 3 1x1 Conv2D layers' in text
 
     budget = (lowest_free + min(c.peak for c in found)) / 2 / 2**20
@@ -315,15 +322,107 @@ def test_auto_says_what_plans_reach_without_the_eigen_buffers(monkeypatch):
     with pytest.warns(UserWarning, match="cannot be brought under") as caught:
         budgeted = model.recompute_plan(batch_size=4)
     said = " ".join(str(w.message) for w in caught)
-    assert f"without them the plans reach ~{lowest_free / 2**20:.1f} MiB" in said
+    assert f"without them the plans reach ~{lowest_free / 2**20:.1f} MiB, under the budget" in said
     assert "TF_ENABLE_ONEDNN_OPTS=1" in said and "runs the 3 1x1 Conv2D layers" in said
     assert budgeted.lowest_unbuffered_bytes == lowest_free
 
-    # With the 1x1 layers as matmuls: none left to name, fewer buffers.
-    _, matmul_plan, _ = searched(onednn=False, pointwise="matmul")
+    # With the 1x1 layers as matmuls: none left to name.
+    matmul_plan, _, _ = searched(onednn=False, pointwise="matmul")
     assert matmul_plan.pointwise_convolutions == 0
-    assert 0 < matmul_plan.working_buffer_bytes
+    assert 0 < matmul_plan.working_buffer_bytes <= plan.working_buffer_bytes
     assert "pointwise=" not in str(matmul_plan).split("they add")[1]
+
+
+def test_auto_that_recomputes_nothing_says_what_the_eigen_buffers_hold(monkeypatch):
+    """A model whose only convolution's buffers dwarf its activations:
+    "auto" recomputes nothing, its warning says what the buffers hold and
+    what the plans reach without them (no recompute's peak where oneDNN
+    runs the convolution), and no budget is compared."""
+    from keras_gradboost import hooks
+    from keras_gradboost import precision
+
+    monkeypatch.setattr(precision, "gpu_available", lambda: False)
+
+    def planned(onednn):
+        monkeypatch.setattr(hooks, "onednn_enabled", lambda: onednn)
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8, 8, 3))
+        h = keras.layers.Conv2D(8, 1, name="point")(inputs)
+        model = GradBoostModel(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+        model.compile(optimizer="adam", loss="mse", recompute="auto")
+        with pytest.warns(UserWarning, match="nothing is recomputed") as caught:
+            plan = model.recompute_plan(batch_size=4)
+        return plan, " ".join(str(w.message) for w in caught)
+
+    plan, said = planned(onednn=False)
+    free_plan, free_said = planned(onednn=True)
+    assert plan.recomputed == free_plan.recomputed == []
+    assert plan.peak_bytes - plan.working_buffer_bytes == free_plan.peak_bytes
+    assert plan.lowest_unbuffered_bytes == free_plan.peak_bytes < plan.peak_bytes / 10
+    assert (
+        f"(~{plan.working_buffer_bytes / 2**20:.1f} MiB at this plan's), which recompute "
+        f"cannot remove; without them the plans reach ~{free_plan.peak_bytes / 2**20:.1f} "
+        "MiB: TF_ENABLE_ONEDNN_OPTS=1"
+    ) in said
+    assert "1 1x1 Conv2D layer as matmuls" in said
+    assert "Eigen" not in free_said
+
+
+def test_the_plan_says_what_plans_reach_without_the_buffers():
+    """The plan's line: the buffers' bytes, its peak without them, and the
+    lowest of the plans searched when that is lower."""
+    plan = recompute.RecomputePlan(
+        setting="auto", batch_size=4, bytes_without=0, bytes_with=0, gradient_bytes=0,
+        peak_bytes=60 * 2**20, peak_bytes_without=90 * 2**20, eigen_convolutions=True,
+        working_buffer_bytes=20 * 2**20, lowest_unbuffered_bytes=25 * 2**20,
+        pointwise_convolutions=1,
+    )
+    assert (
+        "they add ~20.0 MiB to this plan's training peak (~40.0 MiB without them), which "
+        "recompute cannot remove; without them the plans searched reach ~25.0 MiB; "
+        'compile(pointwise="matmul") removes those of its 1 1x1 Conv2D layer\n'
+    ) in str(plan)
+    plan.lowest_unbuffered_bytes = 40 * 2**20  # no lower than its own
+    assert "plans searched" not in str(plan)
+    # A peak where no buffer is (ResNet50's "auto": at stage 5's updates),
+    # while other plans' are: what they reach without them.
+    plan.working_buffer_bytes, plan.lowest_unbuffered_bytes = 0, 50 * 2**20
+    assert (
+        "this plan's training peak is not at one of them; without them the plans "
+        "searched reach ~50.0 MiB"
+    ) in str(plan)
+
+
+def test_a_selective_plan_says_what_the_eigen_buffers_add(monkeypatch):
+    """A selective plan's peak (`selective_plan_bytes`) counts the buffers
+    too: what it says they add is its difference from the same plan where
+    oneDNN runs the convolutions."""
+    from keras_gradboost import hooks
+    from keras_gradboost import precision
+
+    monkeypatch.setattr(precision, "gpu_available", lambda: False)
+
+    def plan(onednn):
+        monkeypatch.setattr(hooks, "onednn_enabled", lambda: onednn)
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8, 8, 3))
+        h = inputs
+        # The first block's activations are the largest, the second's
+        # convolution has the largest buffers: the peaks with and without
+        # them are at different moments.
+        h = keras.Sequential([
+            keras.layers.Conv2D(64, 3, padding="same"), keras.layers.ReLU(),
+        ], name="blk_0")(h)
+        h = keras.Sequential([keras.layers.Conv2D(8, 1), keras.layers.ReLU()], name="blk_1")(h)
+        model = GradBoostModel(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+        model.compile(optimizer="sgd", loss="mse",
+                      recompute={"policy": "selective", "blocks": ["blk_*"]})
+        return model.recompute_plan(batch_size=4)
+
+    buffered, free = plan(onednn=False), plan(onednn=True)
+    assert buffered.recomputed == free.recomputed == ["blk_0", "blk_1"]
+    assert buffered.working_buffer_bytes == buffered.peak_bytes - free.peak_bytes > 2**20
+    assert free.working_buffer_bytes == 0
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
