@@ -368,6 +368,28 @@ def test_auto_that_recomputes_nothing_says_what_the_eigen_buffers_hold(monkeypat
     assert "Eigen" not in free_said
 
 
+@pytest.mark.filterwarnings("ignore:precision=.mixed_float16. on a CPU without XLA")
+def test_float16_convolutions_are_not_sent_to_onednn(monkeypatch):
+    """oneDNN leaves float16 convolutions to Eigen's kernels: with it on,
+    the advice names another precision policy, not TF_ENABLE_ONEDNN_OPTS."""
+    from keras_gradboost import hooks
+    from keras_gradboost import precision
+
+    monkeypatch.setattr(precision, "gpu_available", lambda: False)
+    monkeypatch.setattr(hooks, "onednn_enabled", lambda: True)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(8, 1, name="point")(inputs)
+    model = GradBoostModel(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+    model.compile(optimizer="sgd", loss="mse", recompute="auto", precision="mixed_float16")
+    with pytest.warns(UserWarning, match="nothing is recomputed") as caught:
+        plan = model.recompute_plan(batch_size=4)
+    said = " ".join(str(w.message) for w in caught)
+    assert plan.eigen_convolutions and plan.working_buffer_bytes > 2**20
+    assert "oneDNN leaves float16 convolutions to these kernels" in said
+    assert "TF_ENABLE_ONEDNN_OPTS" not in said
+
+
 def test_the_plan_says_what_plans_reach_without_the_buffers():
     """The plan's line: the buffers' bytes, its peak without them, and the
     lowest of the plans searched when that is lower."""
