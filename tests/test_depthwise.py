@@ -235,6 +235,28 @@ def wide_depthwise_net(policy="float32", pixels=4, dense_layers=0):
         keras.config.set_dtype_policy(before)
 
 
+def test_xla_temporaries_are_not_reported_as_eigen_buffers(monkeypatch):
+    """The XLA depthwise temporaries sit in the same working-buffer figures
+    as Eigen's convolution buffers: where both could be counted, the plan
+    names the XLA one and its remedy, and gives no Eigen figures (no
+    TF_ENABLE_ONEDNN_OPTS advice, which would not remove it)."""
+    from keras_gradboost import hooks
+
+    monkeypatch.setattr(hooks, "onednn_enabled", lambda: False)
+    model = kgb.boost(wide_depthwise_net())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # compile's depthwise advice
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+                      recompute={"budget_mb": 1, "batch_size": 16})
+    with pytest.warns(UserWarning, match="cannot be brought under") as caught:
+        plan = model.recompute_plan()
+    said = " ".join(str(w.message) for w in caught)
+    assert plan.xla_temporary_bytes > 2**20 and plan.eigen_convolutions
+    assert plan.working_buffer_bytes == 0 and plan.lowest_unbuffered_bytes is None
+    assert "they add" not in str(plan) and "plans searched" not in str(plan)
+    assert 'depthwise="native"' in said and "TF_ENABLE_ONEDNN_OPTS" not in said
+
+
 def measured_training_peak(model, requested_peak, pixels=4):
     x = np.random.default_rng(0).normal(size=(32, pixels, pixels, 256)).astype("float32")
     data = tf.data.Dataset.from_tensor_slices((x, np.arange(32) % 3)).batch(16).repeat()

@@ -248,7 +248,7 @@ class RecomputePlan:
             f"training peak (~{unbuffered / MIB:.1f} MiB without them), which "
             "recompute cannot remove"
             if self.working_buffer_bytes
-            else "  this plan's training peak is not at one of them"
+            else "  this plan's training peak is at none of them"
         )
         if self.lowest_unbuffered_bytes is not None and self.lowest_unbuffered_bytes < unbuffered:
             line += (

@@ -728,7 +728,12 @@ class RecomputeSetup:
             'allocates, whatever is recomputed: compile(depthwise="native") removes it.'
             if temporary
             else ""
-        ) + _eigen_advice(self.plan, self.setting["budget_mb"] * MIB if self.budget else None)
+        ) + _eigen_advice(
+            self.plan,
+            model,
+            min(estimated_peak(c) for c in found),
+            self.setting["budget_mb"] * MIB if self.budget else None,
+        )
         if self.auto:
             plans = [c for c in found if c.chosen]
             lowest = min(c.bytes for c in plans) if plans else total
@@ -1039,31 +1044,32 @@ def _counts_eigen_buffers(plan):
     return plan.eigen_convolutions and not plan.xla_temporary_bytes
 
 
-def _eigen_advice(plan, budget_bytes=None):
+def _eigen_advice(plan, model, lowest, budget_bytes=None):
     """For a warning that no plan fits a budget (`budget_bytes`) or that
     "auto" recomputes nothing: what the plans would reach without the
-    working buffers of Eigen's convolution kernels, and what removes them
-    ("" without such figures)."""
-    if plan.lowest_unbuffered_bytes is None or plan.lowest_unbuffered_bytes >= plan.peak_bytes:
+    working buffers of Eigen's convolution kernels, when that is below the
+    `lowest` they reach with them, and what removes them ("" otherwise)."""
+    if plan.lowest_unbuffered_bytes is None or plan.lowest_unbuffered_bytes >= lowest:
         return ""
-    lowest = plan.lowest_unbuffered_bytes / MIB
-    reach = (
-        f"without them the plans reach ~{lowest:.1f} MiB"
-        if budget_bytes is None
-        else f"without them the plans reach ~{lowest:.1f} MiB, "
-        + (
-            "under the budget"
-            if plan.lowest_unbuffered_bytes <= budget_bytes
-            else "still over it"
+    reach = f"without them the plans reach ~{plan.lowest_unbuffered_bytes / MIB:.1f} MiB"
+    if budget_bytes is not None:
+        reach += (
+            ", under the budget" if plan.lowest_unbuffered_bytes <= budget_bytes
+            else ", still over it"
         )
-    )
+    dtypes = {
+        tf.as_dtype(layer.dtype_policy.compute_dtype)
+        for layer in hooks.flatten_layers(model, include_self=False)
+        if "Conv" in type(layer).__name__
+        and eigen_convolution_kernels(model, layer.dtype_policy.compute_dtype)
+    }
     removers = []
-    if hooks.onednn_enabled() is False:
+    if hooks.onednn_enabled() is False and dtypes - {tf.float16}:
         removers.append(
             "TF_ENABLE_ONEDNN_OPTS=1 runs the float32 and bfloat16 convolutions "
             "on oneDNN, without them"
         )
-    else:
+    if tf.float16 in dtypes:
         removers.append(
             "oneDNN leaves float16 convolutions to these kernels: another "
             "precision policy runs them on oneDNN"
@@ -1074,6 +1080,8 @@ def _eigen_advice(plan, budget_bytes=None):
             f'compile(pointwise="matmul") runs the {n} 1x1 Conv2D layer{"s" * (n != 1)} '
             "as matmuls, without theirs"
         )
+    if not removers:
+        return ""
     held = (
         f"~{plan.working_buffer_bytes / MIB:.1f} MiB at this plan's"
         if plan.working_buffer_bytes

@@ -325,6 +325,13 @@ def test_auto_says_what_plans_reach_without_the_eigen_buffers(monkeypatch):
     assert f"without them the plans reach ~{lowest_free / 2**20:.1f} MiB, under the budget" in said
     assert "TF_ENABLE_ONEDNN_OPTS=1" in said and "runs the 3 1x1 Conv2D layers" in said
     assert budgeted.lowest_unbuffered_bytes == lowest_free
+    # A budget under what they reach without them: still over it.
+    model = _pointwise_tower(GradBoostModel)
+    model.compile(optimizer="adam", loss="mse", recompute={"budget_mb": lowest_free / 2 / 2**20})
+    with pytest.warns(UserWarning, match="cannot be brought under") as caught:
+        model.recompute_plan(batch_size=4)
+    said = " ".join(str(w.message) for w in caught)
+    assert f"without them the plans reach ~{lowest_free / 2**20:.1f} MiB, still over it" in said
 
     # With the 1x1 layers as matmuls: none left to name.
     matmul_plan, _, _ = searched(onednn=False, pointwise="matmul")
@@ -369,14 +376,16 @@ def test_auto_that_recomputes_nothing_says_what_the_eigen_buffers_hold(monkeypat
 
 
 @pytest.mark.filterwarnings("ignore:precision=.mixed_float16. on a CPU without XLA")
-def test_float16_convolutions_are_not_sent_to_onednn(monkeypatch):
-    """oneDNN leaves float16 convolutions to Eigen's kernels: with it on,
-    the advice names another precision policy, not TF_ENABLE_ONEDNN_OPTS."""
+@pytest.mark.parametrize("onednn", [True, False])
+def test_float16_convolutions_are_not_sent_to_onednn(monkeypatch, onednn):
+    """oneDNN leaves float16 convolutions to Eigen's kernels, whether it is
+    on or off: the advice names another precision policy, not
+    TF_ENABLE_ONEDNN_OPTS."""
     from keras_gradboost import hooks
     from keras_gradboost import precision
 
     monkeypatch.setattr(precision, "gpu_available", lambda: False)
-    monkeypatch.setattr(hooks, "onednn_enabled", lambda: True)
+    monkeypatch.setattr(hooks, "onednn_enabled", lambda: onednn)
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8, 8, 3))
     h = keras.layers.Conv2D(8, 1, name="point")(inputs)
@@ -410,7 +419,7 @@ def test_the_plan_says_what_plans_reach_without_the_buffers():
     # while other plans' are: what they reach without them.
     plan.working_buffer_bytes, plan.lowest_unbuffered_bytes = 0, 50 * 2**20
     assert (
-        "this plan's training peak is not at one of them; without them the plans "
+        "this plan's training peak is at none of them; without them the plans "
         "searched reach ~50.0 MiB"
     ) in str(plan)
 
