@@ -424,6 +424,52 @@ def test_the_plan_says_what_plans_reach_without_the_buffers():
     ) in str(plan)
 
 
+def test_every_plan_without_buffers_is_that_plan_where_onednn_runs_them(monkeypatch):
+    """`peaks_without_buffers` over the plans of both families (the nested
+    blocks and the graph's segments, 5 layouts): each plan's figure is its
+    peak in the search where oneDNN runs the convolutions (the same layout
+    and blocks); recomputing nothing, that search's lowest over layouts."""
+    from keras_gradboost import hooks
+    from keras_gradboost import precision
+    from keras_gradboost.recompute import budget
+
+    monkeypatch.setattr(precision, "gpu_available", lambda: False)
+    spec = tf.TensorSpec((4, 8, 8, 3))
+
+    def searched(onednn):
+        monkeypatch.setattr(hooks, "onednn_enabled", lambda: onednn)
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8, 8, 3))
+        h = inputs
+        for i in range(3):
+            h = keras.Sequential([
+                keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+                keras.layers.Conv2D(8, 1, activation="relu"),
+            ], name=f"blk_{i}")(h)
+        model = GradBoostModel(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+        model.compile(optimizer="adam", loss="mse", recompute="auto")
+        _, families, layouts, found = model._gradboost.recompute.search(model, spec)
+        return families, layouts, found, recompute.setup._gradient_bytes(model)
+
+    families, layouts, found, gradients = searched(onednn=False)
+    _, free_layouts, free_found, _ = searched(onednn=True)
+    assert len(families) == 2 and len(layouts) == len(free_layouts) == 5
+    free = budget.peaks_without_buffers(
+        found, [(families[f][2], figures, families[f][3]) for f, _, figures, _ in layouts],
+        gradients,
+    )
+    reference = {(c.layout, c.chosen): c.peak for c in free_found}
+    compared = 0
+    for c, peak in zip(found, free):
+        if not c.chosen:
+            assert peak == free_found[0].peak
+        elif (c.layout, c.chosen) in reference:
+            assert peak == reference[c.layout, c.chosen], c
+            compared += 1
+    assert compared >= 10 and {c.layout for c in found} == set(range(5))
+    assert all(p < c.peak for c, p in zip(found, free))
+
+
 def test_a_selective_plan_says_what_the_eigen_buffers_add(monkeypatch):
     """A selective plan's peak (`selective_plan_bytes`) counts the buffers
     too: what it says they add is its difference from the same plan where
