@@ -35,8 +35,8 @@ from keras_gradboost.recompute.budget import budget_choice
 from keras_gradboost.recompute.budget import candidates
 from keras_gradboost.recompute.budget import estimated_peak
 from keras_gradboost.recompute.budget import groups_of
-from keras_gradboost.recompute.budget import peaks_without_buffers
 from keras_gradboost.recompute.budget import merge
+from keras_gradboost.recompute.budget import peaks_without_buffers
 from keras_gradboost.recompute.choice import RETYPED_NOTE
 from keras_gradboost.recompute.choice import choose
 from keras_gradboost.recompute.choice import graph_of
@@ -1030,11 +1030,18 @@ def _eigen_convolutions(model):
     """Whether the model's convolutions run on TensorFlow's Eigen kernels
     (a CPU with oneDNN off, or in float16; see
     `RecomputePlan.eigen_convolutions`)."""
-    return any(
-        "Conv" in type(layer).__name__
-        and eigen_convolution_kernels(model, layer.dtype_policy.compute_dtype)
+    return bool(_eigen_convolution_dtypes(model))
+
+
+def _eigen_convolution_dtypes(model):
+    """The compute dtypes of the model's convolutions that run on
+    TensorFlow's Eigen kernels (`eigen_convolution_kernels`)."""
+    return {
+        tf.as_dtype(layer.dtype_policy.compute_dtype)
         for layer in hooks.flatten_layers(model, include_self=False)
-    )
+        if "Conv" in type(layer).__name__
+        and eigen_convolution_kernels(model, layer.dtype_policy.compute_dtype)
+    }
 
 
 def _counts_eigen_buffers(plan):
@@ -1057,12 +1064,7 @@ def _eigen_advice(plan, model, lowest, budget_bytes=None):
             ", under the budget" if plan.lowest_unbuffered_bytes <= budget_bytes
             else ", still over it"
         )
-    dtypes = {
-        tf.as_dtype(layer.dtype_policy.compute_dtype)
-        for layer in hooks.flatten_layers(model, include_self=False)
-        if "Conv" in type(layer).__name__
-        and eigen_convolution_kernels(model, layer.dtype_policy.compute_dtype)
-    }
+    dtypes = _eigen_convolution_dtypes(model)
     removers = []
     if hooks.onednn_enabled() is False and dtypes - {tf.float16}:
         removers.append(
