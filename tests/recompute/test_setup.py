@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import keras
+from conftest import grappler
 from conftest import max_weight_diff
 from keras_gradboost import GradBoostModel
 from keras_gradboost import recompute
@@ -428,11 +429,14 @@ def test_every_plan_without_buffers_is_that_plan_where_onednn_runs_them(monkeypa
     """`peaks_without_buffers` over the plans of both families (the nested
     blocks and the graph's segments, 5 layouts): each plan's figure is its
     peak in the search where oneDNN runs the convolutions (the same layout
-    and blocks); recomputing nothing, that search's lowest over layouts."""
+    and blocks); recomputing nothing, that search's lowest over layouts (at
+    another layout than the first here: with grappler's dependency
+    optimizer on, each moment counts only its own gradients)."""
     from keras_gradboost import hooks
     from keras_gradboost import precision
     from keras_gradboost.recompute import budget
 
+    grappler(False)  # the default set-up (the fixture restores it)
     monkeypatch.setattr(precision, "gpu_available", lambda: False)
     spec = tf.TensorSpec((4, 8, 8, 3))
 
