@@ -1,8 +1,10 @@
 """`keras-gradboost compare`: one configuration per fresh subprocess.
 
-The parent (`run_configs`) starts `python -m keras_gradboost.compare SPEC`
-once per configuration, so allocator pools, XLA caches and traced functions
-never leak from one row into the next. `run_rounds` repeats that for
+The parent (`run_configs`) runs each configuration in a process of its
+own, so allocator pools, XLA caches and traced functions never leak from
+one row into the next: a child forked from a server that imported
+TensorFlow once and never ran an op (keras_gradboost/row_server.py), or,
+where that cannot run, `python -m keras_gradboost.compare SPEC`. `run_rounds` repeats that for
 `repeat` rounds, each in a seeded shuffled order, and `aggregate` reduces the
 rounds to one row per configuration (medians, and the speed-up as the median
 of the per-round ratios to the baseline). The child (`measure`) builds the
@@ -88,6 +90,8 @@ import subprocess
 import sys
 import time
 import zipfile
+
+from keras_gradboost import row_server
 
 # all_on's precision: the policy precision="auto" starts from (its static
 # rule), resolved in the child (`resolve_kwargs`).
@@ -298,9 +302,15 @@ def run_one(spec):
     return {**base, **_run_child(spec, CHILD_TIMEOUT_S)}
 
 
+# Forks each row from one process that imported TensorFlow once
+# (keras_gradboost/row_server.py): about 5 s of CPU less per row.
+_ROW_SERVER = row_server.RowServer()
+
+
 def _run_child(spec, timeout):
-    """`python -m keras_gradboost.compare SPEC`: the JSON line it printed
-    last, or `{"error": reason}`."""
+    """`child_main([SPEC])` in a process of its own, forked by `_ROW_SERVER`
+    or else `python -m keras_gradboost.compare SPEC`: the JSON line it
+    printed last, or `{"error": reason}`."""
     env = {
         "TF_CPP_MIN_LOG_LEVEL": "2",
         # TensorFlow keeps allocator statistics (peak_mib) on a CPU only with
@@ -308,22 +318,30 @@ def _run_child(spec, timeout):
         "TF_CPU_ALLOCATOR_USE_BFC": "true",
         **os.environ,
     }
-    command = [sys.executable, "-m", "keras_gradboost.compare", json.dumps(spec)]
-    try:
-        result = subprocess.run(
-            command, capture_output=True, text=True, env=env, timeout=timeout
-        )
-    except subprocess.TimeoutExpired:
+    argv = [json.dumps(spec)]
+    result = _ROW_SERVER.run(argv, env, timeout)
+    if result is None:  # no server: an interpreter of its own
+        command = [sys.executable, "-m", "keras_gradboost.compare", *argv]
+        try:
+            result = subprocess.run(
+                command, capture_output=True, text=True, env=env, timeout=timeout
+            )
+        except subprocess.TimeoutExpired:
+            result = "timeout"
+        else:
+            result = result.returncode, result.stdout, result.stderr
+    if result == "timeout":
         return {"error": f"timed out after {timeout} s"}
-    for line in reversed(result.stdout.splitlines()):
+    returncode, stdout, stderr = result
+    for line in reversed(stdout.splitlines()):
         if line.startswith("{"):
             try:
                 return json.loads(line)
             except json.JSONDecodeError:
                 break
-    lines = [l.strip() for l in result.stderr.splitlines() if l.strip()]
+    lines = [l.strip() for l in stderr.splitlines() if l.strip()]
     reason = lines[-1] if lines else "no output"
-    return {"error": f"exit code {result.returncode}: {reason}"[:200]}
+    return {"error": f"exit code {returncode}: {reason}"[:200]}
 
 
 def peak_dtypes(rows):

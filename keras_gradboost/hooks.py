@@ -718,6 +718,14 @@ def _eager_context():
     return context.context()
 
 
+def tensorflow_runtime_started():
+    """Whether this process has started TensorFlow's runtime (its context:
+    devices listed, thread pools made). Importing TensorFlow does not; the
+    first op or device query does. Reads the private `Context._initialized`
+    (`tensorflow.python.eager.context`)."""
+    return bool(_eager_context()._initialized)
+
+
 class CoordinationKeyExists(Exception):
     """`coordination_set` of a key that another worker set first."""
 
@@ -840,6 +848,7 @@ def check():
     check_collecting_losses()
     check_untracked_state()
     check_compiled_metric_objects()
+    assert tensorflow_runtime_started()  # (ops ran above)
     assert initial_epoch(model) is None
     set_initial_epoch(model, 2)
     assert model._initial_epoch == 2 and initial_epoch(model) == 2

@@ -1,0 +1,207 @@
+"""The rows of `keras-gradboost compare`, forked from one process that
+imported TensorFlow once.
+
+Each row used to start `python -m keras_gradboost.compare SPEC`: a fresh
+interpreter that spent about 5 s of CPU importing TensorFlow and Keras
+before its first op (a 2-core AMD EPYC: half of a default row's time).
+The server (`python -m keras_gradboost.row_server`) imports them once and
+then forks one child per row. Importing creates no TensorFlow runtime (no
+op runs, no device is listed: `serve` checks), so each child still starts
+its own: allocator pools, XLA caches and traced functions never leak from
+one row into the next, as with a fresh interpreter.
+
+The server starts with the environment, interpreter and working directory
+the row would have had; `RowServer.run` starts a new one when they change.
+Where there is no `os.fork` (not POSIX), or the server cannot start or
+stops answering, `RowServer.run` returns None and the caller starts the
+interpreter per row as before.
+"""
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+# Seconds the server may take to import TensorFlow and Keras before it
+# answers its first request (about 5 s on a 2-core CPU; more under load).
+START_TIMEOUT_S = 300
+# The server answers within a child's timeout plus this (it kills a child
+# at its timeout and reports it).
+REPLY_GRACE_S = 60
+# How often the server looks whether its child has ended.
+POLL_S = 0.02
+READY = "ready"
+
+
+class RowServer:
+    """A server process that forks one child per row (see the module's
+    docstring). One per parent process; `close()` stops it (also at exit).
+
+    `keras_gradboost.compare` keeps one (`_run_child`).
+    """
+
+    def __init__(self):
+        self._process = None
+        self._key = None
+        atexit.register(self.close)
+
+    def run(self, argv, env, timeout):
+        """Runs `compare.child_main(argv)` in a child forked from the server.
+
+        Args:
+            argv: the child's arguments (`[SPEC]`).
+            env: the environment the child would have had; a server started
+                with another one is replaced.
+            timeout: seconds after which the child is killed.
+
+        Returns:
+            `(returncode, stdout, stderr)` as `subprocess.run` gives them
+            (a child killed by signal N: -N), `"timeout"` when the child was
+            killed at `timeout`, or None when the server cannot run it (the
+            caller then starts an interpreter).
+        """
+        if not hasattr(os, "fork"):
+            return None
+        key = (sys.executable, tuple(sorted(env.items())))
+        if self._process is None or self._process.poll() is not None or key != self._key:
+            self.close()
+            if not self._start(env):
+                return None
+            self._key = key
+        with tempfile.TemporaryDirectory(prefix="kgb-row-") as tmp:
+            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            request = {"argv": argv, "cwd": os.getcwd(), "stdout": out, "stderr": err,
+                       "timeout": timeout}
+            reply = self._ask(request, timeout + REPLY_GRACE_S)
+            if reply is None:
+                self.close()
+                return None
+            if reply.get("timed_out"):
+                return "timeout"
+            with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
+                return reply["returncode"], f_out.read(), f_err.read()
+
+    def close(self):
+        """Stops the server (its children end with their rows)."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        try:
+            process.stdin.close()  # the server ends at the end of its input
+            process.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            process.kill()
+            process.wait()
+
+    def _start(self, env):
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "keras_gradboost.row_server"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env=env,
+                text=True,
+            )
+        except OSError:
+            self._process = None
+            return False
+        if self._read_line(START_TIMEOUT_S) != READY:
+            self.close()
+            return False
+        return True
+
+    def _ask(self, request, timeout):
+        try:
+            self._process.stdin.write(json.dumps(request) + "\n")
+            self._process.stdin.flush()
+        except OSError:
+            return None
+        line = self._read_line(timeout)
+        try:
+            return json.loads(line) if line else None
+        except json.JSONDecodeError:
+            return None
+
+    def _read_line(self, timeout):
+        """The server's next line, or None at its end or after `timeout`."""
+        ready, _, _ = select.select([self._process.stdout], [], [], timeout)
+        if not ready:
+            return None
+        return self._process.stdout.readline().strip() or None
+
+
+def _run_forked(request):
+    """Forks a child that runs `compare.child_main(request["argv"])` with its
+    output in the request's files; returns the reply for the parent."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            os.chdir(request["cwd"])
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+                target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.dup2(target, fd)
+                os.close(target)
+            from keras_gradboost import compare
+
+            code = compare.child_main(request["argv"])
+        except BaseException:  # noqa: BLE001 - the parent reads it as the row's reason
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + request["timeout"]
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return {"returncode": os.waitstatus_to_exitcode(status)}
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return {"timed_out": True}
+        time.sleep(POLL_S)
+
+
+def serve(requests, replies):
+    """The server's loop: imports what a row needs, says `READY`, then one
+    reply line per request line until its input ends."""
+    import keras  # noqa: F401 - imported once, for every child
+    import tensorflow as tf  # noqa: F401
+
+    from keras_gradboost import compare  # noqa: F401
+    from keras_gradboost import flops  # noqa: F401
+    from keras_gradboost import hooks
+    from keras_gradboost import zoo  # noqa: F401
+
+    # A runtime made here would be shared by every child (its thread pools
+    # do not survive a fork): then answer nothing, and the parent starts an
+    # interpreter per row.
+    if hooks.tensorflow_runtime_started():
+        return
+    replies.write(READY + "\n")
+    replies.flush()
+    for line in iter(requests.readline, ""):
+        replies.write(json.dumps(_run_forked(json.loads(line))) + "\n")
+        replies.flush()
+
+
+def main():
+    # Replies go to a descriptor of their own: what imported code writes to
+    # standard output goes to standard error instead.
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    serve(sys.stdin, replies)
+
+
+if __name__ == "__main__":
+    main()
