@@ -10,8 +10,10 @@ op runs, no device is listed: `serve` checks), so each child still starts
 its own: allocator pools, XLA caches and traced functions never leak from
 one row into the next, as with a fresh interpreter.
 
-The server starts with the environment, interpreter and working directory
-the row would have had; `RowServer.run` starts a new one when they change.
+The server starts with the environment and interpreter the row would have
+had (TensorFlow reads some variables while importing), and `RowServer.run`
+starts a new one when they change; each child takes the row's environment
+and working directory.
 Where there is no `os.fork` (not POSIX), or the server cannot start or
 stops answering, `RowServer.run` returns None and the caller starts the
 interpreter per row as before.
@@ -37,6 +39,10 @@ REPLY_GRACE_S = 60
 # How often the server looks whether its child has ended.
 POLL_S = 0.02
 READY = "ready"
+# Variables that may change from one row to the next without a new server:
+# nothing reads them while importing (pytest names the running test in
+# PYTEST_CURRENT_TEST); each child still gets the row's own value.
+PER_CALL_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
 
 
 class RowServer:
@@ -68,7 +74,9 @@ class RowServer:
         """
         if not hasattr(os, "fork"):
             return None
-        key = (sys.executable, tuple(sorted(env.items())))
+        key = (sys.executable, tuple(sorted(
+            (name, value) for name, value in env.items() if name not in PER_CALL_VARIABLES
+        )))
         if self._process is None or self._process.poll() is not None or key != self._key:
             self.close()
             if not self._start(env):
@@ -76,8 +84,8 @@ class RowServer:
             self._key = key
         with tempfile.TemporaryDirectory(prefix="kgb-row-") as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-            request = {"argv": argv, "cwd": os.getcwd(), "stdout": out, "stderr": err,
-                       "timeout": timeout}
+            request = {"argv": argv, "cwd": os.getcwd(), "env": env, "stdout": out,
+                       "stderr": err, "timeout": timeout}
             reply = self._ask(request, timeout + REPLY_GRACE_S)
             if reply is None:
                 self.close()
@@ -145,6 +153,8 @@ def _run_forked(request):
         code = 1
         try:
             os.chdir(request["cwd"])
+            os.environ.clear()  # the row's own: the server's but for PER_CALL_VARIABLES
+            os.environ.update(request["env"])
             null = os.open(os.devnull, os.O_RDONLY)
             os.dup2(null, 0)
             for fd, path in ((1, request["stdout"]), (2, request["stderr"])):

@@ -2,7 +2,8 @@
 127.0.0.1 with kgb.callbacks.BackupAndRestore on one shared `backup_dir`
 (tests/workers/fault_fit.py). A worker SIGKILLed mid-epoch: the job stops,
 bounded in time; restarted, it finishes with the weights of one process's
-uninterrupted large-batch steps on the same global batches. A SIGTERM to
+uninterrupted large-batch steps on the same global batches (so does a fit
+stopped there by an error, with accumulate_steps=1). A SIGTERM to
 one worker: every worker saves at the same step (for accumulate_steps=4,
 the next update boundary) and exits; restarted, the same."""
 
@@ -53,21 +54,22 @@ def _metadata(tmp_path, name):
 @pytest.mark.multiworker
 def test_a_killed_worker_and_a_preemption_resume_exactly(tmp_path):
     ff, ef = load_script(SCRIPT), _worker_module()
-    # k=1: worker 1 killed at (1, 5), after the backup of (1, 3).
-    codes, seconds, log = _run(tmp_path, ["k1:kill"])
+    # k=1 stopped by an error on every worker at (1, 5), after the backup
+    # of (1, 3) (on disk what a kill there leaves); then k=4's worker 1
+    # SIGKILLed at the same point (its backups wait for update boundaries:
+    # (0, 3), (0, 7), (1, 3)). (A job per kill: 13-20 s each.)
+    codes, seconds, log = _run(tmp_path, ["k1:interrupt", "k4:kill"])
+    assert "k1 interrupt done" in log, log[-3000:]
     assert codes[1] == -9 and codes[0] != 0, log[-3000:]  # the job stopped, both workers
     assert seconds < TIMEOUT, log[-3000:]
-    assert (_metadata(tmp_path, "k1")["epoch"], _metadata(tmp_path, "k1")["batches_done"]) == (1, 4)
-    # Restarted k=1 to its end; k=4 killed at the same point (its backups
-    # wait for update boundaries: (0, 3), (0, 7), (1, 3)).
-    codes, seconds, log = _run(tmp_path, ["k1:resume", "k4:kill"])
-    assert codes[1] == -9 and codes[0] != 0, log[-3000:]
-    assert "k1 resume done" in log, log[-3000:]
-    assert (_metadata(tmp_path, "k4")["epoch"], _metadata(tmp_path, "k4")["batches_done"]) == (1, 4)
-    # Restarted k=4; then a SIGTERM to worker 1 at the end of (1, 1): the
-    # agreed step (1, 2) is inside a window, so every worker saves at (1, 3).
-    codes, seconds, log = _run(tmp_path, ["k4:resume", "k4_term:term"])
-    assert "k4 resume done" in log, log[-3000:]
+    for name in ("k1", "k4"):
+        saved = _metadata(tmp_path, name)
+        assert (saved["epoch"], saved["batches_done"]) == (1, 4), (name, saved)
+    # Both restarted to their end; then a SIGTERM to worker 1 at the end of
+    # (1, 1): the agreed step (1, 2) is inside a window, so every worker
+    # saves at (1, 3).
+    codes, seconds, log = _run(tmp_path, ["k1:resume", "k4:resume", "k4_term:term"])
+    assert "k1 resume done" in log and "k4 resume done" in log, log[-3000:]
     # Both saved and exited with 143; the launcher may SIGTERM (-15) the
     # later one after the first has exited, during its own exit.
     assert 143 in codes and set(codes) <= {143, -15}, log[-3000:]

@@ -21,6 +21,21 @@ from keras_gradboost.recompute import updates
 MIB = 2**20
 
 
+def _why_eigen(dtypes):
+    """Why convolutions of compute `dtypes` (names) run on Eigen's kernels:
+    oneDNN is off, or they are float16 (oneDNN leaves those to Eigen); for
+    `()` (a plan made by hand) whichever holds for this process."""
+    reasons = []
+    if hooks.onednn_enabled() is False and set(dtypes) != {"float16"}:
+        reasons.append(
+            "oneDNN is off on this CPU; TF_ENABLE_ONEDNN_OPTS=1 turns it on, "
+            "and needs less memory"
+        )
+    if "float16" in dtypes or not reasons:
+        reasons.append("oneDNN leaves float16 convolutions to them")
+    return "; ".join(reasons)
+
+
 @dataclasses.dataclass
 class BlockEstimate:
     """One candidate block and its estimated activation memory.
@@ -96,6 +111,9 @@ class RecomputePlan:
             (ResNet50 at 64x64, batch 16, "auto": 65.8-71 MiB requested,
             where the activations and gradients alone were estimated at
             52.5).
+        eigen_dtypes: the compute dtypes of those convolutions, sorted
+            names (`("float16",)`: oneDNN leaves them to Eigen even where
+            it is on; `()` when there are none).
         xla_temporary_bytes: the largest temporary of the XLA backward of
             a depthwise convolution that Keras runs as a grouped one on a
             CPU (`depthwise.xla_backward_temporaries`), which the training
@@ -143,6 +161,7 @@ class RecomputePlan:
     measured_peak_bytes: object = None
     gradients_pile_up: object = None
     eigen_convolutions: bool = False
+    eigen_dtypes: tuple = ()
     xla_temporary_bytes: int = 0
     xla_temporary_layer: object = None
     working_buffer_bytes: int = 0
@@ -197,12 +216,7 @@ class RecomputePlan:
                 'compile(depthwise="native") does'
             )
         if self.eigen_convolutions:
-            why = (
-                "oneDNN is off on this CPU; TF_ENABLE_ONEDNN_OPTS=1 turns it "
-                "on, and needs less memory"
-                if hooks.onednn_enabled() is False
-                else "oneDNN leaves float16 convolutions to them"
-            )
+            why = _why_eigen(self.eigen_dtypes)
             lines.append(
                 "  the training peaks include the working buffers of "
                 f"TensorFlow's Eigen convolution kernels ({why}): up to ~30 MiB "

@@ -904,6 +904,7 @@ class RecomputeSetup:
             peak_bytes_without=plan_bytes(total, per_block, sizes, (), gradients),
             gradients_pile_up=self._pile_up(model),
             eigen_convolutions=_eigen_convolutions(model),
+            eigen_dtypes=tuple(sorted(d.name for d in _eigen_convolution_dtypes(model))),
             xla_temporary_bytes=temporary,
             xla_temporary_layer=layer.name if layer is not None else None,
             pointwise_convolutions=_pointwise_convolutions(model),

@@ -398,6 +398,11 @@ def test_float16_convolutions_are_not_sent_to_onednn(monkeypatch, onednn):
     assert plan.eigen_convolutions and plan.working_buffer_bytes > 2**20
     assert "oneDNN leaves float16 convolutions to these kernels" in said
     assert "TF_ENABLE_ONEDNN_OPTS" not in said
+    # The plan's own line says why as well (it named TF_ENABLE_ONEDNN_OPTS
+    # wherever oneDNN was off).
+    assert plan.eigen_dtypes == ("float16",)
+    assert "(oneDNN leaves float16 convolutions to them)" in str(plan)
+    assert "TF_ENABLE_ONEDNN_OPTS" not in str(plan)
 
 
 def test_the_plan_says_what_plans_reach_without_the_buffers():

@@ -6,6 +6,8 @@ Run by `keras_gradboost.launch` with `out_dir` and a list of
 `<case>:<phase>` arguments, done in order:
 
 * `kill`: worker 1 SIGKILLs itself at the end of `KILL_AT` (epoch, batch);
+* `interrupt`: every worker raises there (the backup on disk is the one a
+  kill leaves), and the job goes on to its next phase;
 * `term`: worker 1 sends itself SIGTERM there (the case saves before
   preemption: every worker saves at the same step and exits);
 * `resume`: the same fit() with the same backup, to its end; each worker
@@ -75,6 +77,10 @@ def model(strategy, accumulate_steps):
     return m
 
 
+def _interrupt():
+    raise RuntimeError("interrupted")
+
+
 def _save_mid_window(m, out_dir, index):
     import keras
 
@@ -100,10 +106,7 @@ def _split(m, out_dir, index, phase):
 
     backup = BackupAndRestore(os.path.join(out_dir, f"split-{index}"), save_freq=2)
     if phase == "interrupt":
-        def stop():
-            raise RuntimeError("interrupted")
-
-        callbacks = [backup, _At(SPLIT_AT, stop, index, every_worker=True).callback]
+        callbacks = [backup, _At(SPLIT_AT, _interrupt, index, every_worker=True).callback]
         try:
             m.fit(exact_fit.dataset("dense"), epochs=EPOCHS, verbose=0, callbacks=callbacks)
         except RuntimeError:
@@ -138,11 +141,21 @@ def main(out_dir, jobs):
         callbacks = [BackupAndRestore(os.path.join(out_dir, name), **kwargs)]
         if phase == "kill":
             callbacks.append(_At(KILL_AT, lambda: os.kill(os.getpid(), signal.SIGKILL), index).callback)
+        elif phase == "interrupt":
+            callbacks.append(_At(KILL_AT, _interrupt, index, every_worker=True).callback)
         elif phase == "term":
             callbacks.insert(0, _At(TERM_AT, lambda: os.kill(os.getpid(), signal.SIGTERM), index).callback)
         if index == 0 and phase != "resume":
             np.savez(os.path.join(out_dir, f"{name}-init.npz"), *m.get_weights())
-        m.fit(exact_fit.dataset("dense"), epochs=EPOCHS, verbose=0, callbacks=callbacks)
+        try:
+            m.fit(exact_fit.dataset("dense"), epochs=EPOCHS, verbose=0, callbacks=callbacks)
+        except RuntimeError:
+            if phase != "interrupt":
+                raise
+            print(name, phase, "done", flush=True)
+            continue
+        if phase == "interrupt":
+            raise AssertionError(f"{name}: the fit was not interrupted at {KILL_AT}")
         np.savez(
             os.path.join(out_dir, f"{name}-worker{index}.npz"),
             *m.get_weights(),
