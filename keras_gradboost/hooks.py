@@ -719,11 +719,18 @@ def _eager_context():
 
 
 def tensorflow_runtime_started():
-    """Whether this process has started TensorFlow's runtime (its context:
-    devices listed, thread pools made). Importing TensorFlow does not; the
-    first op or device query does. Reads the private `Context._initialized`
-    (`tensorflow.python.eager.context`)."""
-    return bool(_eager_context()._initialized)
+    """Whether this process has started TensorFlow's runtime (its context
+    made, or its physical devices listed: on a GPU that sets up CUDA).
+    Importing TensorFlow does neither; the first op or device query does.
+    Reads the private `context_safe()`, `Context._initialized` and
+    `Context._physical_devices` (`tensorflow.python.eager.context`), without
+    making a context."""
+    from tensorflow.python.eager import context
+
+    ctx = context.context_safe()
+    return ctx is not None and (
+        bool(ctx._initialized) or ctx._physical_devices is not None
+    )
 
 
 class CoordinationKeyExists(Exception):

@@ -14,9 +14,10 @@ The server starts with the environment and interpreter the row would have
 had (TensorFlow reads some variables while importing), and `RowServer.run`
 starts a new one when they change; each child takes the row's environment
 and working directory.
-Where there is no `os.fork` (not POSIX), or the server cannot start or
-stops answering, `RowServer.run` returns None and the caller starts the
-interpreter per row as before.
+Where there is no `os.fork` (not POSIX), `RowServer.run` returns None and
+the caller starts an interpreter per row as before; so it does, with a
+warning that says why, where the server cannot start or stops answering
+(a row it was running then starts again in an interpreter).
 """
 
 import atexit
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 
 # Seconds the server may take to import TensorFlow and Keras before it
 # answers its first request (about 5 s on a 2-core CPU; more under load).
@@ -48,13 +50,14 @@ PER_CALL_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
 class RowServer:
     """A server process that forks one child per row (see the module's
     docstring). One per parent process; `close()` stops it (also at exit).
-
     `keras_gradboost.compare` keeps one (`_run_child`).
     """
 
     def __init__(self):
         self._process = None
         self._key = None
+        self._failed = set()  # keys whose server failed: not tried again
+        self._requests = 0
         atexit.register(self.close)
 
     def run(self, argv, env, timeout):
@@ -70,58 +73,104 @@ class RowServer:
             `(returncode, stdout, stderr)` as `subprocess.run` gives them
             (a child killed by signal N: -N), `"timeout"` when the child was
             killed at `timeout`, or None when the server cannot run it (the
-            caller then starts an interpreter).
+            caller then starts an interpreter; a warning says why, once).
         """
         if not hasattr(os, "fork"):
             return None
         key = (sys.executable, tuple(sorted(
             (name, value) for name, value in env.items() if name not in PER_CALL_VARIABLES
         )))
+        if key in self._failed:
+            return None
         if self._process is None or self._process.poll() is not None or key != self._key:
             self.close()
-            if not self._start(env):
+            if not self._start(env, key):
                 return None
             self._key = key
         with tempfile.TemporaryDirectory(prefix="kgb-row-") as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-            request = {"argv": argv, "cwd": os.getcwd(), "env": env, "stdout": out,
-                       "stderr": err, "timeout": timeout}
-            reply = self._ask(request, timeout + REPLY_GRACE_S)
-            if reply is None:
-                self.close()
+            self._requests += 1
+            request = {"id": self._requests, "argv": argv, "cwd": os.getcwd(),
+                       "env": {n: env.get(n) for n in PER_CALL_VARIABLES},
+                       "stdout": out, "stderr": err, "timeout": timeout}
+            try:
+                reply = self._ask(request, timeout + REPLY_GRACE_S)
+            except BaseException:  # (KeyboardInterrupt) no child may run on
+                self.close(kill=True)
+                raise
+            if reply is None or reply.get("id") != request["id"]:
+                self._fail(key, "stopped answering during a row")
                 return None
             if reply.get("timed_out"):
                 return "timeout"
-            with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
-                return reply["returncode"], f_out.read(), f_err.read()
+            try:
+                with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
+                    return reply["returncode"], f_out.read(), f_err.read()
+            except OSError:
+                self._fail(key, "forked a child that wrote no output")
+                return None
 
-    def close(self):
-        """Stops the server (its children end with their rows)."""
+    def close(self, kill=False):
+        """Stops the server; with `kill=True`, or when it does not end within
+        5 s, kills it and the child running a row (its process group)."""
         process, self._process = self._process, None
         if process is None:
             return
         try:
             process.stdin.close()  # the server ends at the end of its input
-            process.wait(timeout=5)
+            if not kill:
+                process.wait(timeout=5)
+                return
         except (OSError, subprocess.TimeoutExpired):
-            process.kill()
-            process.wait()
+            pass
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        process.wait()
 
-    def _start(self, env):
+    def _fail(self, key, reason):
+        """Stops the server, and says once why each row of `key` starts an
+        interpreter of its own from now on."""
+        log = getattr(self, "_log", None)
+        self.close(kill=True)
+        self._failed.add(key)
+        detail = ""
+        if log is not None:
+            with open(log, errors="replace") as f:
+                lines = [line.strip() for line in f if line.strip()]
+            detail = f" ({lines[-1][:200]})" if lines else ""
+        warnings.warn(
+            f"keras-gradboost compare: the row server {reason}{detail}; each row "
+            "starts a Python interpreter of its own instead (about 5 s of CPU "
+            "more per row).",
+            stacklevel=4,
+        )
+
+    def _start(self, env, key):
+        # The server's standard error (what it said before failing) goes to
+        # a file: the warning quotes its last line.
+        log = tempfile.NamedTemporaryFile(prefix="kgb-row-server-", suffix=".log", delete=False)
+        self._log = log.name
+        atexit.register(_remove, log.name)
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "keras_gradboost.row_server"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
+                stderr=log,
                 env=env,
                 text=True,
+                start_new_session=True,  # a process group: `close` kills its child too
             )
-        except OSError:
+        except OSError as error:
             self._process = None
+            self._fail(key, f"could not start: {error}")
             return False
+        finally:
+            log.close()
         if self._read_line(START_TIMEOUT_S) != READY:
-            self.close()
+            self._fail(key, "did not start")
             return False
         return True
 
@@ -138,29 +187,48 @@ class RowServer:
             return None
 
     def _read_line(self, timeout):
-        """The server's next line, or None at its end or after `timeout`."""
+        """The server's next line, or None at its end or after `timeout`
+        (one request, one reply: nothing waits in the stream's buffer)."""
         ready, _, _ = select.select([self._process.stdout], [], [], timeout)
         if not ready:
             return None
         return self._process.stdout.readline().strip() or None
 
 
-def _run_forked(request):
+def _remove(path):
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _run_forked(request, replies):
     """Forks a child that runs `compare.child_main(request["argv"])` with its
     output in the request's files; returns the reply for the parent."""
+    sys.stdout.flush()
+    sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # the child: never returns
         code = 1
         try:
-            os.chdir(request["cwd"])
-            os.environ.clear()  # the row's own: the server's but for PER_CALL_VARIABLES
-            os.environ.update(request["env"])
+            # Its output first (a failure below is then reported in it);
+            # the replies' descriptor closed, so that the parent sees the
+            # server's end even while this child runs.
+            os.close(replies.fileno())
             null = os.open(os.devnull, os.O_RDONLY)
             os.dup2(null, 0)
             for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
                 target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 os.dup2(target, fd)
                 os.close(target)
+            os.chdir(request["cwd"])
+            # The environment is the server's (the same but for these, and
+            # for what importing TensorFlow set).
+            for name, value in request["env"].items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
             from keras_gradboost import compare
 
             code = compare.child_main(request["argv"])
@@ -174,11 +242,11 @@ def _run_forked(request):
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            return {"returncode": os.waitstatus_to_exitcode(status)}
+            return {"id": request["id"], "returncode": os.waitstatus_to_exitcode(status)}
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            return {"timed_out": True}
+            return {"id": request["id"], "timed_out": True}
         time.sleep(POLL_S)
 
 
@@ -197,11 +265,12 @@ def serve(requests, replies):
     # do not survive a fork): then answer nothing, and the parent starts an
     # interpreter per row.
     if hooks.tensorflow_runtime_started():
+        print("importing TensorFlow and Keras started TensorFlow's runtime", file=sys.stderr)
         return
     replies.write(READY + "\n")
     replies.flush()
     for line in iter(requests.readline, ""):
-        replies.write(json.dumps(_run_forked(json.loads(line))) + "\n")
+        replies.write(json.dumps(_run_forked(json.loads(line), replies)) + "\n")
         replies.flush()
 
 

@@ -144,15 +144,16 @@ def test_rows_of_a_saved_model_with_dropout_start_from_the_same_seeds(tmp_path, 
     model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
     model.compile(optimizer="sgd", loss="mean_squared_error")
     model.save(str(tmp_path / "dropout.keras"))
+    spec = {"config": "baseline", "kwargs": {}, "model": str(tmp_path / "dropout.keras"),
+            "batch_size": 8, "steps": 3}
+    absolute = compare_lib.run_one(spec)  # (the server started in another directory)
     monkeypatch.chdir(tmp_path)
-    spec = {"config": "baseline", "kwargs": {}, "model": "dropout.keras", "batch_size": 8,
-            "steps": 3}
-    forked = compare_lib.run_one(spec)
-    assert compare_lib._ROW_SERVER._process is not None  # the server ran it
+    forked = compare_lib.run_one({**spec, "model": "dropout.keras"})
+    assert compare_lib._ROW_SERVER._process is not None  # the server ran them
     monkeypatch.setattr(compare_lib._ROW_SERVER, "run", lambda *args: None)
     fresh = compare_lib.run_one(spec)
     assert "error" not in forked, forked
-    assert forked["final_loss"] == fresh["final_loss"]
+    assert absolute["final_loss"] == forked["final_loss"] == fresh["final_loss"]
 
 
 def test_saved_model_without_loss_or_data_and_a_failed_row(tmp_path, capsys, no_matmul_peak):

@@ -90,9 +90,9 @@ def _reference(ef, name, init):
 
 @pytest.mark.multiworker
 def test_multi_worker_fits_and_callbacks_equal_one_process(tmp_path):
-    """Two workers, twelve cases (accumulate_steps 1, 4, an uneven 3 with Adam, 3
+    """Two workers, thirteen cases (accumulate_steps 1, 4, an uneven 3 with Adam, 3
     with a last global batch split 5 + 4 and 1 + 0 between the workers, 4
-    with a NaN in one worker's part of a
+    with a dynamic loss scale, 4 with a NaN in one worker's part of a
     micro-batch found by the loss scale's check or by a NaNWatcher
     (action="skip", and "stop": every worker stops there, no update), 2 with
     recompute, a masked loss with 2, mixed_bfloat16 and mixed_float16 with

@@ -11,6 +11,7 @@ import asyncio
 import os
 import pathlib
 import re
+import traceback
 
 import nbformat
 import pytest
@@ -186,6 +187,6 @@ def test_each_notebook_shows_what_its_text_promises(executed):
     for name, check in CHECKS.items():
         try:
             check(executed)
-        except Exception as error:  # noqa: BLE001 - each notebook's failure is reported
-            failed.append(f"{name}: {type(error).__name__}: {error}")
+        except Exception:  # noqa: BLE001 - each notebook's failure is reported
+            failed.append(f"{name}:\n{traceback.format_exc()}")
     assert not failed, "\n\n".join(failed)

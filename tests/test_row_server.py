@@ -1,12 +1,15 @@
 """`keras-gradboost compare`'s rows forked from one server
 (keras_gradboost/row_server.py) against rows in an interpreter of their
 own: the same row, the server reused, another one for another
-environment or interpreter, a child killed at its timeout, and the interpreter where the
-server cannot start. (test_cli.py: a relative path in the parent's working
+environment or interpreter, a child killed at its timeout, a server killed
+during a row (its child with it), and the interpreter where the server
+cannot start. (test_cli.py: a relative path in the parent's working
 directory, and the Dropout seeds of a forked row and a fresh one.)"""
 
 import os
+import signal
 import sys
+import threading
 
 import pytest
 
@@ -20,12 +23,11 @@ SAME = ("final_loss", "retraces", "step_flops", "step_flops_by_dtype", "policy",
         "xla", "notes")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def server():
-    """One server for the module's tests (each start imports TensorFlow)."""
-    started = row_server.RowServer()
-    yield started
-    started.close()
+    """`compare`'s own server (each start imports TensorFlow, about 6 s:
+    shared with the other tests of this worker that run rows)."""
+    return compare._ROW_SERVER
 
 
 def _row(server, env, timeout=600):
@@ -64,7 +66,7 @@ def test_another_environment_or_interpreter_starts_another_server(monkeypatch):
     server = row_server.RowServer()
     started = []
 
-    def start(env):
+    def start(env, key):
         started.append(env)
         server._process = _FakeServer(env)
         return True
@@ -73,11 +75,11 @@ def test_another_environment_or_interpreter_starts_another_server(monkeypatch):
         for key in ("stdout", "stderr"):
             with open(request[key], "w") as f:
                 f.write(key)
-        return {"returncode": 0}
+        return {"id": request["id"], "returncode": 0}
 
     monkeypatch.setattr(server, "_start", start)
     monkeypatch.setattr(server, "_ask", ask)
-    monkeypatch.setattr(server, "close", lambda: None)
+    monkeypatch.setattr(server, "close", lambda kill=False: None)
     env = {"A": "1"}
     assert server.run(["{}"], env, 60) == (0, "stdout", "stderr")
     server.run(["{}"], dict(env), 60)
@@ -101,12 +103,51 @@ def test_a_child_past_its_timeout_is_killed_and_the_server_goes_on(server):
     assert server._process.pid == pid
 
 
+def _running_in_group(group):
+    """The processes of process group `group` that still run (not zombies:
+    here an orphan may wait for a parent that never reaps it)."""
+    running = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == group and fields[0] != "Z":
+                running.append(int(entry))
+    return running
+
+
+def test_a_server_that_dies_during_a_row_takes_its_child_along_and_says_so(tmp_path):
+    # The child closes its copy of the replies' pipe: the parent sees the
+    # server's end at once, stops the row's child with it (one process
+    # group) and warns; the row then starts in an interpreter of its own.
+    server = row_server.RowServer()
+    env = dict(os.environ)
+    try:
+        assert "error" not in _row(server, env)  # started
+        group = server._process.pid
+        slow = compare.json.dumps({**SPEC, "steps": 100_000})
+        timer = threading.Timer(2.0, os.kill, (group, signal.SIGKILL))
+        timer.start()
+        with pytest.warns(UserWarning, match="the row server stopped answering during a row"):
+            assert server.run([slow], env, timeout=600) is None
+        timer.join()
+        assert _running_in_group(group) == []  # the child too
+        assert server.run([slow], env, timeout=600) is None  # not tried again
+    finally:
+        server.close(kill=True)
+
+
 def test_where_the_server_cannot_start_the_row_runs_in_an_interpreter(tmp_path, monkeypatch):
     server = row_server.RowServer()
     broken = tmp_path / "python"
-    broken.write_text("#!/bin/sh\nexit 3\n")
+    broken.write_text("#!/bin/sh\necho 'no TensorFlow here' >&2\nexit 3\n")
     broken.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(broken))
-    assert server.run([compare.json.dumps(SPEC)], dict(os.environ), 60) is None
+    with pytest.warns(UserWarning, match=r"did not start \(no TensorFlow here\)"):
+        assert server.run([compare.json.dumps(SPEC)], dict(os.environ), 60) is None
+    assert server.run([compare.json.dumps(SPEC)], dict(os.environ), 60) is None  # once
     monkeypatch.delattr(os, "fork")  # not POSIX
-    assert server.run([compare.json.dumps(SPEC)], dict(os.environ), 60) is None
+    assert row_server.RowServer().run([compare.json.dumps(SPEC)], dict(os.environ), 60) is None

@@ -38,9 +38,10 @@ CASES = {
     # 8 micro-batches in windows of 3, 3 and 2: the last one flushed at the
     # epoch end.
     "k3_adam": ("dense", dict(optimizer=("adam", 0.01), accumulate_steps=3)),
-    # (A float32 dynamic loss scale with accumulate_steps=4, 4 s of CI, is
-    # in tests/workers/fault_fit.py's cases, killed and resumed, against
-    # one process's steps; float16's below.)
+    "k4_dynamic_scale": (
+        "dense",
+        dict(optimizer=("sgd", 0.1), accumulate_steps=4, loss_scale="dynamic"),
+    ),
     # A NaN in one row of worker 1's part of global batch 0 (loss_scale=1.0
     # checks every micro-batch): every worker skips that micro-batch, and
     # the first window's update is the mean over the other three.
