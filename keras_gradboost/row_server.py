@@ -84,7 +84,13 @@ class RowServer:
             return None
         if self._process is None or self._process.poll() is not None or key != self._key:
             self.close()
-            if not self._start(env, key):
+            self._key = None
+            try:
+                started = self._start(env, key)
+            except BaseException:  # (KeyboardInterrupt) not left half started
+                self.close(kill=True)
+                raise
+            if not started:
                 return None
             self._key = key
         with tempfile.TemporaryDirectory(prefix="kgb-row-") as tmp:
@@ -99,7 +105,9 @@ class RowServer:
                 self.close(kill=True)
                 raise
             if reply is None or reply.get("id") != request["id"]:
-                self._fail(key, "stopped answering during a row")
+                status = self._process.poll()
+                how = f" (exit status {status})" if status is not None else ""
+                self._fail(key, f"stopped answering during a row{how}", quote=False)
                 return None
             if reply.get("timed_out"):
                 return "timeout"
@@ -107,7 +115,7 @@ class RowServer:
                 with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
                     return reply["returncode"], f_out.read(), f_err.read()
             except OSError:
-                self._fail(key, "forked a child that wrote no output")
+                self._fail(key, "forked a child that wrote no output", quote=False)
                 return None
 
     def close(self, kill=False):
@@ -129,14 +137,15 @@ class RowServer:
             pass
         process.wait()
 
-    def _fail(self, key, reason):
+    def _fail(self, key, reason, quote=True):
         """Stops the server, and says once why each row of `key` starts an
-        interpreter of its own from now on."""
+        interpreter of its own from now on (with `quote`, the last line the
+        server wrote to its standard error: why it did not start)."""
         log = getattr(self, "_log", None)
         self.close(kill=True)
         self._failed.add(key)
         detail = ""
-        if log is not None:
+        if quote and log is not None:
             with open(log, errors="replace") as f:
                 lines = [line.strip() for line in f if line.strip()]
             detail = f" ({lines[-1][:200]})" if lines else ""
@@ -169,7 +178,13 @@ class RowServer:
             return False
         finally:
             log.close()
-        if self._read_line(START_TIMEOUT_S) != READY:
+        # (What importing writes to standard output before `main` moves it
+        # comes first: skipped.)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        line = ""
+        while line is not None and line != READY:
+            line = self._read_line(max(0.0, deadline - time.monotonic()))
+        if line != READY:
             self._fail(key, "did not start")
             return False
         return True
@@ -202,7 +217,7 @@ def _remove(path):
         pass
 
 
-def _run_forked(request, replies):
+def _run_forked(request, requests, replies):
     """Forks a child that runs `compare.child_main(request["argv"])` with its
     output in the request's files; returns the reply for the parent."""
     sys.stdout.flush()
@@ -247,7 +262,13 @@ def _run_forked(request, replies):
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             return {"id": request["id"], "timed_out": True}
-        time.sleep(POLL_S)
+        # The parent sends nothing before this reply: its input readable now
+        # is its end (the parent is gone), and the row with it.
+        readable, _, _ = select.select([requests], [], [], POLL_S)
+        if readable:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os._exit(1)
 
 
 def serve(requests, replies):
@@ -270,7 +291,7 @@ def serve(requests, replies):
     replies.write(READY + "\n")
     replies.flush()
     for line in iter(requests.readline, ""):
-        replies.write(json.dumps(_run_forked(json.loads(line), replies)) + "\n")
+        replies.write(json.dumps(_run_forked(json.loads(line), requests, replies)) + "\n")
         replies.flush()
 
 

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import pytest
 
@@ -125,6 +126,7 @@ def test_a_server_that_dies_during_a_row_takes_its_child_along_and_says_so(tmp_p
     # group) and warns; the row then starts in an interpreter of its own.
     server = row_server.RowServer()
     env = dict(os.environ)
+    timer = None
     try:
         assert "error" not in _row(server, env)  # started
         group = server._process.pid
@@ -134,9 +136,14 @@ def test_a_server_that_dies_during_a_row_takes_its_child_along_and_says_so(tmp_p
         with pytest.warns(UserWarning, match="the row server stopped answering during a row"):
             assert server.run([slow], env, timeout=600) is None
         timer.join()
+        deadline = time.monotonic() + 10  # (SIGKILL lands asynchronously)
+        while _running_in_group(group) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert _running_in_group(group) == []  # the child too
         assert server.run([slow], env, timeout=600) is None  # not tried again
     finally:
+        if timer is not None:
+            timer.cancel()
         server.close(kill=True)
 
 
