@@ -730,7 +730,6 @@ class RecomputeSetup:
             else ""
         ) + _eigen_advice(
             self.plan,
-            model,
             min(estimated_peak(c) for c in found),
             self.setting["budget_mb"] * MIB if self.budget else None,
         )
@@ -893,6 +892,7 @@ class RecomputeSetup:
         ]
         temporary, layer = depthwise.xla_backward_temporary(model)
         peak = plan_bytes(total, per_block, sizes, self.chosen, gradients)
+        eigen_dtypes = _eigen_convolution_dtypes(model)
         plan = RecomputePlan(
             setting=self.setting,
             batch_size=batch_size,
@@ -903,8 +903,8 @@ class RecomputeSetup:
             peak_bytes=peak,
             peak_bytes_without=plan_bytes(total, per_block, sizes, (), gradients),
             gradients_pile_up=self._pile_up(model),
-            eigen_convolutions=_eigen_convolutions(model),
-            eigen_dtypes=tuple(sorted(d.name for d in _eigen_convolution_dtypes(model))),
+            eigen_convolutions=bool(eigen_dtypes),
+            eigen_dtypes=eigen_dtypes,
             xla_temporary_bytes=temporary,
             xla_temporary_layer=layer.name if layer is not None else None,
             pointwise_convolutions=_pointwise_convolutions(model),
@@ -1027,22 +1027,16 @@ def _own_call(model, x):
     return model(x)
 
 
-def _eigen_convolutions(model):
-    """Whether the model's convolutions run on TensorFlow's Eigen kernels
-    (a CPU with oneDNN off, or in float16; see
-    `RecomputePlan.eigen_convolutions`)."""
-    return bool(_eigen_convolution_dtypes(model))
-
-
 def _eigen_convolution_dtypes(model):
     """The compute dtypes of the model's convolutions that run on
-    TensorFlow's Eigen kernels (`eigen_convolution_kernels`)."""
-    return {
-        tf.as_dtype(layer.dtype_policy.compute_dtype)
+    TensorFlow's Eigen kernels (`eigen_convolution_kernels`), as sorted
+    names (`RecomputePlan.eigen_dtypes`)."""
+    return tuple(sorted({
+        tf.as_dtype(layer.dtype_policy.compute_dtype).name
         for layer in hooks.flatten_layers(model, include_self=False)
         if "Conv" in type(layer).__name__
         and eigen_convolution_kernels(model, layer.dtype_policy.compute_dtype)
-    }
+    }))
 
 
 def _counts_eigen_buffers(plan):
@@ -1052,7 +1046,7 @@ def _counts_eigen_buffers(plan):
     return plan.eigen_convolutions and not plan.xla_temporary_bytes
 
 
-def _eigen_advice(plan, model, lowest, budget_bytes=None):
+def _eigen_advice(plan, lowest, budget_bytes=None):
     """For a warning that no plan fits a budget (`budget_bytes`) or that
     "auto" recomputes nothing: what the plans would reach without the
     working buffers of Eigen's convolution kernels, when that is below the
@@ -1065,14 +1059,14 @@ def _eigen_advice(plan, model, lowest, budget_bytes=None):
             ", under the budget" if plan.lowest_unbuffered_bytes <= budget_bytes
             else ", still over it"
         )
-    dtypes = _eigen_convolution_dtypes(model)
+    dtypes = set(plan.eigen_dtypes)
     removers = []
-    if hooks.onednn_enabled() is False and dtypes - {tf.float16}:
+    if hooks.onednn_enabled() is False and dtypes - {"float16"}:
         removers.append(
             "TF_ENABLE_ONEDNN_OPTS=1 runs the float32 and bfloat16 convolutions "
             "on oneDNN, without them"
         )
-    if tf.float16 in dtypes:
+    if "float16" in dtypes:
         removers.append(
             "oneDNN leaves float16 convolutions to these kernels: another "
             "precision policy runs them on oneDNN"
