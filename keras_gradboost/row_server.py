@@ -58,6 +58,7 @@ class RowServer:
         self._key = None
         self._failed = set()  # keys whose server failed: not tried again
         self._requests = 0
+        self._log = None  # the server's standard error (`_start`)
         atexit.register(self.close)
 
     def run(self, argv, env, timeout):
@@ -141,7 +142,7 @@ class RowServer:
         """Stops the server, and says once why each row of `key` starts an
         interpreter of its own from now on (with `quote`, the last line the
         server wrote to its standard error: why it did not start)."""
-        log = getattr(self, "_log", None)
+        log = self._log
         self.close(kill=True)
         self._failed.add(key)
         detail = ""
