@@ -123,6 +123,9 @@ class RowServer:
         """Stops the server; with `kill=True`, or when it does not end within
         5 s, kills it and the child running a row (its process group)."""
         process, self._process = self._process, None
+        log, self._log = self._log, None
+        if log is not None:
+            _remove(log)
         if process is None:
             return
         try:
@@ -142,14 +145,13 @@ class RowServer:
         """Stops the server, and says once why each row of `key` starts an
         interpreter of its own from now on (with `quote`, the last line the
         server wrote to its standard error: why it did not start)."""
-        log = self._log
-        self.close(kill=True)
-        self._failed.add(key)
         detail = ""
-        if quote and log is not None:
-            with open(log, errors="replace") as f:
+        if quote and self._log is not None:
+            with open(self._log, errors="replace") as f:
                 lines = [line.strip() for line in f if line.strip()]
             detail = f" ({lines[-1][:200]})" if lines else ""
+        self.close(kill=True)
+        self._failed.add(key)
         warnings.warn(
             f"keras-gradboost compare: the row server {reason}{detail}; each row "
             "starts a Python interpreter of its own instead (about 5 s of CPU "
@@ -161,8 +163,7 @@ class RowServer:
         # The server's standard error (what it said before failing) goes to
         # a file: the warning quotes its last line.
         log = tempfile.NamedTemporaryFile(prefix="kgb-row-server-", suffix=".log", delete=False)
-        self._log = log.name
-        atexit.register(_remove, log.name)
+        self._log = log.name  # removed by `close`
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "keras_gradboost.row_server"],

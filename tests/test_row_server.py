@@ -153,8 +153,10 @@ def test_where_the_server_cannot_start_the_row_runs_in_an_interpreter(tmp_path, 
     broken.write_text("#!/bin/sh\necho 'no TensorFlow here' >&2\nexit 3\n")
     broken.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(broken))
+    monkeypatch.setattr(row_server.tempfile, "tempdir", str(tmp_path))  # its log
     with pytest.warns(UserWarning, match=r"did not start \(no TensorFlow here\)"):
         assert server.run([compare.json.dumps(SPEC)], dict(os.environ), 60) is None
+    assert list(tmp_path.glob("kgb-row-server-*")) == []  # quoted, then removed
     assert server.run([compare.json.dumps(SPEC)], dict(os.environ), 60) is None  # once
     monkeypatch.delattr(os, "fork")  # not POSIX
     assert row_server.RowServer().run([compare.json.dumps(SPEC)], dict(os.environ), 60) is None

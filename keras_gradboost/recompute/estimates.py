@@ -21,12 +21,19 @@ from keras_gradboost.recompute import updates
 MIB = 2**20
 
 
+def onednn_would_take(dtypes):
+    """Whether turning oneDNN on would take convolutions of compute `dtypes`
+    (names; `()` for a plan made by hand) off Eigen's kernels: it is off
+    here, and they are not all float16 (oneDNN leaves those to Eigen)."""
+    return hooks.onednn_enabled() is False and set(dtypes) != {"float16"}
+
+
 def _why_eigen(dtypes):
     """Why convolutions of compute `dtypes` (names) run on Eigen's kernels:
     oneDNN is off, or they are float16 (oneDNN leaves those to Eigen); for
     `()` (a plan made by hand) whichever holds for this process."""
     reasons = []
-    if hooks.onednn_enabled() is False and set(dtypes) != {"float16"}:
+    if onednn_would_take(dtypes):
         reasons.append(
             "oneDNN is off on this CPU; TF_ENABLE_ONEDNN_OPTS=1 turns it on, "
             "and needs less memory"

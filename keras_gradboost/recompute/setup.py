@@ -54,6 +54,7 @@ from keras_gradboost.recompute.estimates import eigen_convolution_kernels
 from keras_gradboost.recompute.estimates import estimate
 from keras_gradboost.recompute.estimates import estimate_together
 from keras_gradboost.recompute.estimates import kept_bytes
+from keras_gradboost.recompute.estimates import onednn_would_take
 from keras_gradboost.recompute.estimates import plan_bytes
 from keras_gradboost.recompute.estimates import selective_plan_bytes
 from keras_gradboost.recompute.estimates import tied_inner_blocks
@@ -1059,14 +1060,13 @@ def _eigen_advice(plan, lowest, budget_bytes=None):
             ", under the budget" if plan.lowest_unbuffered_bytes <= budget_bytes
             else ", still over it"
         )
-    dtypes = set(plan.eigen_dtypes)
     removers = []
-    if hooks.onednn_enabled() is False and dtypes - {"float16"}:
+    if onednn_would_take(plan.eigen_dtypes):
         removers.append(
             "TF_ENABLE_ONEDNN_OPTS=1 runs the float32 and bfloat16 convolutions "
             "on oneDNN, without them"
         )
-    if "float16" in dtypes:
+    if "float16" in plan.eigen_dtypes:
         removers.append(
             "oneDNN leaves float16 convolutions to these kernels: another "
             "precision policy runs them on oneDNN"

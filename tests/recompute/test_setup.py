@@ -405,6 +405,37 @@ def test_float16_convolutions_are_not_sent_to_onednn(monkeypatch, onednn):
     assert "TF_ENABLE_ONEDNN_OPTS" not in str(plan)
 
 
+@pytest.mark.filterwarnings("ignore:precision=.mixed_float16. on a CPU without XLA")
+@pytest.mark.parametrize("onednn", [True, False])
+def test_float16_and_float32_convolutions_each_get_their_reason(monkeypatch, onednn):
+    """A mixed_float16 model whose output layer is a Conv2D (kept float32,
+    as the mixed-precision guide advises) after a float16 one: oneDNN
+    leaves the float16 one to Eigen's kernels either way, and would take
+    the float32 one where it is off. The plan's line and the advice say
+    both then, and only the first where it is on."""
+    from keras_gradboost import hooks
+    from keras_gradboost import precision
+
+    monkeypatch.setattr(precision, "gpu_available", lambda: False)
+    monkeypatch.setattr(hooks, "onednn_enabled", lambda: onednn)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(8, 1, name="point")(inputs)
+    model = GradBoostModel(inputs, keras.layers.Conv2D(2, 1, name="head")(h))
+    model.compile(optimizer="sgd", loss="mse", recompute="auto", precision="mixed_float16")
+    assert model.get_layer("head").compute_dtype == "float32"
+    with pytest.warns(UserWarning, match="nothing is recomputed") as caught:
+        plan = model.recompute_plan(batch_size=4)
+    said = " ".join(str(w.message) for w in caught)
+    assert plan.eigen_dtypes == (("float16", "float32") if not onednn else ("float16",))
+    assert "oneDNN leaves float16 convolutions to these kernels" in said
+    assert ("TF_ENABLE_ONEDNN_OPTS=1 runs the float32" in said) is not onednn
+    line = "oneDNN is off on this CPU; TF_ENABLE_ONEDNN_OPTS=1 turns it on, and needs less memory"
+    assert (f"({line}; oneDNN leaves float16 convolutions to them)" in str(plan)) is not onednn
+    if onednn:
+        assert "(oneDNN leaves float16 convolutions to them)" in str(plan)
+
+
 def test_the_plan_says_what_plans_reach_without_the_buffers():
     """The plan's line: the buffers' bytes, its peak without them, and the
     lowest of the plans searched when that is lower."""
