@@ -120,8 +120,9 @@ class RowServer:
                 return None
 
     def close(self, kill=False):
-        """Stops the server; with `kill=True`, or when it does not end within
-        5 s, kills it and the child running a row (its process group)."""
+        """Stops the server (and removes its log); with `kill=True`, or when
+        it does not end within 5 s, kills it and the child running a row (its
+        process group)."""
         process, self._process = self._process, None
         log, self._log = self._log, None
         if log is not None:
@@ -147,8 +148,11 @@ class RowServer:
         server wrote to its standard error: why it did not start)."""
         detail = ""
         if quote and self._log is not None:
-            with open(self._log, errors="replace") as f:
-                lines = [line.strip() for line in f if line.strip()]
+            try:
+                with open(self._log, errors="replace") as f:
+                    lines = [line.strip() for line in f if line.strip()]
+            except OSError:  # (removed meanwhile) the warning all the same
+                lines = []
             detail = f" ({lines[-1][:200]})" if lines else ""
         self.close(kill=True)
         self._failed.add(key)

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -95,6 +96,16 @@ def test_another_environment_or_interpreter_starts_another_server(monkeypatch):
     assert len(started) == 3
 
 
+def test_closing_a_server_removes_its_log(tmp_path):
+    # (`run` closes the server before starting one for another environment.)
+    server = row_server.RowServer()
+    log = tmp_path / "kgb-row-server-x.log"
+    log.write_text("what the server said\n")
+    server._log = str(log)
+    server.close()
+    assert not log.exists() and server._log is None
+
+
 def test_a_child_past_its_timeout_is_killed_and_the_server_goes_on(server):
     env = dict(os.environ)
     slow = {**SPEC, "steps": 100_000}
@@ -157,6 +168,8 @@ def test_where_the_server_cannot_start_the_row_runs_in_an_interpreter(tmp_path, 
     with pytest.warns(UserWarning, match=r"did not start \(no TensorFlow here\)"):
         assert server.run([compare.json.dumps(SPEC)], dict(os.environ), 60) is None
     assert list(tmp_path.glob("kgb-row-server-*")) == []  # quoted, then removed
-    assert server.run([compare.json.dumps(SPEC)], dict(os.environ), 60) is None  # once
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once: not again
+        assert server.run([compare.json.dumps(SPEC)], dict(os.environ), 60) is None
     monkeypatch.delattr(os, "fork")  # not POSIX
     assert row_server.RowServer().run([compare.json.dumps(SPEC)], dict(os.environ), 60) is None
