@@ -130,7 +130,7 @@ class RecomputeSetup:
         self.auto = setting == "auto"
         self.batch_hint = setting.get("batch_size") if self.budget else None
         self.input_spec = None  # per-example specs, seen at the first trace
-        self.measured = None  # (peak bytes, batch size) of the last fit
+        self.measured = None  # (peak bytes, batch size, slot bytes made) of the last fit
         self.fit_pile_up = _NOT_FITTED
         self._updates = None  # (optimizer, update_temporaries of it)
         self._level = None
@@ -311,10 +311,20 @@ class RecomputeSetup:
         except (ValueError, RuntimeError):
             return
         if peak > 0:  # 0: an allocator that keeps no statistics
-            self.measured = (peak - before, self.batch_hint)
-            self._warn_if_over_budget(model, peak - before)
+            slots = self._slots_made(model)
+            self.measured = (peak - before, self.batch_hint, slots)
+            self._warn_if_over_budget(model, peak - before, slots)
 
-    def _warn_if_over_budget(self, model, measured):
+    def _slots_made(self, model):
+        """Bytes of the optimizer variables (Adam's moments...) that the fit
+        measured (`start_measuring`) created: in its peak, in no estimate."""
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is None or self._fit_facts is None:
+            return 0
+        before = self._fit_facts[1]
+        return sum(variable_bytes(v) for v in optimizer.variables if id(v) not in before)
+
+    def _warn_if_over_budget(self, model, measured, slots):
         """A budget is met by the estimates (within ~15% of the bytes
         requested), and the allocator reserves whole chunks: a fit can
         measure over the budget the plan was estimated under. Said, with
@@ -324,11 +334,7 @@ class RecomputeSetup:
         slots the fit made (a budget counts none)."""
         if not self.budget or self._fit_facts is None:
             return
-        chose, before, replicas = self._fit_facts
-        optimizer = getattr(model, "optimizer", None)
-        slots = sum(
-            variable_bytes(v) for v in optimizer.variables if id(v) not in before
-        ) if optimizer is not None else 0
+        chose, _, replicas = self._fit_facts
         if not chose or replicas != 1 or measured - slots <= self.setting["budget_mb"] * MIB:
             return
         estimate = (
@@ -926,7 +932,7 @@ class RecomputeSetup:
         if self.measured is not None and plan.batch_size is not None and (
             self.measured[1] == plan.batch_size
         ):
-            plan.measured_peak_bytes = self.measured[0]
+            plan.measured_peak_bytes, _, plan.measured_slot_bytes = self.measured
         return plan
 
     def _report(self, model, batch_size):
