@@ -267,9 +267,10 @@ class RecomputePlan:
             f"  measured in the last fit: allocator peak "
             f"{self.measured_peak_bytes / MIB:.1f} MiB above the level before it"
         )
-        if slots >= 0.05 * MIB:  # (not an SGD's step counter)
+        if slots:
+            amount = f"{slots / MIB:.1f} MiB" if slots >= 0.05 * MIB else f"{slots / 1024:.1f} KiB"
             line += (
-                f", of which ~{slots / MIB:.1f} MiB the optimizer variables it "
+                f", of which ~{amount} the optimizer variables it "
                 f"created (no estimate counts them): {rest / MIB:.1f} MiB of "
                 "activations, gradients and temporaries"
             )

@@ -294,8 +294,8 @@ class RecomputeSetup:
         optimizer = getattr(model, "optimizer", None)
         self._fit_facts = (
             self.pending,
-            {id(v) for v in optimizer.variables} if optimizer is not None and optimizer.built
-            else set(),
+            # (Its step counter and learning rate exist before it is built.)
+            {id(v) for v in optimizer.variables} if optimizer is not None else set(),
             model.distribute_strategy.num_replicas_in_sync if model is not None else 1,
         )
 

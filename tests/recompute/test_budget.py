@@ -665,14 +665,32 @@ def test_plan_shows_the_fits_measured_peak():
         assert result["measured"] == result["outside"] > result["estimate"] > 0
         assert "measured in the last fit: allocator peak" in result["text"]
         assert result["other_batch"] is None
-    # Adam's two moments per weight, and its step counter and learning rate.
-    assert 2 * first["weights"] <= first["slots"] <= 2 * first["weights"] + 64
+    # Adam's two moments per weight (its step counter and learning rate
+    # exist before the fit).
+    assert first["slots"] == 2 * first["weights"]
     rest = first["measured"] - first["slots"]
     assert (f"of which ~{first['slots'] / MIB:.1f} MiB the optimizer variables it created"
             in first["text"])
     assert f"{rest / first['peak_estimate']:.2f}x the estimate" in first["text"]
     assert second["slots"] == 0 and "optimizer variables it created" not in second["text"]
     assert f"{second['measured'] / second['peak_estimate']:.2f}x the estimate" in second["text"]
+
+
+@pytest.mark.parametrize("slots, said", [
+    (0, None), (3 * 1024, "of which ~3.0 KiB"), (4 * MIB, "of which ~4.0 MiB"),
+])
+def test_the_measured_line_takes_off_what_it_names(slots, said):
+    """Whatever the optimizer variables a fit created weigh, the plan names
+    them before it compares the rest with its estimate."""
+    plan = recompute.RecomputePlan(
+        setting="auto", batch_size=4, bytes_without=10 * MIB, bytes_with=6 * MIB,
+        gradient_bytes=2 * MIB, peak_bytes=8 * MIB, peak_bytes_without=12 * MIB,
+        measured_peak_bytes=12 * MIB, measured_slot_bytes=slots,
+    )
+    text = str(plan)
+    assert f"{(12 * MIB - slots) / (8 * MIB):.2f}x the estimate" in text
+    assert ("optimizer variables it created" in text) is bool(said)
+    assert said is None or said in text
 
 
 def test_a_fit_measured_over_its_budget_warns_with_the_figures():
