@@ -160,6 +160,10 @@ class RecomputePlan:
             of every weight's size), which no estimate counts; the plan's
             text compares the rest with the estimate. 0 when it created
             none; None with no measurement.
+        measured_replicas: how many replicas' bytes `measured_peak_bytes`
+            holds: 1, or a `MirroredStrategy`'s logical CPU devices, which
+            share the CPU's allocator (the estimates are one replica's;
+            the text compares with that many). None with no measurement.
     """
 
     setting: object
@@ -172,6 +176,7 @@ class RecomputePlan:
     peak_bytes_without: object = None
     measured_peak_bytes: object = None
     measured_slot_bytes: object = None
+    measured_replicas: object = None
     gradients_pile_up: object = None
     eigen_convolutions: bool = False
     eigen_dtypes: tuple = ()
@@ -276,7 +281,14 @@ class RecomputePlan:
             )
         else:
             line += " (activations, gradients and temporaries)"
-        if self.peak_bytes:
+        replicas = self.measured_replicas or 1
+        if self.peak_bytes and replicas > 1:
+            line += (
+                f", {rest / (replicas * self.peak_bytes):.2f}x the estimate of "
+                f"{replicas} replicas ({replicas} logical CPU devices share one "
+                "allocator; the estimate is per replica)"
+            )
+        elif self.peak_bytes:
             line += f", {rest / self.peak_bytes:.2f}x the estimate"
         return line + (
             " (the allocator reserves whole chunks: its peak reads above the "

@@ -130,7 +130,7 @@ class RecomputeSetup:
         self.auto = setting == "auto"
         self.batch_hint = setting.get("batch_size") if self.budget else None
         self.input_spec = None  # per-example specs, seen at the first trace
-        self.measured = None  # (peak bytes, batch size, slot bytes made) of the last fit
+        self.measured = None  # (peak bytes, batch size, slot bytes made, replicas) of the last fit
         self.fit_pile_up = _NOT_FITTED
         self._updates = None  # (optimizer, update_temporaries of it)
         self._level = None
@@ -312,7 +312,9 @@ class RecomputeSetup:
             return
         if peak > 0:  # 0: an allocator that keeps no statistics
             slots = self._slots_made(model)
-            self.measured = (peak - before, self.batch_hint, slots)
+            replicas = _replicas_sharing(model, device)
+            # (Each replica holds a copy of a mirrored optimizer variable.)
+            self.measured = (peak - before, self.batch_hint, replicas * slots, replicas)
             self._warn_if_over_budget(model, peak - before, slots)
 
     def _slots_made(self, model):
@@ -932,7 +934,8 @@ class RecomputeSetup:
         if self.measured is not None and plan.batch_size is not None and (
             self.measured[1] == plan.batch_size
         ):
-            plan.measured_peak_bytes, _, plan.measured_slot_bytes = self.measured
+            (plan.measured_peak_bytes, _, plan.measured_slot_bytes,
+             plan.measured_replicas) = self.measured
         return plan
 
     def _report(self, model, batch_size):
@@ -1138,6 +1141,20 @@ def _gradient_bytes(model):
     """Bytes of the trainable variables' gradients (one per variable, in its
     dtype); `plan_bytes` places each at its moment of the backward."""
     return sum(variable_bytes(v) for v in model.trainable_variables)
+
+
+def _replicas_sharing(model, device):
+    """How many of `model`'s replicas allocate from `device`'s allocator:
+    a MirroredStrategy's logical CPU devices share the CPU's; a GPU holds
+    one replica, and so does each worker of a MultiWorkerMirroredStrategy
+    with one CPU."""
+    if model is None or not device.startswith("CPU"):
+        return 1
+    try:
+        devices = model.distribute_strategy.extended.worker_devices
+    except (RuntimeError, NotImplementedError):  # the default strategy: one
+        return 1
+    return max(1, sum("CPU" in name.upper() for name in devices))
 
 
 def _memory_level():

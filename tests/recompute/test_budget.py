@@ -676,21 +676,72 @@ def test_plan_shows_the_fits_measured_peak():
     assert f"{second['measured'] / second['peak_estimate']:.2f}x the estimate" in second["text"]
 
 
-@pytest.mark.parametrize("slots, said", [
-    (0, None), (3 * 1024, "of which ~3.0 KiB"), (4 * MIB, "of which ~4.0 MiB"),
+@pytest.mark.parametrize("slots, said, replicas", [
+    (0, None, 1), (3 * 1024, "of which ~3.0 KiB", 1), (4 * MIB, "of which ~4.0 MiB", 1),
+    (4 * MIB, "of which ~4.0 MiB", 2),
 ])
-def test_the_measured_line_takes_off_what_it_names(slots, said):
+def test_the_measured_line_takes_off_what_it_names(slots, said, replicas):
     """Whatever the optimizer variables a fit created weigh, the plan names
-    them before it compares the rest with its estimate."""
+    them before it compares the rest with its estimate; with replicas on
+    logical CPU devices (one allocator), with that many estimates."""
     plan = recompute.RecomputePlan(
         setting="auto", batch_size=4, bytes_without=10 * MIB, bytes_with=6 * MIB,
         gradient_bytes=2 * MIB, peak_bytes=8 * MIB, peak_bytes_without=12 * MIB,
-        measured_peak_bytes=12 * MIB, measured_slot_bytes=slots,
+        measured_peak_bytes=12 * MIB, measured_slot_bytes=slots, measured_replicas=replicas,
     )
     text = str(plan)
-    assert f"{(12 * MIB - slots) / (8 * MIB):.2f}x the estimate" in text
+    ratio = (12 * MIB - slots) / (replicas * 8 * MIB)
+    if replicas == 1:
+        assert f"{ratio:.2f}x the estimate" in text
+    else:
+        assert f"{ratio:.2f}x the estimate of 2 replicas (2 logical CPU devices" in text
     assert ("optimizer variables it created" in text) is bool(said)
     assert said is None or said in text
+
+
+MIRRORED = r"""
+import json
+
+import numpy as np
+import tensorflow as tf
+
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+from recompute.models import residual_model
+
+devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+strategy = tf.distribute.MirroredStrategy(
+    devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+)
+with strategy.scope():
+    model = residual_model()
+    model.compile(optimizer="adam", loss="mse", recompute="auto")
+model.fit(np.zeros((64, 5), "float32"), np.zeros((64, 3), "float32"), batch_size=16, verbose=0)
+plan = model.recompute_plan()
+print(json.dumps({
+    "replicas": plan.measured_replicas, "slots": plan.measured_slot_bytes,
+    "weights": sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights),
+    "text": str(plan),
+}))
+"""
+
+
+def test_the_measured_line_of_replicas_sharing_the_cpus_allocator():
+    """MirroredStrategy on two logical CPU devices: both replicas' bytes,
+    and both copies of Adam's moments, are in the CPU allocator's peak; the
+    plan says so rather than compare them with one replica's estimate."""
+    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")]
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", MIRRORED], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["replicas"] == 2
+    assert result["slots"] == 2 * 2 * result["weights"]  # two moments, two copies
+    assert "the estimate of 2 replicas (2 logical CPU devices share one allocator" in result["text"]
 
 
 def test_a_fit_measured_over_its_budget_warns_with_the_figures():
@@ -733,7 +784,10 @@ def test_a_fit_over_its_budget_is_told_only_for_a_budget(monkeypatch):
 
     def fake_model(replicas=1):
         optimizer = types.SimpleNamespace(built=False, variables=[])
-        strategy = types.SimpleNamespace(num_replicas_in_sync=replicas)
+        strategy = types.SimpleNamespace(
+            num_replicas_in_sync=replicas,
+            extended=types.SimpleNamespace(worker_devices=("/device:CPU:0",) * replicas),
+        )
         return types.SimpleNamespace(optimizer=optimizer, distribute_strategy=strategy)
 
     budget = {"budget_mb": 1.0}
