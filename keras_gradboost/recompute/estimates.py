@@ -157,7 +157,9 @@ class RecomputePlan:
             `TF_CPU_ALLOCATOR_USE_BFC=true`).
         measured_slot_bytes: of `measured_peak_bytes`, the bytes of the
             optimizer variables that fit created (a first fit with Adam: two
-            of every weight's size), which no estimate counts; the plan's
+            of every weight's size; each replica's copy of a mirrored one
+            where `measured_replicas` share the allocator), which no
+            estimate counts; the plan's
             text compares the rest with the estimate. 0 when it created
             none; None with no measurement.
         measured_replicas: how many replicas' bytes `measured_peak_bytes`

@@ -313,8 +313,13 @@ class RecomputeSetup:
         if peak > 0:  # 0: an allocator that keeps no statistics
             slots = self._slots_made(model)
             replicas = _replicas_sharing(model, device)
-            # (Each replica holds a copy of a mirrored optimizer variable.)
-            self.measured = (peak - before, self.batch_hint, replicas * slots, replicas)
+            # Each replica holds a copy of a mirrored variable (one copy
+            # under a CentralStorageStrategy).
+            mirrored = isinstance(
+                getattr(model, "distribute_strategy", None), tf.distribute.MirroredStrategy
+            )
+            copies = replicas if mirrored else 1
+            self.measured = (peak - before, self.batch_hint, copies * slots, replicas)
             self._warn_if_over_budget(model, peak - before, slots)
 
     def _slots_made(self, model):
@@ -1154,7 +1159,7 @@ def _replicas_sharing(model, device):
         devices = model.distribute_strategy.extended.worker_devices
     except (RuntimeError, NotImplementedError):  # the default strategy: one
         return 1
-    return max(1, sum("CPU" in name.upper() for name in devices))
+    return max(1, sum(tf.DeviceSpec.from_string(name).device_type == "CPU" for name in devices))
 
 
 def _memory_level():
