@@ -773,6 +773,34 @@ def test_a_fit_measured_over_its_budget_warns_with_the_figures():
             assert not said, said
 
 
+@pytest.mark.filterwarnings("ignore:recompute=.*cannot be brought under")
+def test_a_real_architecture_over_its_budget_warns_and_names_adams_moments():
+    """keras.applications MobileNetV2 (32x32, batch 8) with Adam, under a
+    budget no plan fits: the first fit's allocator peak is over it, said
+    with the figures, without the Adam moments that fit created, which
+    the plan also takes off (and names) before it compares with its
+    estimate."""
+    build, shape, batch = MODELS["MobileNetV2"]
+    model = build()
+    model.compile(optimizer="adam", loss="mse",
+                  recompute={"budget_mb": 0.01, "batch_size": batch})
+    x = np.zeros((2 * batch,) + shape, "float32")
+    y = np.zeros((2 * batch, 3), "float32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=batch, verbose=0)
+    plan = model.recompute_plan()
+    moments = 2 * sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)  # float32
+    assert plan.measured_slot_bytes == moments
+    said = [str(w.message) for w in caught if "allocator peak" in str(w.message)]
+    measured = plan.measured_peak_bytes
+    assert len(said) == 1 and f"{measured / MIB:.1f} MiB above" in said[0], said
+    assert f"({(measured - moments) / MIB:.1f} MiB without the optimizer's slots" in said[0]
+    rest = (measured - moments) / plan.peak_bytes
+    assert (f"of which ~{moments / MIB:.1f} MiB the optimizer variables it created"
+            in str(plan)) and f"{rest:.2f}x the estimate (" in str(plan)
+
+
 def test_a_fit_over_its_budget_is_told_only_for_a_budget(monkeypatch):
     """Measured over "budget_mb" (the allocator's reply faked: 3 MiB): a
     warning; none under it, with recompute by names, in a fit that did not
