@@ -311,15 +311,14 @@ class RecomputeSetup:
         except (ValueError, RuntimeError):
             return
         if peak > 0:  # 0: an allocator that keeps no statistics
-            slots = self._slots_made(model)
             replicas = _replicas_sharing(model, device)
             # Each replica holds a copy of a mirrored variable (one copy
             # under a CentralStorageStrategy).
             mirrored = isinstance(
                 getattr(model, "distribute_strategy", None), tf.distribute.MirroredStrategy
             )
-            copies = replicas if mirrored else 1
-            self.measured = (peak - before, self.batch_hint, copies * slots, replicas)
+            slots = (replicas if mirrored else 1) * self._slots_made(model)
+            self.measured = (peak - before, self.batch_hint, slots, replicas)
             self._warn_if_over_budget(model, peak - before, slots)
 
     def _slots_made(self, model):

@@ -699,50 +699,25 @@ def test_the_measured_line_takes_off_what_it_names(slots, said, replicas):
     assert said is None or said in text
 
 
-MIRRORED = r"""
-import json
-
-import numpy as np
-import tensorflow as tf
-
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-from recompute.models import residual_model
-
-devices = [d.name for d in tf.config.list_logical_devices("CPU")]
-strategy = tf.distribute.MirroredStrategy(
-    devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
-)
-with strategy.scope():
-    model = residual_model()
-    model.compile(optimizer="adam", loss="mse", recompute="auto")
-model.fit(np.zeros((64, 5), "float32"), np.zeros((64, 3), "float32"), batch_size=16, verbose=0)
-plan = model.recompute_plan()
-print(json.dumps({
-    "replicas": plan.measured_replicas, "slots": plan.measured_slot_bytes,
-    "weights": sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights),
-    "text": str(plan),
-}))
-"""
-
-
 def test_the_measured_line_of_replicas_sharing_the_cpus_allocator():
-    """MirroredStrategy on two logical CPU devices: both replicas' bytes,
-    and both copies of Adam's moments, are in the CPU allocator's peak; the
-    plan says so rather than compare them with one replica's estimate."""
-    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2",
-           "CUDA_VISIBLE_DEVICES": "-1"}  # (with a GPU, the peak measured is GPU:0's)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")]
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", MIRRORED], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["replicas"] == 2
-    assert result["slots"] == 2 * 2 * result["weights"]  # two moments, two copies
-    assert "the estimate of 2 replicas (2 logical CPU devices share one allocator" in result["text"]
+    """MirroredStrategy on two logical CPU devices (conftest.py's, with the
+    BFC allocator): both replicas' bytes, and both copies of Adam's moments,
+    are in the CPU allocator's peak; the plan says so rather than compare
+    them with one replica's estimate."""
+    from conftest import shared_mirrored_strategy
+    from recompute.models import residual_model
+
+    with shared_mirrored_strategy().scope():
+        model = residual_model()
+        model.compile(optimizer="adam", loss="mse", recompute="auto")
+    model.fit(np.zeros((64, 5), "float32"), np.zeros((64, 3), "float32"),
+              batch_size=16, verbose=0)
+    plan = model.recompute_plan()
+    weights = sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)
+    assert plan.measured_peak_bytes is not None  # (the allocator keeps statistics)
+    assert plan.measured_replicas == 2
+    assert plan.measured_slot_bytes == 2 * 2 * weights  # two moments, two copies
+    assert "the estimate of 2 replicas (2 logical CPU devices share one allocator" in str(plan)
 
 
 def test_a_fit_measured_over_its_budget_warns_with_the_figures():
