@@ -769,6 +769,8 @@ def run(cell, with_callbacks=True):
         "callbacks": callbacks,
         "plan_expected": plan_expected,
         "plan_after": _plan_facts(model) if cell.recompute else None,
+        # (At the batch size the fit traced: each replica's, or each micro-batch's.)
+        "measured_slots": model.recompute_plan().measured_slot_bytes if cell.recompute else None,
         "precision_measurement": model.precision_measurement,
         "logged_loss": None if history is None else history.history["loss"],
     }
@@ -862,6 +864,14 @@ def _other_findings(cell, got, ref):
         before, after = got["plan_expected"], got["plan_after"]
         changes = [f"{k} {before[k]} -> {after[k]}" for k in before if before[k] != after[k]]
         found.append(("plan", "recompute_plan() changed by the fit: " + "; ".join(changes)))
+    if got["measured_slots"] is not None:
+        # The plan's measured line takes off the optimizer state the fit
+        # made (every slot: each cell's model is new), a copy per replica.
+        copies = 2 if cell.devices == "mirrored" else 1
+        made = copies * sum(slot.nbytes for slot in got["slots"])
+        if got["measured_slots"] != made:
+            found.append(("plan", f"recompute_plan() took {got['measured_slots']} bytes of "
+                                  f"optimizer variables off its measured peak, the fit made {made}"))
     found += [("other", message) for message in _callback_findings(got["callbacks"])]
     if cell.measure:
         found += [("other", m) for m in _measure_findings(cell, got["precision_measurement"])]
