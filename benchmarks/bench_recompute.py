@@ -200,6 +200,7 @@ def worker(args):
         result["recomputed"] = len(plan.recomputed)
         result["estimate_bytes"] = plan.bytes_with
         result["peak_estimate_bytes"] = plan.peak_bytes
+        result["peak_alone_bytes"] = plan.peak_bytes_updates_alone
     print(json.dumps(result))
 
 
@@ -679,7 +680,8 @@ def per_model(args):
     header = (
         f"{'model':<14} {'configuration':<16} {'blocks':>6} {'estimate':>9} "
         f"{'peak est':>9} {'train MiB':>10} {'/ est':>6} {'x base':>7} {'req MiB':>8} "
-        f"{'/ est':>6} {'x base':>7} {'step s':>7} {'x base':>7} {'(min-max)':>13}"
+        f"{'/ est':>6} {'alone':>6} {'/ alone':>7} {'x base':>7} {'step s':>7} "
+        f"{'x base':>7} {'(min-max)':>13}"
     )
     print(header)
     print("-" * len(header))
@@ -697,8 +699,9 @@ def per_model(args):
             ratios = [r["step_s"] / b["step_s"] for r, b in zip(runs, base)]
             estimate = runs[0].get("estimate_bytes")
             peak = runs[0].get("peak_estimate_bytes")
+            alone = runs[0].get("peak_alone_bytes")
             if config == "baseline":
-                peak = peak_without
+                peak, alone = peak_without, None
             print(
                 f"{name:<14} {config:<16} {runs[0].get('recomputed', '-')!s:>6} "
                 f"{(f'{estimate / mib:.1f}' if estimate else '-'):>9} "
@@ -706,6 +709,8 @@ def per_model(args):
                 f"{train / mib:>10.1f} {(f'{train / peak:.2f}' if peak else '-'):>6} "
                 f"{train / base_train:>6.2f}x "
                 f"{requested / mib:>8.1f} {(f'{requested / peak:.2f}' if peak else '-'):>6} "
+                f"{(f'{alone / mib:.1f}' if alone else '-'):>6} "
+                f"{(f'{requested / alone:.2f}' if alone else '-'):>7} "
                 f"{requested / base_requested:>6.2f}x "
                 f"{statistics.median(r['step_s'] for r in runs):>7.3f} "
                 f"{statistics.median(ratios):>6.2f}x "
@@ -722,7 +727,9 @@ def per_model(args):
         "req MiB: the peak of the bytes requested by the allocations of "
         "--steps more steps, above the level at their start (the profiler's "
         "memory events, requested_peak.py; the allocator peak counts whole "
-        "chunks); / est: req MiB over peak est."
+        "chunks); / est: req MiB over peak est. alone: the training peak "
+        "estimated with each optimizer update alone (recompute_plan()."
+        "peak_bytes_updates_alone, the low end); / alone: req MiB over it."
     )
 
 

@@ -162,6 +162,28 @@ def test_selective_estimate_follows_the_backward_on_convnext(requested_peak):
     _assert_the_selective_estimate_holds("ConvNeXtTiny", requested_peak, depthwise="native")
 
 
+def test_convnext_steps_meet_the_estimate_with_each_update_alone(requested_peak):
+    """ConvNeXtTiny (64x64, batch 16, "auto", `depthwise="native"`, Adam):
+    the backward between two of its 9 MiB kernels' gradients (two 302
+    MFLOP matmuls) outlasts Adam's update of one, so TensorFlow's executor
+    runs the updates alone: alive at the profiler's peak, one kernel's
+    gradient and its update's `Square`. The steps requested 49.3-50.1 MiB;
+    the estimate with the next update beside each (`peak_bytes`) read
+    67.5, the one with each alone (`peak_bytes_updates_alone`) 49.7."""
+    keras.utils.set_random_seed(0)
+    base = keras.applications.ConvNeXtTiny(weights=None, input_shape=(64, 64, 3), classes=10)
+    measured, model = _requested_peak(base, requested_peak, recompute="auto", depthwise="native")
+    plan = model.recompute_plan(batch_size=16)
+    alone = plan.peak_bytes_updates_alone
+    assert alone < 0.85 * plan.peak_bytes, (alone, plan.peak_bytes)
+    # Between the two ends wherever it runs ...
+    assert 0.85 * alone <= measured <= 1.15 * plan.peak_bytes, (measured, alone, plan.peak_bytes)
+    if hooks.onednn_enabled():
+        # ... and at the low one with oneDNN on (an AMD EPYC with AVX-512:
+        # 0.99-1.01x of it; not measured with oneDNN off).
+        assert measured <= 1.15 * alone, (measured, alone)
+
+
 # MobileNetV2's selective peak is in its first block's replay, at the
 # backward of `block_1_expand_BN`: all the block's activations alive, with
 # three gradients of that BatchNormalization's input size; counting one read

@@ -123,6 +123,9 @@ def merge(per_block, sizes, groups):
             "forward_working": first.get("forward_working", 0),
             "gradients_pile_up": first.get("gradients_pile_up"),
             "update_buffers": first.get("update_buffers", 0),
+            "update_buffers_alone": first.get(
+                "update_buffers_alone", first.get("update_buffers", 0)
+            ),
             "update_bytes": first.get("update_bytes", 0),
             "update_bytes_in_turn": first.get("update_bytes_in_turn", 0),
         }

@@ -102,6 +102,18 @@ class RecomputePlan:
             working buffers of the backward of the convolutions there
             (`eigen_convolutions`, `xla_temporary_bytes`); None when not
             estimated.
+        peak_bytes_updates_alone: the same with each optimizer update
+            counted alone (`plan_bytes`' `alone`): the low end, where
+            `peak_bytes` is the high one. Which one a step meets depends on
+            TensorFlow's executor: it runs the update of a weight beside
+            the next weight's when the backward between their gradients is
+            shorter than the update. At 64x64, batch 16, "auto", Adam
+            (allocations alive at the profiler's peak): ConvNeXtTiny with
+            `depthwise="native"` held one 9 MiB kernel's gradient and its
+            update's `Square`, 49.3-50.1 MiB requested, ~49.7 MiB alone
+            and ~67.5 estimated; 8 Dense(1024) at batch 16, two updates
+            (16.4 MiB requested, ~16.6 estimated). None when not
+            estimated.
         peak_bytes_without: the same estimate without recompute.
         gradients_pile_up: why every gradient is alive at the end of the
             backward (`gradients_pile_up`: grappler's dependency optimizer
@@ -175,6 +187,7 @@ class RecomputePlan:
     bytes_with: object = None
     gradient_bytes: object = None
     peak_bytes: object = None
+    peak_bytes_updates_alone: object = None
     peak_bytes_without: object = None
     measured_peak_bytes: object = None
     measured_slot_bytes: object = None
@@ -225,6 +238,12 @@ class RecomputePlan:
                 f"{(self.gradient_bytes or 0) / MIB:.1f} MiB): ~{self.peak_bytes / MIB:.1f} "
                 f"MiB training peak estimated (~{self.peak_bytes_without / MIB:.1f} "
                 "MiB without recompute)"
+            )
+        if self._updates_alone_lower():
+            lines.append(
+                f"  ~{self.peak_bytes_updates_alone / MIB:.1f} MiB with each optimizer "
+                "update alone: TensorFlow overlaps the updates of consecutive weights "
+                "when the backward between their gradients is shorter than an update"
             )
         if self.xla_temporary_bytes:
             lines.append(
@@ -292,9 +311,23 @@ class RecomputePlan:
             )
         elif self.peak_bytes:
             line += f", {rest / self.peak_bytes:.2f}x the estimate"
+        if self.peak_bytes and self._updates_alone_lower():
+            line += (
+                f" and {rest / (replicas * self.peak_bytes_updates_alone):.2f}x the "
+                "one with each update alone"
+            )
         return line + (
             " (the allocator reserves whole chunks: its peak reads above the "
             "bytes requested)"
+        )
+
+    def _updates_alone_lower(self):
+        """Whether the estimate with each update alone is lower than
+        `peak_bytes` (by 1% or more), so the plan shows both."""
+        return bool(
+            self.peak_bytes
+            and self.peak_bytes_updates_alone is not None
+            and self.peak_bytes_updates_alone < 0.99 * self.peak_bytes
         )
 
     def _buffers_line(self):
@@ -471,6 +504,7 @@ def estimate(
     owned=None,
     pile_up=_FROM_MODEL,
     update_buffers=0,
+    update_buffers_alone=None,
 ):
     """Traces one training step and measures what each block keeps.
 
@@ -495,6 +529,9 @@ def estimate(
             `update_bytes_in_turn` (`updates.update_bytes`: what the updates
             hold beyond the gradients where those pile up, at once or in
             turn). Defaults to 0.
+        update_buffers_alone: the same where the update runs alone
+            (`updates.update_temporaries(..., alone=True)`); carried in the
+            figures. Defaults to `update_buffers`.
 
     Returns:
         `(bytes_without, per_block, sizes)`: total cached bytes; per key a
@@ -513,18 +550,21 @@ def estimate(
     """
     kind = {"keys": keys, "selective": selective, "owned": owned}
     return estimate_together(
-        model, lambda x, probes: forward(x, probes[0]), input_spec, [kind], pile_up, update_buffers
+        model, lambda x, probes: forward(x, probes[0]), input_spec, [kind], pile_up,
+        update_buffers, update_buffers_alone,
     )[0]
 
 
 def estimate_together(
-    model, forward, input_spec, families, pile_up=_FROM_MODEL, update_buffers=0
+    model, forward, input_spec, families, pile_up=_FROM_MODEL, update_buffers=0,
+    update_buffers_alone=None,
 ):
     """`estimate` of several kinds of plan from one traced training step
     (tracing is most of an estimate's time: 3.4 s of MobileNetV2's at 32x32).
 
     Args:
-        model, input_spec, pile_up, update_buffers: as `estimate`'s.
+        model, input_spec, pile_up, update_buffers, update_buffers_alone: as
+            `estimate`'s.
         forward: `forward(x, probes)` runs the training forward on `x`,
             calling each block of kind `i` through `probes[i].run(key, ...)`.
         families: per kind, a dict of `estimate`'s `keys`, `selective` and
@@ -535,14 +575,16 @@ def estimate_together(
     """
     probes = [_Probe() for _ in families]
     graph, backward_start = _trace_step(model, forward, probes, input_spec)
-    step = _step_facts(model, graph, backward_start, pile_up, update_buffers)
+    step = _step_facts(
+        model, graph, backward_start, pile_up, update_buffers, update_buffers_alone
+    )
     return [
         _figures(step, probe, f["keys"], f.get("selective", False), f.get("owned"))
         for probe, f in zip(probes, families)
     ]
 
 
-def _step_facts(model, graph, backward_start, pile_up, update_buffers):
+def _step_facts(model, graph, backward_start, pile_up, update_buffers, update_buffers_alone):
     """What every kind's figures read of the traced step, found once: the
     graph-wide walks (the tensors the backward keeps, the weights' handles,
     the backward's working buffers, the forward's working set) took 0.3 s
@@ -572,6 +614,9 @@ def _step_facts(model, graph, backward_start, pile_up, update_buffers):
             "forward_working": _forward_working(forward_ops, _bfloat16_widened()),
             "gradients_pile_up": pile_up,
             "update_buffers": update_buffers,
+            "update_buffers_alone": (
+                update_buffers if update_buffers_alone is None else update_buffers_alone
+            ),
             "update_bytes": updates.update_bytes(weights, update_buffers, in_turn=False),
             "update_bytes_in_turn": updates.update_bytes(weights, update_buffers, in_turn=True),
         },
@@ -1145,7 +1190,9 @@ def _normalizes(op):
     return any(c.type == "Mean" for c in op.outputs[0].consumers())
 
 
-def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None, layout=None):
+def plan_bytes(
+    total, per_block, sizes, chosen, gradient_bytes=None, layout=None, alone=False
+):
     """Estimated peak activation bytes when the `chosen` keys are recomputed
     (with `gradient_bytes`, the training peak: activations and gradients).
 
@@ -1191,6 +1238,12 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None, layout=None
             of one layout are estimated (`budget.candidates`: the gradients'
             moments were 55% of a nested MobileNetV2's 3225 plans' time).
             Defaults to `None` (found here).
+        alone: count each optimizer update alone: its gradient with its
+            buffers where it runs alone (`updates.update_temporaries`'
+            `alone`), and no next gradient beside it. TensorFlow's executor
+            overlaps consecutive updates, or not, by how long the backward
+            between their gradients takes against them; this is the low
+            end, the default the high one. Defaults to `False`.
 
     Returns:
         An int, bytes.
@@ -1225,7 +1278,8 @@ def plan_bytes(total, per_block, sizes, chosen, gradient_bytes=None, layout=None
     top = layout.top
     kept_inside = {key: 0 if key in chosen else held[key] for key in top}
     outside_at = _outside(per_block, max(0, kept - sum(kept_inside.values())))
-    worst, unplaced = _backward_peak(top, kept_inside, inside, outside_at, layout.gradients)
+    gradients = _block_gradients(top, gradient_bytes, alone=True) if alone else layout.gradients
+    worst, unplaced = _backward_peak(top, kept_inside, inside, outside_at, gradients)
     return _with_floor(sum(extra.values()) + worst + unplaced, per_block, gradient_bytes)
 
 
@@ -1350,9 +1404,10 @@ def with_pile_up(per_block, pile_up):
     return {key: {**figures, "gradients_pile_up": pile_up} for key, figures in per_block.items()}
 
 
-def _block_gradients(per_block, gradient_bytes):
+def _block_gradients(per_block, gradient_bytes, alone=False):
     """The gradients alive at each moment of the backward (`plan_bytes`),
-    all zero when `gradient_bytes` is None.
+    all zero when `gradient_bytes` is None; with `alone`, each update
+    counted alone (`plan_bytes`' `alone`).
 
     Returns:
         `(grads, after, first, unplaced)`: per key, the bytes of the
@@ -1393,14 +1448,21 @@ def _block_gradients(per_block, gradient_bytes):
     # While that update runs, the backward goes on to the next weight's
     # gradient (`_following`): 8 Dense(1024) at batch 16 with Adam
     # requested 16.4 MiB, two gradients and two temporaries, where 12.6
-    # was estimated without it.
-    buffers_per_byte = max((f.get("update_buffers", 0) for f in per_block.values()), default=0)
+    # was estimated without it (alive at the peak: one gradient with its
+    # update's Square, the last part of the previous update). Alone: the
+    # gradient with its buffers, nothing beside (ConvNeXtTiny's 9 MiB
+    # kernels, the backward of two 302 MFLOP matmuls between them).
+    field = "update_buffers_alone" if alone else "update_buffers"
+    buffers_per_byte = max(
+        (f.get(field, f.get("update_buffers", 0)) for f in per_block.values()), default=0
+    )
 
     def with_update(weights, following):
         largest = max(weights.values(), default=0)
         if not largest or not buffers_per_byte:
             return sum(weights.values())
-        return max(sum(weights.values()), (1 + buffers_per_byte) * largest + following)
+        beside = 0 if alone else following
+        return max(sum(weights.values()), (1 + buffers_per_byte) * largest + beside)
 
     placed, mine, stem = {}, {}, {}
     for key, figures in per_block.items():
@@ -1470,7 +1532,7 @@ def _gradients_until_checked(per_block, gradient_bytes, buffers, after_buffers, 
     return grads, after, first, max(0, gradient_bytes - every)
 
 
-def selective_plan_bytes(total, per_block, chosen, kept, gradient_bytes=None):
+def selective_plan_bytes(total, per_block, chosen, kept, gradient_bytes=None, alone=False):
     """Estimated peak bytes of a selective plan (with `gradient_bytes`, the
     training peak), by the moments of `plan_bytes`.
 
@@ -1506,6 +1568,7 @@ def selective_plan_bytes(total, per_block, chosen, kept, gradient_bytes=None):
         kept: `kept_bytes` of the selective step.
         gradient_bytes: bytes of all the trainable variables' gradients, or
             None for the activations alone. Defaults to `None`.
+        alone: as `plan_bytes`'. Defaults to `False`.
 
     Returns:
         An int, bytes.
@@ -1531,6 +1594,7 @@ def selective_plan_bytes(total, per_block, chosen, kept, gradient_bytes=None):
     outside = max(0, total - sum(everything.values()))
     figured = outside + sum(holds.values())
     worst, unplaced = _backward_peak(
-        top, holds, moment, _outside(per_block, outside), _block_gradients(top, gradient_bytes)
+        top, holds, moment, _outside(per_block, outside),
+        _block_gradients(top, gradient_bytes, alone),
     )
     return _with_floor(worst + unplaced + max(0, kept - figured), per_block, gradient_bytes)

@@ -132,7 +132,7 @@ class RecomputeSetup:
         self.input_spec = None  # per-example specs, seen at the first trace
         self.measured = None  # (peak bytes, batch size, slot bytes made, replicas) of the last fit
         self.fit_pile_up = _NOT_FITTED
-        self._updates = None  # (optimizer, update_temporaries of it)
+        self._updates = None  # (optimizer, its update_temporaries, and alone)
         self._level = None
         # (chose the plan, optimizer variables before, replicas) of the fit
         # being measured: `_warn_if_over_budget`.
@@ -552,7 +552,8 @@ class RecomputeSetup:
             selective=self.selective,
             owned={id(l): l.trainable_variables for l in self.layers} or None,
             pile_up=step_gradients_pile_up(model),
-            update_buffers=self._update_buffers(model),
+            update_buffers=self._update_buffers(model)[0],
+            update_buffers_alone=self._update_buffers(model)[1],
         )
 
     def _estimate_together(self, model, spec, kinds):
@@ -622,15 +623,19 @@ class RecomputeSetup:
                 for v in views
             ],
             pile_up=step_gradients_pile_up(model),
-            update_buffers=self._update_buffers(model),
+            update_buffers=self._update_buffers(model)[0],
+            update_buffers_alone=self._update_buffers(model)[1],
         )
 
     def _update_buffers(self, model):
-        """`update_temporaries` of the model's optimizer, traced once per
-        optimizer."""
+        """`(update_temporaries, the same alone)` of the model's optimizer,
+        traced once per optimizer."""
         optimizer = getattr(model, "optimizer", None)
         if self._updates is None or self._updates[0] is not optimizer:
-            self._updates = (optimizer, update_temporaries(optimizer))
+            self._updates = (
+                optimizer,
+                (update_temporaries(optimizer), update_temporaries(optimizer, alone=True)),
+            )
         return self._updates[1]
 
     def _pile_up(self, model):
@@ -914,6 +919,9 @@ class RecomputeSetup:
             bytes_with=plan_bytes(total, per_block, sizes, self.chosen),
             gradient_bytes=gradients,
             peak_bytes=peak,
+            peak_bytes_updates_alone=plan_bytes(
+                total, per_block, sizes, self.chosen, gradients, alone=True
+            ),
             peak_bytes_without=plan_bytes(total, per_block, sizes, (), gradients),
             gradients_pile_up=self._pile_up(model),
             eigen_convolutions=bool(eigen_dtypes),
@@ -981,6 +989,9 @@ class RecomputeSetup:
             figures = with_pile_up(per_block, plan.gradients_pile_up)
             plan.peak_bytes = selective_plan_bytes(
                 total, figures, self.chosen, kept, plan.gradient_bytes
+            )
+            plan.peak_bytes_updates_alone = selective_plan_bytes(
+                total, figures, self.chosen, kept, plan.gradient_bytes, alone=True
             )
             if _counts_eigen_buffers(plan):
                 plan.working_buffer_bytes = plan.peak_bytes - selective_plan_bytes(

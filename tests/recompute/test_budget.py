@@ -21,6 +21,7 @@ import keras_gradboost as kgb
 from conftest import grappler
 from keras_gradboost import recompute
 from keras_gradboost import zoo
+from keras_gradboost.recompute.estimates import plan_layout
 from recompute.models import flat_model
 from recompute.models import wide_model
 
@@ -532,7 +533,7 @@ def test_the_training_peak_counts_each_blocks_gradients_at_its_moment(
     # The budget's candidates pass each layout's shared moments, found once
     # (`plan_layout`): the same peak; a layout of other gradient bytes is
     # refused, not used.
-    layout = recompute.plan_layout(figures, gradients)
+    layout = plan_layout(figures, gradients)
     assert recompute.plan_bytes(35, figures, sizes, chosen, gradients, layout) == peak
     with pytest.raises(ValueError, match="`layout` was found for other gradient bytes"):
         recompute.plan_bytes(35, figures, sizes, chosen, None, layout)
@@ -589,25 +590,32 @@ def test_piled_up_gradients_count_as_made_when_the_updates_wait_for_a_check(
     assert recompute.plan_bytes(35, figures, sizes, chosen, 4 + 6 + 20 + 5 + 7 + 2) == peak
 
 
-@pytest.mark.parametrize("buffers, peak", [
+@pytest.mark.parametrize("buffers, alone, peak, peak_alone", [
     # No activations; each update holds 2 buffers of its weight's size and
     # runs as its gradient arrives, while the backward makes the next
     # weight's gradient. Block 2's moment: its 20 with the update's 40 and
-    # block 1's 6 next, and the gradient flowing through it (3).
-    (2, 20 * 3 + 6 + 3),
+    # block 1's 6 next, and the gradient flowing through it (3). Each
+    # update alone holds 1 beside its gradient, and nothing else is made
+    # meanwhile: 20 * 2 + 3.
+    (2, 1, 20 * 3 + 6 + 3, 20 * 2 + 3),
     # An update that holds nothing: each moment's own gradients alone.
-    (0, 20 + 3),
+    (0, 0, 20 + 3, 20 + 3),
 ])
-def test_an_update_counts_with_the_next_weights_gradient(buffers, peak):
+def test_an_update_counts_with_the_next_weights_gradient(buffers, alone, peak, peak_alone):
     figures = {
         k: {"cached": 0, "inputs": 0, "flops": 1.0, "inside": set(), "input_roots": {},
             "weights": {f"w{k}": (4, 6, 20)[k]}, "largest": 3, "after": {},
-            "before": {}, "update_buffers": buffers}
+            "before": {}, "update_buffers": buffers, "update_buffers_alone": alone}
         for k in range(3)
     }
     figures[2]["after"] = {"head": 5}  # its moment: 5 * 3 + block 2's 20 = 35
     figures[0]["before"] = {"stem": 7}  # the last: 7 * 3
-    assert recompute.plan_bytes(0, figures, {}, (), 4 + 6 + 20 + 5 + 7) == peak
+    gradients = 4 + 6 + 20 + 5 + 7
+    assert recompute.plan_bytes(0, figures, {}, (), gradients) == peak
+    assert recompute.plan_bytes(0, figures, {}, (), gradients, alone=True) == peak_alone
+    # The figures of a layout estimated for many plans give the same.
+    layout = plan_layout(figures, gradients)
+    assert recompute.plan_bytes(0, figures, {}, (), gradients, layout, alone=True) == peak_alone
 
 
 def test_groups_of_cover_every_fine_segment_once():
@@ -697,6 +705,26 @@ def test_the_measured_line_takes_off_what_it_names(slots, said, replicas):
         assert f"{ratio:.2f}x the estimate of 2 replicas (2 logical CPU devices" in text
     assert ("optimizer variables it created" in text) is bool(said)
     assert said is None or said in text
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_plan_shows_its_estimate_with_each_update_alone_where_lower(replicas):
+    """The low end of the estimate (`peak_bytes_updates_alone`) is printed
+    where it is lower by 1% or more, and the measured peak is compared with
+    it as with `peak_bytes` (per replica)."""
+    plan = recompute.RecomputePlan(
+        setting="auto", batch_size=4, bytes_without=10 * MIB, bytes_with=6 * MIB,
+        gradient_bytes=2 * MIB, peak_bytes=8 * MIB, peak_bytes_updates_alone=6 * MIB,
+        peak_bytes_without=12 * MIB, measured_peak_bytes=12 * MIB, measured_slot_bytes=0,
+        measured_replicas=replicas,
+    )
+    text = str(plan)
+    assert "~6.0 MiB with each optimizer update alone" in text
+    assert f"{12 / (replicas * 8):.2f}x the estimate" in text
+    assert f"and {12 / (replicas * 6):.2f}x the one with each update alone" in text
+    for same in (7.95 * MIB, 8 * MIB, None):
+        text = str(dataclasses.replace(plan, peak_bytes_updates_alone=same))
+        assert "update alone" not in text, same
 
 
 def test_the_measured_line_of_replicas_sharing_the_cpus_allocator():
