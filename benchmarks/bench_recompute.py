@@ -189,6 +189,13 @@ def worker(args):
         times.append((time.perf_counter() - start) / args.steps)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     result["requested_bytes"] = requested_peak(steps)
+    if args.contents:
+        from requested_peak import alive_at_peak
+
+        peak, alive = alive_at_peak(steps)
+        result["peak_contents"] = [peak] + [
+            [size, (op or "(no op)").split("/", 1)[-1]] for size, op in alive[: args.contents]
+        ]
     result.update(
         step_s=statistics.median(times),
         train_bytes=peak - before,
@@ -367,7 +374,8 @@ def run(config, args):
         ["--pointwise", args.pointwise] if args.pointwise else []) + (
         ["--precision", args.precision] if args.precision else []) + (
         ["--global-policy", args.global_policy] if args.global_policy else []) + (
-        ["--update", args.update] if args.update else [])
+        ["--update", args.update] if args.update else []) + (
+        ["--contents", str(args.contents)] if args.contents else [])
     out = subprocess.run(command, capture_output=True, text=True, timeout=1200)
     for line in reversed(out.stdout.splitlines()):
         if line.startswith("{"):
@@ -410,6 +418,10 @@ def main():
                                              "optimizer_accumulation", "nan_watcher"],
                         help="an update that waits for every gradient in every "
                         "configuration (memory table only)")
+    parser.add_argument("--contents", type=int, default=0, metavar="N",
+                        help="with --models: print the N largest allocations alive "
+                        "at each configuration's requested peak (one more run of "
+                        "its steps under the profiler)")
     parser.add_argument("--time", action="store_true",
                         help="with --models: step time only, paired in one process "
                         "(--configs: auto, selective, budget_F)")
@@ -731,6 +743,27 @@ def per_model(args):
         "estimated with each optimizer update alone (recompute_plan()."
         "peak_bytes_updates_alone, the low end); / alone: req MiB over it."
     )
+    if args.contents:
+        print_contents(table)
+
+
+def print_contents(table):
+    """`--contents`: per model and configuration (its first round), the
+    largest allocations alive at the requested peak of its steps."""
+    mib = 2**20
+    print(
+        "\nAlive at the requested peak (the allocations of one more run of the "
+        "steps, largest first; requested_peak.alive_at_peak):"
+    )
+    for name, _, results in table:
+        for config, runs in results.items():
+            contents = runs[0].get("peak_contents")
+            if not contents:
+                continue
+            peak, largest = contents[0], contents[1:]
+            print(f"{name} {config}: peak {peak / mib:.1f} MiB")
+            for size, op in largest:
+                print(f"  {size / mib:7.2f}  {op}")
 
 
 def sweep(args):

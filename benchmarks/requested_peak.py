@@ -34,6 +34,31 @@ def requested_peak(run):
                   for t, allocation, s in events])
 
 
+def alive_at_peak(run):
+    """Runs `run()` under the profiler; returns `(peak, alive)`:
+    `requested_peak`'s peak, and the allocations made during the run that
+    are alive at it, as `(requested bytes, tf_op)` pairs, largest first. A
+    copy that replaced a buffer from before the run (an optimizer's
+    copy-on-write) is among them, its old buffer's free counted in the
+    peak; `tf_op` is None for an allocation outside any op."""
+    return _alive_at_peak(memory_events(run))
+
+
+def _alive_at_peak(events):
+    """`alive_at_peak` of `memory_events`' events."""
+    alive, level, peak, at = {}, 0, 0, {}
+    for _, allocation, stats in events:
+        address, size = stats.get("addr"), stats.get("requested_bytes")
+        if allocation:
+            alive[address] = (size, stats.get("tf_op"))
+            level += size
+        else:
+            level -= alive.pop(address, (size,))[0]
+        if level > peak:
+            peak, at = level, dict(alive)
+    return peak, sorted(at.values(), key=lambda pair: -pair[0])
+
+
 def memory_events(run):
     """Runs `run()` under the profiler; returns `(time, is_allocation,
     stats)` per allocation and deallocation, in time order, `stats` by name

@@ -169,7 +169,7 @@ def test_convnext_steps_meet_the_estimate_with_each_update_alone(requested_peak)
     runs the updates alone: alive at the profiler's peak, one kernel's
     gradient and its update's `Square`. The steps requested 49.3-50.1 MiB;
     the estimate with the next update beside each (`peak_bytes`) read
-    67.5, the one with each alone (`peak_bytes_updates_alone`) 49.7."""
+    67.5, the one with each alone (`peak_bytes_updates_alone`) 49.5."""
     keras.utils.set_random_seed(0)
     base = keras.applications.ConvNeXtTiny(weights=None, input_shape=(64, 64, 3), classes=10)
     measured, model = _requested_peak(base, requested_peak, recompute="auto", depthwise="native")

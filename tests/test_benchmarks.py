@@ -114,6 +114,19 @@ def test_the_requested_peak_counts_frees_of_buffers_from_before_the_run(requeste
     assert requested_peak._peak([(0, True, "a", 8), (1, False, "a", 8), (2, True, "b", 3)]) == 8
 
 
+def test_what_is_alive_at_the_requested_peak(requested_peak):
+    # The events above, with their ops: at the peak (4 bytes above the
+    # start), a's 8 and b's 6 are alive; the old buffer's free counted.
+    events = [
+        (0, False, {"addr": "old", "requested_bytes": 10}),
+        (1, True, {"addr": "a", "requested_bytes": 8, "tf_op": "step/a"}),
+        (2, True, {"addr": "b", "requested_bytes": 6, "tf_op": "step/b"}),
+        (3, False, {"addr": "a"}),
+        (4, True, {"addr": "c", "requested_bytes": 7}),
+    ]
+    assert requested_peak._alive_at_peak(events) == (4, [(8, "step/a"), (6, "step/b")])
+
+
 def test_the_requested_peak_refuses_what_it_cannot_count(requested_peak):
     with pytest.raises(RuntimeError, match="no memory events"):
         requested_peak._peak([])

@@ -679,6 +679,12 @@ def _plan_facts(model):
     }
 
 
+def _peak_ends(plan):
+    """`(peak_bytes, peak_bytes_updates_alone, gradients_pile_up)` of a
+    plan."""
+    return plan.peak_bytes, plan.peak_bytes_updates_alone, plan.gradients_pile_up
+
+
 def run(cell, with_callbacks=True):
     """Trains the cell's GradBoostModel; returns what the checks need."""
     def scope():  # (a strategy's scope is entered once: a new one each time)
@@ -771,6 +777,7 @@ def run(cell, with_callbacks=True):
         "plan_after": _plan_facts(model) if cell.recompute else None,
         # (At the batch size the fit traced: each replica's, or each micro-batch's.)
         "measured_slots": model.recompute_plan().measured_slot_bytes if cell.recompute else None,
+        "peak_ends": _peak_ends(model.recompute_plan()) if cell.recompute else None,
         "precision_measurement": model.precision_measurement,
         "logged_loss": None if history is None else history.history["loss"],
     }
@@ -872,6 +879,15 @@ def _other_findings(cell, got, ref):
         if got["measured_slots"] != made:
             found.append(("plan", f"recompute_plan() took {got['measured_slots']} bytes of "
                                   f"optimizer variables off its measured peak, the fit made {made}"))
+    if got["peak_ends"] is not None:
+        # The low end of the estimate (each update alone) is at most the
+        # high one, and the same where the gradients wait for every update
+        # (a loss scale's or NaNWatcher's check).
+        peak, alone, pile_up = got["peak_ends"]
+        if peak is not None and (alone is None or alone > peak or (pile_up and alone != peak)):
+            found.append(("plan", f"recompute_plan()'s estimate with each update alone "
+                                  f"{alone}, its peak_bytes {peak} (gradients pile up: "
+                                  f"{pile_up})"))
     found += [("other", message) for message in _callback_findings(got["callbacks"])]
     if cell.measure:
         found += [("other", m) for m in _measure_findings(cell, got["precision_measurement"])]

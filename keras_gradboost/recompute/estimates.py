@@ -110,10 +110,10 @@ class RecomputePlan:
             shorter than the update. At 64x64, batch 16, "auto", Adam
             (allocations alive at the profiler's peak): ConvNeXtTiny with
             `depthwise="native"` held one 9 MiB kernel's gradient and its
-            update's `Square`, 49.3-50.1 MiB requested, ~49.7 MiB alone
+            update's `Square`, 49.3-50.1 MiB requested, ~49.5 MiB alone
             and ~67.5 estimated; 8 Dense(1024) at batch 16, two updates
-            (16.4 MiB requested, ~16.6 estimated). None when not
-            estimated.
+            (16.4 MiB requested, ~16.6 estimated, ~8.6 alone). None when
+            not estimated.
         peak_bytes_without: the same estimate without recompute.
         gradients_pile_up: why every gradient is alive at the end of the
             backward (`gradients_pile_up`: grappler's dependency optimizer
@@ -1450,8 +1450,11 @@ def _block_gradients(per_block, gradient_bytes, alone=False):
     # requested 16.4 MiB, two gradients and two temporaries, where 12.6
     # was estimated without it (alive at the peak: one gradient with its
     # update's Square, the last part of the previous update). Alone: the
-    # gradient with its buffers, nothing beside (ConvNeXtTiny's 9 MiB
-    # kernels, the backward of two 302 MFLOP matmuls between them).
+    # largest gradient with its buffers, nothing beside, not even the
+    # moment's other gradients, each freed by its own update before
+    # (ConvNeXtTiny's 9 MiB kernels, the backward of two 302 MFLOP matmuls
+    # between them; ResNet50's stage 5 on an AVX2 CPU: one 9 MiB gradient
+    # and its Square alive where a segment's gradients summed 34 MiB).
     field = "update_buffers_alone" if alone else "update_buffers"
     buffers_per_byte = max(
         (f.get(field, f.get("update_buffers", 0)) for f in per_block.values()), default=0
@@ -1461,8 +1464,9 @@ def _block_gradients(per_block, gradient_bytes, alone=False):
         largest = max(weights.values(), default=0)
         if not largest or not buffers_per_byte:
             return sum(weights.values())
-        beside = 0 if alone else following
-        return max(sum(weights.values()), (1 + buffers_per_byte) * largest + beside)
+        if alone:
+            return (1 + buffers_per_byte) * largest
+        return max(sum(weights.values()), (1 + buffers_per_byte) * largest + following)
 
     placed, mine, stem = {}, {}, {}
     for key, figures in per_block.items():

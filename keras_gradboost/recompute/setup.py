@@ -715,6 +715,13 @@ class RecomputeSetup:
             # the finest layout (`candidates`), and the chosen plan's.
             self.plan.peak_bytes_without = found[0].peak
             self.plan.peak_bytes = best.peak if best.chosen else found[0].peak
+            if not best.chosen:
+                # No recompute's, as its peak: the lowest layout's.
+                self.plan.peak_bytes_updates_alone = min(
+                    plan_bytes(families[f][2], figures, families[f][3], (),
+                               self.plan.gradient_bytes, alone=True)
+                    for f, _, figures, _ in layouts
+                )
             if _counts_eigen_buffers(self.plan):
                 # On the figures of the choice, and what the others reach.
                 free = peaks_without_buffers(

@@ -601,7 +601,8 @@ def test_piled_up_gradients_count_as_made_when_the_updates_wait_for_a_check(
     # An update that holds nothing: each moment's own gradients alone.
     (0, 0, 20 + 3, 20 + 3),
 ])
-def test_an_update_counts_with_the_next_weights_gradient(buffers, alone, peak, peak_alone):
+@pytest.mark.parametrize("more", [False, True])
+def test_an_update_counts_with_the_next_weights_gradient(buffers, alone, peak, peak_alone, more):
     figures = {
         k: {"cached": 0, "inputs": 0, "flops": 1.0, "inside": set(), "input_roots": {},
             "weights": {f"w{k}": (4, 6, 20)[k]}, "largest": 3, "after": {},
@@ -611,6 +612,18 @@ def test_an_update_counts_with_the_next_weights_gradient(buffers, alone, peak, p
     figures[2]["after"] = {"head": 5}  # its moment: 5 * 3 + block 2's 20 = 35
     figures[0]["before"] = {"stem": 7}  # the last: 7 * 3
     gradients = 4 + 6 + 20 + 5 + 7
+    if more:
+        # Two more weights in block 1, 24 and 22: 52 with its 6, more than
+        # 24 with one buffer. Alone, each of them is freed by its update
+        # before the next comes: the largest with its buffer, 48 (+ 3),
+        # now the peak. Overlapping: the largest with two buffers and the
+        # next one (22), above block 2's, whose next is now 24.
+        figures[1]["weights"].update(w1b=24, w1c=22)
+        gradients += 24 + 22
+        if buffers:
+            peak, peak_alone = 24 * 3 + 22 + 3, 24 * 2 + 3
+        else:  # no update buffers: each moment's gradients, summed, either way
+            peak = peak_alone = 6 + 24 + 22 + 3
     assert recompute.plan_bytes(0, figures, {}, (), gradients) == peak
     assert recompute.plan_bytes(0, figures, {}, (), gradients, alone=True) == peak_alone
     # The figures of a layout estimated for many plans give the same.
