@@ -192,8 +192,8 @@ def worker(args):
     if args.contents:
         from requested_peak import alive_at_peak
 
-        peak, alive = alive_at_peak(steps)
-        result["peak_contents"] = [peak] + [
+        contents_peak, alive = alive_at_peak(steps)
+        result["peak_contents"] = [contents_peak] + [
             [size, (op or "(no op)").split("/", 1)[-1]] for size, op in alive[: args.contents]
         ]
     result.update(

@@ -45,7 +45,9 @@ def alive_at_peak(run):
 
 
 def _alive_at_peak(events):
-    """`alive_at_peak` of `memory_events`' events."""
+    """`alive_at_peak` of `memory_events`' events (raising as `_peak`)."""
+    _peak([(t, allocation, s.get("addr"), s.get("requested_bytes"))
+           for t, allocation, s in events])  # its checks
     alive, level, peak, at = {}, 0, 0, {}
     for _, allocation, stats in events:
         address, size = stats.get("addr"), stats.get("requested_bytes")

@@ -110,7 +110,8 @@ class RecomputePlan:
             shorter than the update. At 64x64, batch 16, "auto", Adam
             (allocations alive at the profiler's peak): ConvNeXtTiny with
             `depthwise="native"` held one 9 MiB kernel's gradient and its
-            update's `Square`, 49.3-50.1 MiB requested, ~49.5 MiB alone
+            update's `Square`, 49.3-50.1 MiB requested (the median of 3
+            processes twice, single runs; 55.7 once), ~49.5 MiB alone
             and ~67.5 estimated; 8 Dense(1024) at batch 16, two updates
             (16.4 MiB requested, ~16.6 estimated, ~8.6 alone). None when
             not estimated.
@@ -1238,9 +1239,11 @@ def plan_bytes(
             of one layout are estimated (`budget.candidates`: the gradients'
             moments were 55% of a nested MobileNetV2's 3225 plans' time).
             Defaults to `None` (found here).
-        alone: count each optimizer update alone: its gradient with its
-            buffers where it runs alone (`updates.update_temporaries`'
-            `alone`), and no next gradient beside it. TensorFlow's executor
+        alone: count each optimizer update alone: at each moment, the
+            largest gradient with its buffers where it runs alone
+            (`updates.update_temporaries`' `alone`), neither the next
+            gradient beside it nor the sum of the moment's gradients (each
+            freed by its own update first). TensorFlow's executor
             overlaps consecutive updates, or not, by how long the backward
             between their gradients takes against them; this is the low
             end, the default the high one. Defaults to `False`.

@@ -172,7 +172,8 @@ def update_temporaries(optimizer, alone=False):
     its own, its operations in the order traced: the gradient is freed at
     its last reader (Adam's `Square` writes into it), and the weight's
     first assignment copies it (copy-on-write: the backward may still read
-    the old value). Adam: 1 (where the overlapping count is 2), SGD: 1.
+    the old value); at most the overlapping count. Adam: 1 (where the
+    overlapping count is 2), SGD: 1.
     TensorFlow's executor runs them so when the backward between two large
     gradients outlasts an update: ConvNeXtTiny (64x64, batch 16, "auto",
     `depthwise="native"`) held one 9 MiB kernel's gradient and its
@@ -220,13 +221,24 @@ def update_temporaries(optimizer, alone=False):
             )
             return 0
     size = 4 * np.prod(_SCRATCH_SHAPE)
+    overlapping = round(_peak_bytes(operations) / size)
     if not alone:
-        return round(_peak_bytes(operations) / size)
+        return overlapping
     # The weight's resource handle (the TensorFlow variable under Keras').
     handle = getattr(getattr(variable, "value", None), "handle", None)
+    if handle is None:
+        warnings.warn(
+            f"The low end of the training peak estimates leaves out the copy of "
+            f"the weight {type(inner).__name__}'s update may make: this Keras "
+            f"backend's variable has no TensorFlow handle "
+            f"({type(getattr(variable, 'value', None)).__name__}).",
+            stacklevel=2,
+        )
     copied = {handle.op.name: size} if handle is not None else None
     peak = _peak_bytes(operations, {gradient.name: size}, copied)
-    return max(0, round(peak / size) - 1)
+    # At most the overlapping count: the low end (an update that only
+    # assigns its gradient counts the copy alone).
+    return min(overlapping, max(0, round(peak / size) - 1))
 
 
 _SCRATCH_SHAPE = (64, 64)
