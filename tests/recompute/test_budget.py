@@ -626,6 +626,9 @@ def test_an_update_counts_with_the_next_weights_gradient(buffers, alone, peak, p
             peak = peak_alone = 6 + 24 + 22 + 3
     assert recompute.plan_bytes(0, figures, {}, (), gradients) == peak
     assert recompute.plan_bytes(0, figures, {}, (), gradients, alone=True) == peak_alone
+    # A selective plan's moments count the gradients the same way.
+    assert recompute.selective_plan_bytes(0, figures, (), 0, gradients) == peak
+    assert recompute.selective_plan_bytes(0, figures, (), 0, gradients, alone=True) == peak_alone
     # The figures of a layout estimated for many plans give the same.
     layout = plan_layout(figures, gradients)
     assert recompute.plan_bytes(0, figures, {}, (), gradients, layout, alone=True) == peak_alone
