@@ -162,6 +162,11 @@ def test_selective_estimate_follows_the_backward_on_convnext(requested_peak):
     _assert_the_selective_estimate_holds("ConvNeXtTiny", requested_peak, depthwise="native")
 
 
+@pytest.mark.skipif(
+    hooks.onednn_enabled() is False,
+    reason="measured only with oneDNN on (the low end: 1.00x); with it off "
+           "the band between the two ends alone would be left, for ~45 s of CI "
+           "on the AVX2 CPUs where CI has the least room")
 def test_convnext_steps_meet_the_estimate_with_each_update_alone(requested_peak):
     """ConvNeXtTiny (64x64, batch 16, "auto", `depthwise="native"`, Adam):
     the backward between two of its 9 MiB kernels' gradients (two 302
@@ -176,13 +181,9 @@ def test_convnext_steps_meet_the_estimate_with_each_update_alone(requested_peak)
     plan = model.recompute_plan(batch_size=16)
     alone = plan.peak_bytes_updates_alone
     assert alone < 0.85 * plan.peak_bytes, (alone, plan.peak_bytes)
-    # Between the two ends wherever it runs ...
-    assert 0.85 * alone <= measured <= 1.15 * plan.peak_bytes, (measured, alone, plan.peak_bytes)
-    if hooks.onednn_enabled():
-        # ... and at the low one with oneDNN on (an AMD EPYC with AVX-512:
-        # 1.00x of it as the median of 3 processes, twice, 0.99-1.01x in
-        # single runs, 1.12x once; not measured with oneDNN off).
-        assert measured <= 1.15 * alone, (measured, alone)
+    # At the low end (an AMD EPYC with AVX-512: 1.00x of it as the median
+    # of 3 processes, twice, 0.99-1.01x in single runs, 1.12x once).
+    assert 0.85 * alone <= measured <= 1.15 * alone, (measured, alone, plan.peak_bytes)
 
 
 # MobileNetV2's selective peak is in its first block's replay, at the
