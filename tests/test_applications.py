@@ -164,9 +164,9 @@ def test_selective_estimate_follows_the_backward_on_convnext(requested_peak):
 
 @pytest.mark.skipif(
     hooks.onednn_enabled() is False,
-    reason="measured only with oneDNN on (the low end: 1.00x); with it off "
-           "the band between the two ends alone would be left, for ~45 s of CI "
-           "on the AVX2 CPUs where CI has the least room")
+    reason="~45 s of CI on the AVX2 CPUs (oneDNN off) where CI has the least "
+           "room; measured with oneDNN off once (TF_ENABLE_ONEDNN_OPTS=0 on an "
+           "AVX-512 CPU: 0.92 of the low end, which counts Eigen's buffers there)")
 def test_convnext_steps_meet_the_estimate_with_each_update_alone(requested_peak):
     """ConvNeXtTiny (64x64, batch 16, "auto", `depthwise="native"`, Adam):
     the backward between two of its 9 MiB kernels' gradients (two 302
