@@ -62,7 +62,7 @@ from keras_gradboost.recompute.estimates import variable_bytes
 from keras_gradboost.recompute.estimates import with_pile_up
 from keras_gradboost.recompute.estimates import without_working_buffers
 from keras_gradboost.recompute.updates import step_gradients_pile_up
-from keras_gradboost.recompute.updates import update_temporaries
+from keras_gradboost.recompute.updates import update_temporary_counts
 
 # "auto" recomputes only where its best plan is estimated to save at least
 # this share of the activation memory: the estimates leave out the
@@ -544,6 +544,7 @@ class RecomputeSetup:
 
     def _estimate(self, model, spec):
         _build(model, spec)
+        overlapping, alone = self._update_buffers(model)
         return estimate(
             model,
             lambda v, p: self.forward(model, v, probe=p),
@@ -552,8 +553,8 @@ class RecomputeSetup:
             selective=self.selective,
             owned={id(l): l.trainable_variables for l in self.layers} or None,
             pile_up=step_gradients_pile_up(model),
-            update_buffers=self._update_buffers(model)[0],
-            update_buffers_alone=self._update_buffers(model)[1],
+            update_buffers=overlapping,
+            update_buffers_alone=alone,
         )
 
     def _estimate_together(self, model, spec, kinds):
@@ -610,6 +611,7 @@ class RecomputeSetup:
                     return views[own].forward(model, x, probe=probes[own])
                 return _own_call(model, x)
 
+        overlapping, alone = self._update_buffers(model)
         return estimate_together(
             model,
             forward,
@@ -623,19 +625,16 @@ class RecomputeSetup:
                 for v in views
             ],
             pile_up=step_gradients_pile_up(model),
-            update_buffers=self._update_buffers(model)[0],
-            update_buffers_alone=self._update_buffers(model)[1],
+            update_buffers=overlapping,
+            update_buffers_alone=alone,
         )
 
     def _update_buffers(self, model):
-        """`(update_temporaries, the same alone)` of the model's optimizer,
-        traced once per optimizer."""
+        """`update_temporary_counts` of the model's optimizer (overlapping,
+        alone), traced once per optimizer."""
         optimizer = getattr(model, "optimizer", None)
         if self._updates is None or self._updates[0] is not optimizer:
-            self._updates = (
-                optimizer,
-                (update_temporaries(optimizer), update_temporaries(optimizer, alone=True)),
-            )
+            self._updates = (optimizer, update_temporary_counts(optimizer))
         return self._updates[1]
 
     def _pile_up(self, model):

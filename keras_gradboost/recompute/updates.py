@@ -189,9 +189,16 @@ def update_temporaries(optimizer, alone=False):
     Returns:
         An int.
     """
+    return update_temporary_counts(optimizer)[1 if alone else 0]
+
+
+def update_temporary_counts(optimizer):
+    """`(update_temporaries(optimizer), update_temporaries(optimizer,
+    alone=True))` from one trace of its update (`(0, 0)` with its warning
+    where it cannot be traced)."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if not isinstance(inner, keras.optimizers.Optimizer):
-        return 0
+        return 0, 0
     with tf.init_scope():  # eager, also during a trace: the config reads values
         config = inner.get_config()
     with tf.Graph().as_default() as graph:
@@ -204,7 +211,7 @@ def update_temporaries(optimizer, alone=False):
                 f"its config ({type(error).__name__}: {error}).",
                 stacklevel=2,
             )
-            return 0
+            return 0, 0
         try:
             variable = keras.Variable(np.zeros(_SCRATCH_SHAPE, "float32"), name="scratch")
             copy.build([variable])
@@ -219,11 +226,9 @@ def update_temporaries(optimizer, alone=False):
                 f"({type(error).__name__}: {error}).",
                 stacklevel=2,
             )
-            return 0
+            return 0, 0
     size = 4 * np.prod(_SCRATCH_SHAPE)
     overlapping = round(_peak_bytes(operations) / size)
-    if not alone:
-        return overlapping
     # The weight's resource handle (the TensorFlow variable under Keras').
     handle = getattr(getattr(variable, "value", None), "handle", None)
     if handle is None:
@@ -238,7 +243,7 @@ def update_temporaries(optimizer, alone=False):
     peak = _peak_bytes(operations, {gradient.name: size}, copied)
     # At most the overlapping count: the low end (an update that only
     # assigns its gradient counts the copy alone).
-    return min(overlapping, max(0, round(peak / size) - 1))
+    return overlapping, min(overlapping, max(0, round(peak / size) - 1))
 
 
 _SCRATCH_SHAPE = (64, 64)
