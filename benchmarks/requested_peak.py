@@ -45,20 +45,12 @@ def alive_at_peak(run):
 
 
 def _alive_at_peak(events):
-    """`alive_at_peak` of `memory_events`' events (raising as `_peak`)."""
-    _peak([(t, allocation, s.get("addr"), s.get("requested_bytes"))
-           for t, allocation, s in events])  # its checks
-    alive, level, peak, at = {}, 0, 0, {}
-    for _, allocation, stats in events:
-        address, size = stats.get("addr"), stats.get("requested_bytes")
-        if allocation:
-            alive[address] = (size, stats.get("tf_op"))
-            level += size
-        else:
-            level -= alive.pop(address, (size,))[0]
-        if level > peak:
-            peak, at = level, dict(alive)
-    return peak, sorted(at.values(), key=lambda pair: -pair[0])
+    """`alive_at_peak` of `memory_events`' events."""
+    return _peak(
+        [(t, allocation, s.get("addr"), s.get("requested_bytes"), s.get("tf_op"))
+         for t, allocation, s in events],
+        contents=True,
+    )
 
 
 def memory_events(run):
@@ -99,28 +91,35 @@ def _value(stat, names):
     return stat.uint64_value if stat.HasField("uint64_value") else stat.int64_value
 
 
-def _peak(events):
+def _peak(events, contents=False):
     """The peak level of `(time, is_allocation, address, requested bytes)`
     memory events (`memory_events`) above the start. A buffer
     allocated during the run is freed by its own size; one from before it
-    by the size its deallocation event carries."""
+    by the size its deallocation event carries. With `contents`, events
+    carry their op too, and the result is `(peak, the buffers allocated
+    during the run alive at it as (bytes, op) pairs, largest first)`."""
     if not events:
         raise RuntimeError(
             "The profiler recorded no memory events: the allocator keeps no "
             "statistics (on a CPU set TF_CPU_ALLOCATOR_USE_BFC=true) or the "
             "run allocated nothing."
         )
-    sizes, level, peak = {}, 0, 0
-    for _, allocation, address, size in events:
+    alive, level, peak, at = {}, 0, 0, {}
+    for _, allocation, address, size, *op in events:
         if allocation:
-            sizes[address] = size
+            alive[address] = (size, op[0] if op else None)
         else:
-            size = sizes.pop(address, size)
+            size = alive.pop(address, (size,))[0]
         if size is None:
             raise RuntimeError(
                 "A profiler memory event has no requested_bytes: this "
                 "TensorFlow's profiler cannot give the requested peak."
             )
         level += size if allocation else -size
-        peak = max(peak, level)
+        if level > peak:
+            peak = level
+            if contents:
+                at = dict(alive)
+    if contents:
+        return peak, sorted(at.values(), key=lambda pair: -pair[0])
     return peak
