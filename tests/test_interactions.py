@@ -679,12 +679,6 @@ def _plan_facts(model):
     }
 
 
-def _peak_ends(plan):
-    """`(peak_bytes, peak_bytes_updates_alone, gradients_pile_up)` of a
-    plan."""
-    return plan.peak_bytes, plan.peak_bytes_updates_alone, plan.gradients_pile_up
-
-
 def run(cell, with_callbacks=True):
     """Trains the cell's GradBoostModel; returns what the checks need."""
     def scope():  # (a strategy's scope is entered once: a new one each time)
@@ -757,6 +751,8 @@ def run(cell, with_callbacks=True):
             held.compile(optimizer=make_optimizer(cell), loss="mse", **{
                 **compile_kwargs(cell), "precision": model.dtype_policy_applied})
         plan_expected = _plan_facts(held)
+    # (At the batch size the fit traced: each replica's, or each micro-batch's.)
+    fitted_plan = model.recompute_plan() if cell.recompute else None
     return {
         # (Keras' own save_weights warns under NumPy 2: its Dense layers
         # save with np.array(variable), whose __array__ takes no `copy`.)
@@ -775,9 +771,11 @@ def run(cell, with_callbacks=True):
         "callbacks": callbacks,
         "plan_expected": plan_expected,
         "plan_after": _plan_facts(model) if cell.recompute else None,
-        # (At the batch size the fit traced: each replica's, or each micro-batch's.)
-        "measured_slots": model.recompute_plan().measured_slot_bytes if cell.recompute else None,
-        "peak_ends": _peak_ends(model.recompute_plan()) if cell.recompute else None,
+        "measured_slots": None if fitted_plan is None else fitted_plan.measured_slot_bytes,
+        # (peak_bytes, peak_bytes_updates_alone, gradients_pile_up)
+        "peak_ends": None if fitted_plan is None else (
+            fitted_plan.peak_bytes, fitted_plan.peak_bytes_updates_alone,
+            fitted_plan.gradients_pile_up),
         "precision_measurement": model.precision_measurement,
         "logged_loss": None if history is None else history.history["loss"],
     }
