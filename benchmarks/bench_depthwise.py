@@ -1,7 +1,8 @@
 """The kernel choices against Keras' own kernels: step time and training
 memory. `--setting depthwise=native` (the default): `compile(depthwise=
 "native")` against Keras' grouped convolution, on models whose depthwise
-convolutions are grouped `Conv2D`s (keras.applications ConvNeXt).
+convolutions are grouped `Conv2D`s (keras.applications ConvNeXt);
+`--setting depthwise=chunked` the same for `compile(depthwise="chunked")`.
 `--setting pointwise=matmul`: `compile(pointwise="matmul")` against the
 1x1 convolutions (MobileNetV2, EfficientNetB0, ResNet50).
 
@@ -103,7 +104,7 @@ def main():
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--pixels", type=int, default=64)
     parser.add_argument("--setting", default="depthwise=native",
-                        choices=["depthwise=native", "pointwise=matmul"])
+                        choices=["depthwise=native", "depthwise=chunked", "pointwise=matmul"])
     parser.add_argument("--time-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.time_worker:

@@ -404,8 +404,8 @@ def main():
                         "F times no recompute's estimate; blocks_GLOB[+GLOB] recomputes "
                         "the layers named")
     parser.add_argument("--jit", action="store_true", help="jit_compile=True (XLA)")
-    parser.add_argument("--depthwise", choices=["native"],
-                        help='compile(depthwise="native") in every configuration')
+    parser.add_argument("--depthwise", choices=["native", "chunked"],
+                        help="compile(depthwise=...) in every configuration")
     parser.add_argument("--pointwise", choices=["matmul"],
                         help='compile(pointwise="matmul") in every configuration')
     parser.add_argument("--precision", choices=["mixed_bfloat16", "mixed_float16"],

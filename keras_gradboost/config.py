@@ -45,10 +45,11 @@ class GradBoostConfig:
         accumulate_check: whether to compare the first accumulation window
             with one step on its concatenated micro-batches, before its
             update. Needs `accumulate_steps > 1`. Defaults to `False`.
-        depthwise: `None` (grouped convolutions run as Keras runs them) or
-            `"native"` (a `Conv2D` whose groups equal its input channels
-            runs TensorFlow's depthwise kernel; see `depthwise`). Defaults
-            to `None`.
+        depthwise: `None` (grouped convolutions run as Keras runs them),
+            `"chunked"` (a `Conv2D` whose groups equal its input channels
+            runs Keras' own grouped convolution on slices of its channels)
+            or `"native"` (it runs TensorFlow's depthwise kernel); see
+            `depthwise`. Defaults to `None`.
         pointwise: `None` (1x1 convolutions run as Keras runs them) or
             `"matmul"` (a `Conv2D` with a 1x1 kernel runs as a matrix
             product; see `pointwise`). Defaults to `None`.

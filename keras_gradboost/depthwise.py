@@ -1,5 +1,5 @@
-"""Depthwise convolutions written as grouped `Conv2D`s, run on TensorFlow's
-native depthwise kernel (`compile(depthwise="native")`).
+"""Depthwise convolutions written as grouped `Conv2D`s, run another way
+(`compile(depthwise="native")` or `compile(depthwise="chunked")`).
 
 A `keras.layers.Conv2D` with `groups` equal to its input channels (ConvNeXt's
 7x7 convolutions) is a depthwise convolution. On the TensorFlow backend,
@@ -11,36 +11,58 @@ stage-3 block's backward, which sets the training peak, and a step 4.5x
 as long as with `tf.nn.depthwise_conv2d` computing the same convolution
 (`benchmarks/bench_depthwise.py`).
 
-The native kernel sums in another order: values equal Keras' to float
-rounding, not bit for bit, so it is opt-in. Layers it cannot serve
-(channels_first, unequal strides, a stride with a dilation, a class with a
-`convolution_op` of its own) run as Keras runs them; `eligible` says why.
+"native" runs `tf.nn.depthwise_conv2d`, which sums in another order: values
+equal Keras' to float rounding, not bit for bit. "chunked" runs Keras' own
+grouped convolution on slices of at most `CHUNK_CHANNELS` channels, whose
+dense filters are (C / chunk)^2 times smaller; each output channel is
+computed by the same XLA convolution, and the results, checked bit for bit
+against Keras' unsliced convolution on this machine at each layer's first
+trace (`_bitwise_equal`), are Keras' own. A layer whose check differs, or
+a step XLA compiles as a whole, runs as Keras runs it. Layers neither can
+serve (channels_first; for "native" unequal strides, a stride with a
+dilation; for "chunked" a depth multiplier or a computation in other than
+float32, where the weights were not bit for bit Keras'; a class with a
+`convolution_op` of its own) run as Keras runs
+them; `eligible` says why.
 """
 
+import threading
+import warnings
+
 import keras
+import numpy as np
 import tensorflow as tf
 
+from keras_gradboost import cpu_threads
 from keras_gradboost import hooks
 from keras_gradboost import kernel_choice
 from keras_gradboost import precision
+from keras_gradboost import wrappers
 
-SETTINGS = (None, "native")
+SETTINGS = (None, "native", "chunked")
+# "chunked": the most channels in one slice. A slice's dense filter is
+# (kh, kw, 96, 96), 1.7 MiB in float32 at 7x7; on this project's CPU the
+# step's convolutions ran as fast at 48 channels, slower at 8 (more calls),
+# and each slice adds an XLA compilation at the first step.
+CHUNK_CHANNELS = 96
 
 
 def check_setting(value):
     """Raises if `value` is not an accepted `depthwise` compile argument."""
     return kernel_choice.check_setting(
         "depthwise", value, SETTINGS,
-        'None (grouped convolutions run as Keras runs them) or "native" (a '
+        'None (grouped convolutions run as Keras runs them), "native" (a '
         "Conv2D whose groups equal its input channels runs TensorFlow's "
-        "depthwise kernel)",
+        'depthwise kernel) or "chunked" (Keras\' own grouped convolution on '
+        "slices of its channels)",
     )
 
 
-def eligible(layer):
+def eligible(layer, setting="native"):
     """Whether `layer` is a depthwise convolution written as a grouped
-    `Conv2D` that the native kernel computes (for an unbuilt layer, whether
-    its groups equal its input channels is checked at each call).
+    `Conv2D` that `setting` ("native" or "chunked") computes (for an
+    unbuilt layer, whether its groups equal its input channels is checked
+    at each call).
 
     Returns:
         `(True, None)`, or `(False, reason)`.
@@ -53,6 +75,17 @@ def eligible(layer):
         return False, "its groups are not its input channels"
     if layer.data_format != "channels_last":
         return False, "channels_first"
+    if setting == "chunked":
+        if layer.compute_dtype != "float32":
+            # Keras casts the kernel inside its XLA function, the slices
+            # outside: in bfloat16 the weights after 4 steps differed by
+            # rounding, though each convolution alone was equal.
+            return False, f"{layer.compute_dtype} computation (float32 only)"
+        if layer.filters != layer.groups:
+            return False, f"a depth multiplier of {layer.filters // layer.groups}"
+        if layer.groups <= CHUNK_CHANNELS:
+            return False, f"at most {CHUNK_CHANNELS} channels, one slice already"
+        return True, None
     strides, dilation = tuple(layer.strides), tuple(layer.dilation_rate)
     if strides[0] != strides[1]:
         return False, f"unequal strides {strides}"
@@ -61,18 +94,30 @@ def eligible(layer):
     return True, None
 
 
-def candidates(model):
-    """The layers of `model` that `depthwise="native"` runs natively."""
-    return kernel_choice.eligible_layers(model, eligible)
+def candidates(model, setting="native"):
+    """The layers of `model` that `depthwise=setting` runs its way."""
+    return kernel_choice.eligible_layers(model, lambda layer: eligible(layer, setting))
 
 
-class _Native:
-    """A `convolution_op` wrapper: the native depthwise kernel inside
-    `kernel_choice.running(...)` for this layer, Keras' own convolution
-    elsewhere (the layer may also belong to the un-boosted model)."""
+def chunk_sizes(channels):
+    """The slices "chunked" cuts `channels` into: as few as keep each at
+    most `CHUNK_CHANNELS`, as even as can be (each of at least 2 channels,
+    so Keras runs every slice as a grouped convolution)."""
+    count = -(-channels // CHUNK_CHANNELS)
+    base, extra = divmod(channels, count)
+    return [base + 1] * extra + [base] * (count - extra)
+
+
+class _Depthwise:
+    """A `convolution_op` wrapper: the layer's `setting` ("native" or
+    "chunked") inside `kernel_choice.running(...)` for this layer, Keras'
+    own convolution elsewhere (the layer may also belong to the un-boosted
+    model). One per layer: the last `apply` sets its setting."""
 
     def __init__(self, layer):
         self.layer = layer
+        self.setting = "native"
+        self.differs = False  # "chunked" ran Keras' way here (and warned)
 
     def __call__(self, original, inputs, kernel):
         layer = self.layer
@@ -83,6 +128,8 @@ class _Native:
             or channels != layer.groups  # an unbuilt layer's groups < channels
         ):
             return original(inputs, kernel)
+        if self.setting == "chunked":
+            return self._chunked(original, inputs, kernel)
         multiplier = kernel.shape[-1] // channels
         # Keras' grouped kernel (kh, kw, 1, C * m), output c * m + j from
         # input c, is the depthwise kernel (kh, kw, C, m).
@@ -95,15 +142,125 @@ class _Native:
             dilations=tuple(layer.dilation_rate),
         )
 
+    def _chunked(self, original, inputs, kernel):
+        sizes = chunk_sizes(inputs.shape[-1])
+        if len(sizes) == 1 or kernel.shape[-1] != inputs.shape[-1]:
+            return original(inputs, kernel)  # not what `eligible` chose
+        if _dtype(inputs) != "float32":  # see `eligible`
+            why = f"it computes in {_dtype(inputs)}; slices run in float32 only"
+        elif hooks.in_xla_context():
+            # The check, run outside the step, would not vouch for what XLA
+            # makes of the slices inside it.
+            why = "XLA compiles the whole step (jit_compile)"
+        elif None in inputs.shape[1:]:
+            why = (
+                f"its input's shape {tuple(inputs.shape)} is not fixed where the "
+                "step is traced, so the slices cannot be checked against Keras'"
+            )
+        elif not self._checked(original, inputs, kernel, sizes):
+            why = (
+                f"on this machine its slices {sizes} did not give Keras' values "
+                f"and gradients bit for bit (inputs {tuple(inputs.shape)})"
+            )
+        else:
+            return _sliced(original, inputs, kernel, sizes)
+        self._warn_once(why)
+        return original(inputs, kernel)
 
-def apply(layers):
-    """Marks `layers` (from `candidates`) to run natively inside
+    def _checked(self, original, inputs, kernel, sizes):
+        key = (
+            tuple(inputs.shape), tuple(kernel.shape),
+            tuple(self.layer.strides), self.layer.padding, tuple(self.layer.dilation_rate),
+        )
+        with _CHECKED_LOCK:
+            if key not in _CHECKED:
+                with tf.init_scope():  # eager, also while a step is traced
+                    _CHECKED[key] = _bitwise_equal(original, inputs, kernel, sizes)
+            return _CHECKED[key]
+
+    def _warn_once(self, why):
+        if self.differs:
+            return
+        self.differs = True
+        warnings.warn(
+            f'depthwise="chunked": layer {self.layer.name!r} runs as Keras runs it '
+            f"(one XLA grouped convolution): {why}. depthwise=\"native\" runs "
+            "TensorFlow's depthwise kernel instead (equal to float rounding).",
+            stacklevel=3,
+        )
+
+
+_CHECKED = {}
+_CHECKED_LOCK = threading.Lock()  # replicas trace in threads of their own
+
+
+def _dtype(value):
+    """A tensor's or a Keras variable's dtype name."""
+    return keras.backend.standardize_dtype(value.dtype)
+
+
+def _sliced(original, inputs, kernel, sizes):
+    """Keras' convolution on each slice of the channels, concatenated."""
+    outputs = [
+        original(part, part_kernel)
+        for part, part_kernel in zip(
+            tf.split(inputs, sizes, axis=-1), tf.split(kernel, sizes, axis=-1)
+        )
+    ]
+    return tf.concat(outputs, axis=-1)
+
+
+def _bitwise_equal(original, inputs, kernel, sizes):
+    """Whether the slices give Keras' forward and both gradients bit for bit
+    on random float32 values of the traced shapes (a batch of 2 where it is
+    not fixed). Drawn with NumPy's own generator: TensorFlow's random state
+    is left as it was."""
+    batch = inputs.shape[0] or 2
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((batch,) + tuple(inputs.shape[1:])), "float32")
+    weights = tf.constant(0.1 * rng.standard_normal(tuple(kernel.shape)), "float32")
+
+    def result(run):
+        # Graph gradients, not a tape: `tf.init_scope` pauses every tape.
+        @tf.function(autograph=False)
+        def step(x, weights):
+            y = run(x, weights)
+            # Every output weighted differently, so each gradient element
+            # sums distinct terms.
+            loss = tf.reduce_sum(y * tf.sin(y))
+            return [y] + tf.gradients(loss, [x, weights])
+
+        # A concrete function, called directly: tf.function's warning about
+        # frequent retracing counts calls of `step` itself.
+        traced = step.get_concrete_function(
+            tf.TensorSpec(x.shape, x.dtype), tf.TensorSpec(weights.shape, weights.dtype)
+        )
+        return [t.numpy() for t in traced(x, weights)]
+
+    whole = result(original)
+    sliced = result(lambda x, weights: _sliced(original, x, weights, sizes))
+    return all(np.array_equal(a, b) for a, b in zip(whole, sliced))
+
+
+def apply(layers, setting="native"):
+    """Marks `layers` (from `candidates`) to run as `setting` says inside
     `kernel_choice.running` (idempotent; the marks do nothing outside it).
 
     Returns:
         A frozenset of their ids, for `kernel_choice.running`.
     """
-    return kernel_choice.mark(layers, _Native)
+    ids = kernel_choice.mark(layers, _Depthwise)
+    for layer in layers:
+        _wrapper(layer).setting = setting
+    return ids
+
+
+def _wrapper(layer):
+    """The layer's `_Depthwise` wrapper, or None."""
+    for found in wrappers.patches(layer, "convolution_op"):
+        if isinstance(found.around, _Depthwise):
+            return found.around
+    return None
 
 
 # XLA's CPU backward of a depthwise convolution that Keras runs as a grouped
@@ -115,6 +272,12 @@ def apply(layers):
 # multiplier of 2 nothing of that size was seen, so only a multiplier of 1
 # is counted.
 XLA_DENSE_FILTER_COPIES = 2
+# What the plan says removes them.
+REMEDY = (
+    'compile(depthwise="chunked") makes them (C / 96)^2 times smaller, bit for '
+    'bit Keras\' values; compile(depthwise="native") removes them, equal to '
+    "float rounding"
+)
 _GROUPED = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 
 
@@ -126,32 +289,38 @@ def xla_backward_temporaries(model):
     filter (ConvNeXtTiny's last stage: ~220 MiB; measured for `Conv2D`,
     channels_last; the others assumed alike). Layers running natively
     here (`kernel_choice.current()`) have none, and neither has a GPU
-    (cuDNN runs grouped convolutions). A layer not yet built is skipped
-    (the estimates trace the model first, which builds it).
+    (cuDNN runs grouped convolutions); a layer running in slices
+    (`depthwise="chunked"`) has those of its largest slices, as many at once
+    as the executor runs ops (`cpu_threads.inter_op()`). A layer not yet built is skipped (the estimates trace the
+    model first, which builds it).
 
     Returns:
         A list of `(layer, bytes)`.
     """
     if precision.gpu_available():
         return []
-    native = kernel_choice.current()
+    running = kernel_choice.current()
     found = []
     for layer in hooks.flatten_layers(model, include_self=False):
-        if (
-            not isinstance(layer, _GROUPED)
-            or layer.groups == 1
-            or not layer.built
-            or id(layer) in native
-        ):
+        if not isinstance(layer, _GROUPED) or layer.groups == 1 or not layer.built:
             continue
         *window, per_group, filters = layer.kernel.shape
         if per_group != 1 or filters != layer.groups:
             continue
-        itemsize = max(4, tf.as_dtype(layer.compute_dtype).size)
-        dense = filters * filters * itemsize
+        wrapper = _wrapper(layer) if id(layer) in running else None
+        if wrapper is not None and wrapper.setting == "native":
+            continue
+        dense = [filters * filters]
+        if wrapper is not None and not wrapper.differs:
+            # The slices' backwards are independent ops: the executor runs
+            # as many at once as it has threads (2 of 3 measured here).
+            sizes = sorted(chunk_sizes(filters), reverse=True)
+            dense = [size * size for size in sizes[: cpu_threads.inter_op()]]
+        window_size = 1
         for size in window:
-            dense *= size
-        found.append((layer, int(XLA_DENSE_FILTER_COPIES * dense)))
+            window_size *= size
+        itemsize = max(4, tf.as_dtype(layer.compute_dtype).size)
+        found.append((layer, int(XLA_DENSE_FILTER_COPIES * sum(dense) * window_size * itemsize)))
     return found
 
 

@@ -384,6 +384,17 @@ def onednn_enabled():
     return bool(check()) if check else None
 
 
+def in_xla_context():
+    """Whether the graph being traced here is compiled by XLA as a whole
+    (inside a `tf.function(jit_compile=True)`, such as a step Keras compiles
+    with `jit_compile=True`, or a function called from one). Reads
+    TensorFlow's private `control_flow_util.GraphOrParentsInXlaContext`,
+    which TensorFlow's own tracing consults; raises when it is gone."""
+    from tensorflow.python.ops import control_flow_util
+
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
 def keras_saveable_class():
     """`keras.src.saving.keras_saveable.KerasSaveable`, the base of what
     Keras' saving walk visits (layers, optimizers, metrics): an object of a

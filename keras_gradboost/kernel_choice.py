@@ -1,6 +1,6 @@
 """Which layers run a kernel other than Keras' own, here and now.
 
-`compile(depthwise="native")` and `compile(pointwise="matmul")` mark layers
+`compile(depthwise="native"/"chunked")` and `compile(pointwise="matmul")` mark layers
 (`depthwise.apply`, `pointwise.apply`); a marked layer takes its other
 kernel only inside `running(...)` with its id, which the boosted model
 enters around each of its calls, and a recompute's replay around the

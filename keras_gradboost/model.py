@@ -323,19 +323,27 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 that normalises per batch, a layer with state) and the
                 variables that differ most. Needs `accumulate_steps > 1`.
                 Defaults to `False`.
-            depthwise: `None` or `"native"`. Keras runs a grouped `Conv2D`
-                as an XLA-compiled function; where its groups equal its input
-                channels (ConvNeXt's depthwise convolutions), `"native"` runs
-                TensorFlow's depthwise kernel instead, in every forward of
-                this model (training, `predict`, `evaluate`; the model given
-                to `boost()` keeps Keras' way). On a CPU, XLA's filter
-                gradient goes through a dense `(kh, kw, C, C)` filter: on
-                ConvNeXtTiny (64x64, batch 16) the native kernel measured
-                0.22x the step time and 0.56x the training peak. Values
-                equal Keras' to float rounding (another summation order),
-                not bit for bit. Layers it cannot serve (channels_first,
-                unequal strides, a stride with a dilation) run as Keras runs
-                them; with none to serve, a warning. See
+            depthwise: `None`, `"chunked"` or `"native"`. Keras runs a
+                grouped `Conv2D` as an XLA-compiled function; on a CPU,
+                XLA's filter gradient goes through a dense `(kh, kw, C, C)`
+                filter (ConvNeXtTiny's last stage: a 220 MiB temporary).
+                Where a layer's groups equal its input channels (ConvNeXt's
+                depthwise convolutions), in every forward of this model
+                (training, `predict`, `evaluate`; the model given to
+                `boost()` keeps Keras' way): `"chunked"` runs Keras' own
+                grouped convolution on slices of at most 96 channels, whose
+                dense filters are (C / 96)^2 times smaller; its values and
+                gradients are Keras' bit for bit, checked on this machine at
+                each layer's first trace (a layer whose check differs runs as
+                Keras runs it, with a warning; so does every layer in a step
+                XLA compiles as a whole). `"native"` runs TensorFlow's
+                depthwise kernel (ConvNeXtTiny, 64x64, batch 16: 0.22x the
+                step time, 0.56x the training peak); values equal Keras' to
+                float rounding (another summation order), not bit for bit.
+                Layers an option cannot serve (channels_first; "chunked": a
+                depth multiplier, 96 channels or fewer; "native": unequal
+                strides, a stride with a dilation) run as Keras runs them;
+                with none to serve, a warning. See
                 `train_plan.depthwise_layers`. Defaults to `None`.
             pointwise: `None` or `"matmul"`. `"matmul"` runs each `Conv2D`
                 with a 1x1 kernel (one group, no dilation, channels_last)
@@ -410,7 +418,9 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             )
         if plan.recompute is not None:
             plan.recompute.apply()
-        rt.kernel_ids = depthwise_lib.apply(plan.depthwise_layers) | pointwise_lib.apply(
+        rt.kernel_ids = depthwise_lib.apply(
+            plan.depthwise_layers, plan.config.depthwise
+        ) | pointwise_lib.apply(
             plan.pointwise_layers
         )
         with self.distribute_strategy.scope():

@@ -84,7 +84,8 @@ class TrainPlan:
         recompute: the per-model recompute setup (blocks chosen, not yet
             applied), or None.
         depthwise_layers: the grouped `Conv2D` layers that
-            `depthwise="native"` runs on TensorFlow's depthwise kernel
+            `depthwise="native"` runs on TensorFlow's depthwise kernel, or
+            `depthwise="chunked"` on slices of their channels
             (`depthwise.candidates`); `()` otherwise.
         pointwise_layers: the 1x1 `Conv2D` layers that `pointwise="matmul"`
             runs as matrix products (`pointwise.candidates`); `()`
@@ -191,9 +192,12 @@ class TrainPlan:
                     f"temporaries of {len(grouped)} depthwise Conv2D layer(s) "
                     f"(e.g. {grouped[0].name!r}): Keras runs them as XLA-compiled "
                     "grouped convolutions, whose gradient on a CPU goes through a "
-                    "dense (kh, kw, C, C) filter. compile(depthwise=\"native\") "
-                    "runs TensorFlow's depthwise kernel instead (ConvNeXtTiny: "
-                    "0.56x the training memory, 0.22x the step time)."
+                    "dense (kh, kw, C, C) filter. compile(depthwise=\"chunked\") "
+                    "runs them on slices of their channels, bit for bit Keras' "
+                    "values (layers of over 96 channels); compile(depthwise="
+                    "\"native\") runs TensorFlow's depthwise kernel, equal to "
+                    "float rounding (ConvNeXtTiny: 0.56x the training memory, "
+                    "0.22x the step time)."
                 )
         if config.depthwise == "native":
             depthwise_layers = _chosen_layers(
@@ -202,6 +206,14 @@ class TrainPlan:
                 "equal strides, no stride with a dilation, Keras' own "
                 "convolution_op). DepthwiseConv2D layers already run "
                 "TensorFlow's depthwise kernel.",
+            )
+        if config.depthwise == "chunked":
+            depthwise_layers = _chosen_layers(
+                depthwise.candidates(model, "chunked"), 'depthwise="chunked"', model,
+                notes,
+                "no Conv2D whose groups equal its input channels and filters, "
+                f"with over {depthwise.CHUNK_CHANNELS} channels (channels_last, "
+                "Keras' own convolution_op).",
             )
         pointwise_layers = ()
         if config.pointwise == "matmul":

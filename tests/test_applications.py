@@ -69,6 +69,47 @@ def compile_model(model, **kwargs):
 # `benchmarks/bench_recompute.py --models ConvNeXtTiny` measures its plans.
 
 
+@pytest.mark.skipif(
+    hooks.onednn_enabled() is False,
+    reason="~20 s of CI on the AVX2 CPUs (oneDNN off) where CI has the least "
+           "room; there the small models of tests/test_depthwise_chunked.py "
+           "run, and each layer's check at its first trace")
+def test_convnext_chunked_depthwise_is_keras_bit_for_bit(monkeypatch):
+    """ConvNeXtTiny's 15 depthwise Conv2Ds of over 96 channels (stages 1-3)
+    in slices (`depthwise="chunked"`): one training step's gradients equal
+    those of Keras' grouped convolutions in the model given to `boost()`,
+    bit for bit, and every one of the 15 ran in slices."""
+    from keras_gradboost import depthwise
+
+    plain = application("ConvNeXtTiny")
+    boosted = compile_model(kgb.boost(plain), depthwise="chunked")
+    chosen = {layer.name for layer in boosted.train_plan.depthwise_layers}
+    assert len(chosen) == 15
+    sliced = set()
+    original = depthwise._sliced
+
+    def recording(convolution, *args):
+        sliced.add(convolution.__self__.name)  # Keras' bound convolution_op
+        return original(convolution, *args)
+
+    monkeypatch.setattr(depthwise, "_sliced", recording)
+    x, y = images()
+    loss_fn = keras.losses.CategoricalCrossentropy()
+
+    def gradients(model):
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            return tape.gradient(loss, model.trainable_variables)
+
+        return [g.numpy() for g in step(x, y)]
+
+    for got, want in zip(gradients(boosted), gradients(plain)):
+        np.testing.assert_array_equal(got, want)
+    assert sliced == chosen
+
+
 # ConvNeXt's residual adds are raw operations: under the mixed policy
 # compile(precision=...) sets after the model was built, a segment may not
 # start where one reads, and a selective plan chosen at compile used to refuse

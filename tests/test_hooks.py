@@ -208,6 +208,24 @@ def test_onednn_enabled_reads_tensorflows_own_flag():
     assert isinstance(hooks.onednn_enabled(), bool)
 
 
+def test_in_xla_context_reads_tensorflows_own_tracing_state():
+    """TensorFlow's `GraphOrParentsInXlaContext` (private): True while a
+    `tf.function(jit_compile=True)` traces, in a function it calls too;
+    False in a plain `tf.function` and eagerly. `depthwise="chunked"`
+    runs Keras' way in a step XLA compiles as a whole."""
+    seen = []
+
+    def probe(x):
+        seen.append(hooks.in_xla_context())
+        return x + 1
+
+    tf.function(probe, jit_compile=True)(1.0)
+    tf.function(probe)(1.0)
+    probe(1.0)
+    tf.function(lambda x: tf.function(probe)(x), jit_compile=True)(1.0)
+    assert seen == [True, False, False, True]
+
+
 def test_collecting_losses_records_instead_of_adding_and_nests():
     hooks.check_collecting_losses()
     dense = keras.layers.Dense(1, activity_regularizer="l1")

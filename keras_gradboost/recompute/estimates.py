@@ -7,11 +7,11 @@ those made inside its calls.
 """
 
 import dataclasses
-import os
 import types
 
 import tensorflow as tf
 
+from keras_gradboost import cpu_threads
 from keras_gradboost import depthwise
 from keras_gradboost import flops as flops_lib
 from keras_gradboost import hooks
@@ -138,8 +138,9 @@ class RecomputePlan:
             a depthwise convolution that Keras runs as a grouped one on a
             CPU (`depthwise.xla_backward_temporaries`), which the training
             peaks count at that convolution's moment, as every such
-            layer's: no plan of recompute removes them, and
-            `compile(depthwise="native")` does (ConvNeXtTiny at 64x64,
+            layer's: no plan of recompute removes them;
+            `compile(depthwise="chunked")` shrinks them and
+            `compile(depthwise="native")` removes them (ConvNeXtTiny at 64x64,
             batch 16: ~220 MiB, where the activations are ~50); 0 when
             there is none.
         xla_temporary_layer: the name of that convolution, or None.
@@ -252,8 +253,8 @@ class RecomputePlan:
                 "MiB that the XLA backward of the depthwise convolution "
                 f"{self.xla_temporary_layer!r} allocates (Keras runs it as a "
                 "grouped convolution; on a CPU its gradient goes through dense "
-                "(kh, kw, C, C) filters): recompute cannot remove it, "
-                'compile(depthwise="native") does'
+                "(kh, kw, C, C) filters): recompute cannot remove it; "
+                + depthwise.REMEDY
             )
         if self.eigen_convolutions:
             why = _why_eigen(self.eigen_dtypes)
@@ -438,29 +439,11 @@ def _eigen_workspace(op, differentiable):
     if op.inputs[1].name in differentiable:  # a frozen kernel has no gradient
         found += shard * image * patch * itemsize
     if op.inputs[0].name in differentiable:
-        one_at_a_time = output[0] == 1 or per_image // _intra_op_threads() >= (
+        one_at_a_time = output[0] == 1 or per_image // cpu_threads.intra_op() >= (
             _EIGEN_L2 // itemsize
         )
         found += (1 if one_at_a_time else shard) * image * patch * itemsize
     return found
-
-
-def _intra_op_threads():
-    """The threads TensorFlow's CPU kernels share a batch among: its
-    setting, else `TF_NUM_INTRAOP_THREADS`, else the CPUs this process may
-    run on (as TensorFlow chooses)."""
-    configured = tf.config.threading.get_intra_op_parallelism_threads()
-    if configured:
-        return configured
-    try:
-        configured = int(os.environ.get("TF_NUM_INTRAOP_THREADS", "0"))
-    except ValueError:
-        configured = 0
-    if configured > 0:
-        return configured
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
 
 
 def _differentiable(operations, trainable):

@@ -749,7 +749,7 @@ class RecomputeSetup:
         removable = (
             f" The training peak includes ~{temporary / MIB:.1f} MiB that the XLA "
             f"backward of the depthwise convolution {self.plan.xla_temporary_layer!r} "
-            'allocates, whatever is recomputed: compile(depthwise="native") removes it.'
+            "allocates, whatever is recomputed: " + depthwise.REMEDY + "."
             if temporary
             else ""
         ) + _eigen_advice(

@@ -1,0 +1,225 @@
+"""compile(depthwise="chunked"): depthwise Conv2Ds of over 96 channels run
+Keras' own grouped convolution on slices of their channels. The reference
+is Keras' unsliced convolution (the un-boosted model, or the same feature
+with depthwise=None), compared bit for bit: alone, with recompute,
+accumulation and bfloat16, where the machine's check fails and where XLA
+compiles the whole step."""
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+import keras_gradboost as kgb
+from keras_gradboost import cpu_threads
+from keras_gradboost import depthwise
+import test_depthwise
+from test_depthwise import gradients
+from test_depthwise import measured_training_peak
+from test_depthwise import wide_depthwise_net
+from test_depthwise import xla_convolutions
+
+
+def wide_net(seed=0):
+    """Depthwise Conv2Ds of 200 channels (3 slices: 67, 67, 66), one with
+    unequal strides; one with a depth multiplier and one of 64 channels,
+    which "chunked" leaves to Keras; residual blocks recompute can cut."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6, 6, 200))
+    x = keras.layers.Conv2D(200, 7, padding="same", groups=200, name="dw_wide")(inputs)
+    x = keras.layers.LayerNormalization(name="norm")(x)
+    h = keras.layers.Dense(32, activation="gelu", name="expand")(x)
+    h = keras.layers.Dense(200, name="project")(h)
+    x = keras.layers.Add(name="residual")([x, h])
+    x = keras.layers.Conv2D(200, 3, strides=(2, 1), padding="same", groups=200,
+                            name="dw_unequal")(x)
+    x = keras.layers.Conv2D(400, 3, padding="same", groups=200, name="dw_multiplier")(x)
+    x = keras.layers.Dense(64, name="narrow")(x)
+    x = keras.layers.Conv2D(64, 3, padding="same", groups=64, name="dw_narrow")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(x))
+
+
+CHUNKED = {"dw_wide", "dw_unequal"}
+
+
+def data(n=8):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 6, 6, 200)).astype("float32"), rng.integers(0, 3, size=(n,))
+
+
+def test_eligible_and_slices():
+    model = wide_net()
+    reasons = {
+        layer.name: depthwise.eligible(layer, "chunked")
+        for layer in model.layers
+        if isinstance(layer, keras.layers.Conv2D)
+    }
+    assert {name for name, (ok, _) in reasons.items() if ok} == CHUNKED
+    assert reasons["dw_multiplier"] == (False, "a depth multiplier of 2")
+    assert reasons["dw_narrow"] == (False, "at most 96 channels, one slice already")
+    assert depthwise.chunk_sizes(200) == [67, 67, 66]
+    assert depthwise.chunk_sizes(768) == [96] * 8
+    assert depthwise.chunk_sizes(97) == [49, 48]
+
+
+def test_chunked_equals_keras_bit_for_bit():
+    plain = wide_net()
+    boosted = kgb.boost(plain)
+    boosted.compile(optimizer="sgd", loss="mse", depthwise="chunked")
+    keras_way = kgb.boost(plain)
+    keras_way.compile(optimizer="sgd", loss="mse")
+    assert {layer.name for layer in boosted.train_plan.depthwise_layers} == CHUNKED
+    x, y = data()
+    np.testing.assert_array_equal(boosted.predict(x, verbose=0), plain.predict(x, verbose=0))
+    for got, want in zip(gradients(boosted, x, y), gradients(plain, x, y)):
+        np.testing.assert_array_equal(got, want)
+    # Each slice is one of Keras' XLA grouped convolutions: 3 + 3 slices and
+    # the two layers left to Keras, where Keras' way has 4 (each traces the
+    # same number of functions; if Keras stops calling
+    # `Conv2D.convolution_op`, the two counts are equal).
+    per_convolution, rest = divmod(xla_convolutions(keras_way, x), 4)
+    assert per_convolution >= 1 and rest == 0
+    assert xla_convolutions(boosted, x) == (3 + 3 + 2) * per_convolution
+
+
+def _fit_weights(setting, seed=0, **compile_kwargs):
+    model = kgb.boost(wide_net(seed))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # compile's depthwise advice
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            depthwise=setting,
+            **compile_kwargs,
+        )
+    x, y = data(16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    model.chunked_warnings = [
+        str(w.message) for w in caught if 'depthwise="chunked"' in str(w.message)
+    ]
+    return model, [w.numpy() for w in model.trainable_weights]
+
+
+FEATURES = {**test_depthwise.FEATURES, "xla": {"jit_compile": True}}
+
+
+@pytest.mark.parametrize("extra", list(FEATURES.values()), ids=list(FEATURES))
+def test_chunked_with_other_features_trains_like_keras(extra, monkeypatch):
+    """Each feature with depthwise="chunked" against the same feature with
+    Keras' grouped convolution: the same weights after 4 steps, bit for
+    bit. Under XLA (the whole step compiled) and in bfloat16 (where the
+    weights differed by rounding) no layer runs in slices, and a warning
+    says so."""
+    _, want = _fit_weights(None, **extra)
+    sliced = []
+    original = depthwise._sliced
+    monkeypatch.setattr(depthwise, "_sliced",
+                        lambda *args: sliced.append(1) or original(*args))
+    model, got = _fit_weights("chunked", **extra)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    if "jit_compile" in extra or "precision" in extra:
+        # Keras' way, and one warning per layer says why.
+        why = "XLA compiles the whole step" if "jit_compile" in extra else "bfloat16"
+        assert not sliced
+        assert len(model.chunked_warnings) == len(CHUNKED), model.chunked_warnings
+        assert all(why in said for said in model.chunked_warnings)
+    else:
+        assert sliced and not model.chunked_warnings
+    if "recompute" in extra:
+        assert model.recompute_plan().recomputed
+
+
+def test_chunked_under_mirrored_strategy_trains_like_keras():
+    """Replicas trace in threads of their own (the check's cache is shared
+    under a lock): with recompute, the weights after 4 steps equal Keras'
+    path under the same strategy, bit for bit."""
+    from conftest import shared_mirrored_strategy
+
+    def weights(setting):
+        with shared_mirrored_strategy().scope():
+            model = kgb.boost(wide_net())
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # compile's depthwise advice
+                model.compile(optimizer=keras.optimizers.SGD(0.1),
+                              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                              depthwise=setting, recompute="auto")
+        x, y = data(16)
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        return [w.numpy() for w in model.trainable_weights]
+
+    for a, b in zip(weights("chunked"), weights(None)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_chunked_survives_save_and_load(tmp_path):
+    model, _ = _fit_weights("chunked")
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.gradboost_config.depthwise == "chunked"
+    assert {layer.name for layer in loaded.train_plan.depthwise_layers} == CHUNKED
+    x, _ = data()
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+def test_a_layer_whose_slices_differ_runs_as_keras_with_a_warning(monkeypatch):
+    """Where the machine's check finds the slices unequal to Keras' (here
+    planted), the layer runs Keras' one convolution, and one warning names
+    it and the remedy that is equal to float rounding."""
+    monkeypatch.setattr(depthwise, "_CHECKED", {})
+    monkeypatch.setattr(depthwise, "_bitwise_equal", lambda *args: False)
+    plain = wide_net()
+    boosted = kgb.boost(plain)
+    boosted.compile(optimizer="sgd", loss="mse", depthwise="chunked")
+    keras_way = kgb.boost(plain)
+    keras_way.compile(optimizer="sgd", loss="mse")
+    x, _ = data()
+    with pytest.warns(UserWarning) as caught:
+        np.testing.assert_array_equal(boosted.predict(x, verbose=0),
+                                      plain.predict(x, verbose=0))
+        boosted.predict(x, verbose=0)
+    said = [str(w.message) for w in caught if 'depthwise="chunked"' in str(w.message)]
+    assert len(said) == 2, said  # one per layer, not one per trace
+    assert "'dw_wide'" in said[0] + said[1] and 'depthwise="native"' in said[0]
+    assert xla_convolutions(boosted, x) == xla_convolutions(keras_way, x)
+
+
+def test_the_check_leaves_tensorflows_random_state_alone(monkeypatch):
+    """The check draws its values with NumPy: a model's random draws after
+    the first trace are those of an un-boosted run."""
+    monkeypatch.setattr(depthwise, "_CHECKED", {})
+    tf.random.set_seed(3)
+    keras.utils.set_random_seed(3)
+    plain_draw = keras.random.normal((4,), seed=None).numpy()
+    model = kgb.boost(wide_net())
+    model.compile(optimizer="sgd", loss="mse", depthwise="chunked")
+    tf.random.set_seed(3)
+    keras.utils.set_random_seed(3)
+    model.predict(data()[0], verbose=0)  # traces: the check runs
+    assert depthwise._CHECKED
+    np.testing.assert_array_equal(keras.random.normal((4,), seed=None).numpy(), plain_draw)
+
+
+@pytest.mark.skipif(bool(tf.config.list_physical_devices("GPU")), reason="a CPU temporary")
+def test_the_estimate_counts_one_slices_temporaries(requested_peak):
+    """wide_depthwise_net's 256 channels in slices of 86, 85 and 85: the
+    estimate counts the dense filters of as many slices as the executor
+    runs at once (2 of 3 measured on 2 cores), not the layer's (24.5 MiB),
+    and the measured peak is within 15% of it."""
+    model = kgb.boost(wide_depthwise_net())
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+                  recompute="auto", depthwise="chunked")
+    measured = measured_training_peak(model, requested_peak)
+    plan = model.recompute_plan(batch_size=16)
+    at_once = [86, 85, 85][: cpu_threads.inter_op()]
+    slice_filters = sum(7 * 7 * size * size * 4 for size in at_once)
+    assert plan.xla_temporary_bytes == depthwise.XLA_DENSE_FILTER_COPIES * slice_filters
+    assert measured < 7 * 7 * 256 * 256 * 4  # not even one of the layer's dense filters
+    assert 0.85 * plan.peak_bytes <= measured <= 1.15 * plan.peak_bytes, (
+        measured, plan.peak_bytes)
