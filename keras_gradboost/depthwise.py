@@ -26,6 +26,7 @@ float32, where the weights were not bit for bit Keras'; a class with a
 them; `eligible` says why.
 """
 
+import os
 import threading
 import warnings
 
@@ -112,12 +113,20 @@ class _Depthwise:
     """A `convolution_op` wrapper: the layer's `setting` ("native" or
     "chunked") inside `kernel_choice.running(...)` for this layer, Keras'
     own convolution elsewhere (the layer may also belong to the un-boosted
-    model). One per layer: the last `apply` sets its setting."""
+    model). One per layer: the last `apply` sets its setting.
+
+    For "chunked": `check_batches`, the batch sizes a trace whose batch is
+    not fixed is checked at (`set_check_batches`; else 2); `sliced`,
+    whether the last trace outside a whole-step XLA compilation ran the
+    slices (None before one), which the estimates follow; `warned`, the
+    reasons a warning has named."""
 
     def __init__(self, layer):
         self.layer = layer
         self.setting = "native"
-        self.differs = False  # "chunked" ran Keras' way here (and warned)
+        self.check_batches = ()
+        self.sliced = None
+        self.warned = set()
 
     def __call__(self, original, inputs, kernel):
         layer = self.layer
@@ -146,48 +155,64 @@ class _Depthwise:
         sizes = chunk_sizes(inputs.shape[-1])
         if len(sizes) == 1 or kernel.shape[-1] != inputs.shape[-1]:
             return original(inputs, kernel)  # not what `eligible` chose
-        if _dtype(inputs) != "float32":  # see `eligible`
-            why = f"it computes in {_dtype(inputs)}; slices run in float32 only"
-        elif hooks.in_xla_context():
+        if hooks.in_xla_context() or _xla_clusters():
             # The check, run outside the step, would not vouch for what XLA
             # makes of the slices inside it.
-            why = "XLA compiles the whole step (jit_compile)"
+            self._warn("xla", "XLA compiles the step (jit_compile or auto-clustering)")
+            return original(inputs, kernel)
+        self.sliced = False
+        if _dtype(inputs) != "float32":  # see `eligible`
+            self._warn("dtype", f"it computes in {_dtype(inputs)}; slices run in float32 only")
         elif None in inputs.shape[1:]:
-            why = (
-                f"its input's shape {tuple(inputs.shape)} is not fixed where the "
-                "step is traced, so the slices cannot be checked against Keras'"
-            )
-        elif not self._checked(original, inputs, kernel, sizes):
-            why = (
-                f"on this machine its slices {sizes} did not give Keras' values "
-                f"and gradients bit for bit (inputs {tuple(inputs.shape)})"
-            )
+            self._warn("shape", f"its input's shape {tuple(inputs.shape)} is not fixed where "
+                       "the step is traced, so the slices cannot be checked against Keras'")
         else:
-            return _sliced(original, inputs, kernel, sizes)
-        self._warn_once(why)
+            batches = (inputs.shape[0],) if inputs.shape[0] else (self.check_batches or (2,))
+            if self._checked(original, inputs, kernel, sizes, batches):
+                self.sliced = True
+                return _sliced(original, inputs, kernel, sizes)
+            self._warn("check", f"on this machine its slices {sizes} did not give Keras' "
+                       f"values and gradients bit for bit (inputs {tuple(inputs.shape)}, "
+                       f"checked at batch sizes {list(batches)})")
         return original(inputs, kernel)
 
-    def _checked(self, original, inputs, kernel, sizes):
+    def _checked(self, original, inputs, kernel, sizes, batches):
         key = (
-            tuple(inputs.shape), tuple(kernel.shape),
+            tuple(inputs.shape[1:]), tuple(kernel.shape),
             tuple(self.layer.strides), self.layer.padding, tuple(self.layer.dilation_rate),
         )
         with _CHECKED_LOCK:
-            if key not in _CHECKED:
-                with tf.init_scope():  # eager, also while a step is traced
-                    _CHECKED[key] = _bitwise_equal(original, inputs, kernel, sizes)
-            return _CHECKED[key]
+            for batch in batches:
+                if (key, batch) not in _CHECKED:
+                    with tf.init_scope():  # eager, also while a step is traced
+                        _CHECKED[key, batch] = _bitwise_equal(
+                            original, (batch,) + key[0], kernel.shape, sizes
+                        )
+            return all(_CHECKED[key, batch] for batch in batches)
 
-    def _warn_once(self, why):
-        if self.differs:
+    def _warn(self, reason, why):
+        if reason in self.warned:
             return
-        self.differs = True
+        self.warned.add(reason)
         warnings.warn(
             f'depthwise="chunked": layer {self.layer.name!r} runs as Keras runs it '
             f"(one XLA grouped convolution): {why}. depthwise=\"native\" runs "
             "TensorFlow's depthwise kernel instead (equal to float rounding).",
             stacklevel=3,
         )
+
+
+def _xla_clusters():
+    """Whether TensorFlow's auto-clustering may compile parts of a step
+    with XLA (`tf.config.optimizer.set_jit`, or `TF_XLA_FLAGS` with
+    `--tf_xla_auto_jit` on)."""
+    if tf.config.optimizer.get_jit():
+        return True
+    for flag in os.environ.get("TF_XLA_FLAGS", "").split():
+        name, _, value = flag.partition("=")
+        if name.lstrip("-") == "tf_xla_auto_jit" and value not in ("0", "-1", ""):
+            return True
+    return False
 
 
 _CHECKED = {}
@@ -210,15 +235,14 @@ def _sliced(original, inputs, kernel, sizes):
     return tf.concat(outputs, axis=-1)
 
 
-def _bitwise_equal(original, inputs, kernel, sizes):
+def _bitwise_equal(original, input_shape, kernel_shape, sizes):
     """Whether the slices give Keras' forward and both gradients bit for bit
-    on random float32 values of the traced shapes (a batch of 2 where it is
-    not fixed). Drawn with NumPy's own generator: TensorFlow's random state
-    is left as it was."""
-    batch = inputs.shape[0] or 2
+    (the same bits: -0.0 is not 0.0) on random float32 values of these
+    shapes. Drawn with NumPy's own generator: TensorFlow's random state is
+    left as it was."""
     rng = np.random.default_rng(0)
-    x = tf.constant(rng.standard_normal((batch,) + tuple(inputs.shape[1:])), "float32")
-    weights = tf.constant(0.1 * rng.standard_normal(tuple(kernel.shape)), "float32")
+    x = tf.constant(rng.standard_normal(tuple(input_shape)), "float32")
+    weights = tf.constant(0.1 * rng.standard_normal(tuple(kernel_shape)), "float32")
 
     def result(run):
         # Graph gradients, not a tape: `tf.init_scope` pauses every tape.
@@ -235,7 +259,7 @@ def _bitwise_equal(original, inputs, kernel, sizes):
         traced = step.get_concrete_function(
             tf.TensorSpec(x.shape, x.dtype), tf.TensorSpec(weights.shape, weights.dtype)
         )
-        return [t.numpy() for t in traced(x, weights)]
+        return [t.numpy().view(np.uint32) for t in traced(x, weights)]
 
     whole = result(original)
     sliced = result(lambda x, weights: _sliced(original, x, weights, sizes))
@@ -245,14 +269,53 @@ def _bitwise_equal(original, inputs, kernel, sizes):
 def apply(layers, setting="native"):
     """Marks `layers` (from `candidates`) to run as `setting` says inside
     `kernel_choice.running` (idempotent; the marks do nothing outside it).
+    A layer is marked once, for every model that holds it: one marked for
+    another setting by an earlier compile (another boosted model sharing
+    the layer) takes this one, with a warning.
 
     Returns:
         A frozenset of their ids, for `kernel_choice.running`.
     """
+    before = {id(layer): getattr(_wrapper(layer), "setting", None) for layer in layers}
     ids = kernel_choice.mark(layers, _Depthwise)
+    changed = []
     for layer in layers:
-        _wrapper(layer).setting = setting
+        wrapper = _wrapper(layer)
+        if before[id(layer)] not in (None, setting):
+            changed.append(layer.name)
+        wrapper.setting = setting
+        wrapper.sliced = None
+        wrapper.warned = set()  # a new compile traces anew, and warns anew
+    if changed:
+        warnings.warn(
+            f"depthwise={setting!r}: {len(changed)} layer(s) (e.g. {changed[0]!r}) "
+            "were compiled with another depthwise setting before; the layers "
+            f"now run {setting!r} in every boosted model that holds them.",
+            stacklevel=3,
+        )
     return ids
+
+
+def set_check_batches(layers, sizes):
+    """The batch sizes at which "chunked" checks a layer of `layers` whose
+    traced batch is not fixed (`fit`'s batches, each replica's share)."""
+    for layer in layers:
+        wrapper = _wrapper(layer)
+        if wrapper is not None:
+            wrapper.check_batches = tuple(sorted({int(size) for size in sizes if size}))
+
+
+def runs_sliced(layer):
+    """Whether `layer` runs in slices here ("chunked", and its last trace
+    outside a whole-step XLA compilation ran them; before any trace, whether
+    it is marked to)."""
+    wrapper = _wrapper(layer)
+    return (
+        wrapper is not None
+        and id(layer) in kernel_choice.current()
+        and wrapper.setting == "chunked"
+        and wrapper.sliced is not False
+    )
 
 
 def _wrapper(layer):
@@ -272,12 +335,27 @@ def _wrapper(layer):
 # multiplier of 2 nothing of that size was seen, so only a multiplier of 1
 # is counted.
 XLA_DENSE_FILTER_COPIES = 2
-# What the plan says removes them.
-REMEDY = (
-    'compile(depthwise="chunked") makes them (C / 96)^2 times smaller, bit for '
-    'bit Keras\' values; compile(depthwise="native") removes them, equal to '
-    "float rounding"
-)
+
+
+def temporary_remedy(sliced):
+    """What the plan says of a depthwise convolution's XLA temporaries: why
+    they are there, and what shrinks or removes them (`sliced`: the layer
+    runs in slices already)."""
+    if sliced:
+        return (
+            '(in slices of its channels, depthwise="chunked": the dense filters '
+            "of the slices whose backwards run at once): recompute cannot remove "
+            'them; compile(depthwise="native") does, equal to float rounding'
+        )
+    return (
+        "(Keras runs it as a grouped convolution; on a CPU its gradient goes "
+        "through dense (kh, kw, C, C) filters): recompute cannot remove them; "
+        'compile(depthwise="chunked") makes them (C / 96)^2 times smaller, bit '
+        'for bit Keras\' values; compile(depthwise="native") removes them, equal '
+        "to float rounding"
+    )
+
+
 _GROUPED = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 
 
@@ -311,9 +389,10 @@ def xla_backward_temporaries(model):
         if wrapper is not None and wrapper.setting == "native":
             continue
         dense = [filters * filters]
-        if wrapper is not None and not wrapper.differs:
+        if runs_sliced(layer):
             # The slices' backwards are independent ops: the executor runs
-            # as many at once as it has threads (2 of 3 measured here).
+            # as many at once as it has threads (a 3-slice layer on this
+            # project's 2 cores: the peak held 2 slices' filters).
             sizes = sorted(chunk_sizes(filters), reverse=True)
             dense = [size * size for size in sizes[: cpu_threads.inter_op()]]
         window_size = 1

@@ -1494,15 +1494,18 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
     def _fit(self, *args, **kwargs):
         rt = self._gradboost
         self._build_optimizer()
+        replicas = self.distribute_strategy.num_replicas_in_sync
         if rt.recompute is not None:  # the batch size to choose at
             # (It may read a generator's first batch and replace `x` by one
             # that yields it again.)
             kwargs, args = _bind_fit_args(args, kwargs), ()
-            rt.recompute.before_fit(
-                kwargs, replicas=self.distribute_strategy.num_replicas_in_sync
-            )
+            rt.recompute.before_fit(kwargs, replicas=replicas)
             rt.recompute.note_fit(self, kwargs.get("callbacks"))
-        replicas = self.distribute_strategy.num_replicas_in_sync
+        if self.train_plan.config.depthwise == "chunked" and self.train_plan.depthwise_layers:
+            kwargs, args = _bind_fit_args(args, kwargs), ()
+            depthwise_lib.set_check_batches(
+                self.train_plan.depthwise_layers, _fit_batch_sizes(kwargs, replicas)
+            )
         if rt.config.accumulate_steps == 1 and rt.scaler is None and replicas == 1:
             return super().fit(*args, **kwargs)  # (nothing to do at an epoch's end)
         bound = _bind_fit_args(args, kwargs)
@@ -1867,6 +1870,18 @@ def _bind_compile_args(args, kwargs):
     arguments = dict(bound.arguments)
     arguments.pop("self")
     return arguments
+
+
+def _fit_batch_sizes(fit_args, replicas):
+    """The batch sizes `fit` will trace no fixed size for, each replica's
+    share: the first batch's and, for arrays, the last partial one's (a
+    dataset's last partial batch is not known in advance)."""
+    batch = recompute_lib.batch_size_hint(fit_args)
+    sizes = [batch]
+    arrays = [a for a in tf.nest.flatten(fit_args.get("x")) if hasattr(a, "shape")]
+    if batch and arrays and not isinstance(fit_args.get("x"), tf.data.Dataset):
+        sizes.append(int(arrays[0].shape[0]) % batch)
+    return [-(-size // replicas) for size in sizes if size]
 
 
 def _bind_fit_args(args, kwargs):

@@ -213,7 +213,7 @@ class TrainPlan:
                 notes,
                 "no Conv2D whose groups equal its input channels and filters, "
                 f"with over {depthwise.CHUNK_CHANNELS} channels (channels_last, "
-                "Keras' own convolution_op).",
+                "float32 computation, Keras' own convolution_op).",
             )
         pointwise_layers = ()
         if config.pointwise == "matmul":

@@ -144,6 +144,8 @@ class RecomputePlan:
             batch 16: ~220 MiB, where the activations are ~50); 0 when
             there is none.
         xla_temporary_layer: the name of that convolution, or None.
+        xla_temporary_sliced: whether that convolution runs in slices
+            (`depthwise="chunked"`), whose dense filters those are.
         working_buffer_bytes: what the working buffers of Eigen's
             convolution kernels (`eigen_convolutions`) add to `peak_bytes`:
             it less the same plan's estimate without them
@@ -199,6 +201,7 @@ class RecomputePlan:
     eigen_dtypes: tuple = ()
     xla_temporary_bytes: int = 0
     xla_temporary_layer: object = None
+    xla_temporary_sliced: bool = False
     working_buffer_bytes: int = 0
     lowest_unbuffered_bytes: object = None
     pointwise_convolutions: int = 0
@@ -251,10 +254,8 @@ class RecomputePlan:
             lines.append(
                 f"  the training peaks include ~{self.xla_temporary_bytes / MIB:.1f} "
                 "MiB that the XLA backward of the depthwise convolution "
-                f"{self.xla_temporary_layer!r} allocates (Keras runs it as a "
-                "grouped convolution; on a CPU its gradient goes through dense "
-                "(kh, kw, C, C) filters): recompute cannot remove it; "
-                + depthwise.REMEDY
+                f"{self.xla_temporary_layer!r} allocates "
+                + depthwise.temporary_remedy(self.xla_temporary_sliced)
             )
         if self.eigen_convolutions:
             why = _why_eigen(self.eigen_dtypes)
