@@ -116,10 +116,10 @@ class _Depthwise:
     model). One per layer: the last `apply` sets its setting.
 
     For "chunked": `check_batches`, the batch sizes a trace whose batch is
-    not fixed is checked at (`set_check_batches`; else 2); `sliced`,
-    whether the last trace outside a whole-step XLA compilation ran the
-    slices (None before one), which the estimates follow; `warned`, the
-    reasons a warning has named."""
+    not fixed is checked at (`set_check_batches`; else 2), the only sizes
+    it runs the slices at; `sliced`, whether the last trace ran slices
+    (None before one), which the estimates follow; `warned`, the reasons a
+    warning has named."""
 
     def __init__(self, layer):
         self.layer = layer
@@ -155,40 +155,50 @@ class _Depthwise:
         sizes = chunk_sizes(inputs.shape[-1])
         if len(sizes) == 1 or kernel.shape[-1] != inputs.shape[-1]:
             return original(inputs, kernel)  # not what `eligible` chose
+        self.sliced = False
         if hooks.in_xla_context() or _xla_clusters():
             # The check, run outside the step, would not vouch for what XLA
             # makes of the slices inside it.
             self._warn("xla", "XLA compiles the step (jit_compile or auto-clustering)")
-            return original(inputs, kernel)
-        self.sliced = False
-        if _dtype(inputs) != "float32":  # see `eligible`
+        elif _dtype(inputs) != "float32":  # see `eligible`
             self._warn("dtype", f"it computes in {_dtype(inputs)}; slices run in float32 only")
         elif None in inputs.shape[1:]:
             self._warn("shape", f"its input's shape {tuple(inputs.shape)} is not fixed where "
                        "the step is traced, so the slices cannot be checked against Keras'")
         else:
             batches = (inputs.shape[0],) if inputs.shape[0] else (self.check_batches or (2,))
-            if self._checked(original, inputs, kernel, sizes, batches):
+            equal = [b for b in batches if self._checked(original, inputs, kernel, sizes, b)]
+            if len(equal) < len(batches):
+                self._warn("check", f"on this machine its slices {sizes} did not give Keras' "
+                           "values and gradients bit for bit (inputs "
+                           f"{tuple(inputs.shape)}, batch sizes "
+                           f"{sorted(set(batches) - set(equal))})")
+            if equal:
                 self.sliced = True
-                return _sliced(original, inputs, kernel, sizes)
-            self._warn("check", f"on this machine its slices {sizes} did not give Keras' "
-                       f"values and gradients bit for bit (inputs {tuple(inputs.shape)}, "
-                       f"checked at batch sizes {list(batches)})")
+                if inputs.shape[0]:
+                    return _sliced(original, inputs, kernel, sizes)
+                # A batch of no fixed size: the slices at the sizes checked,
+                # Keras' convolution at any other (one branch runs).
+                checked = tf.reduce_any(tf.equal(tf.shape(inputs)[0], equal))
+                return tf.cond(
+                    checked,
+                    lambda: _sliced(original, inputs, kernel, sizes),
+                    lambda: original(inputs, kernel),
+                )
         return original(inputs, kernel)
 
-    def _checked(self, original, inputs, kernel, sizes, batches):
+    def _checked(self, original, inputs, kernel, sizes, batch):
         key = (
-            tuple(inputs.shape[1:]), tuple(kernel.shape),
+            batch, tuple(inputs.shape[1:]), tuple(kernel.shape), tuple(sizes),
             tuple(self.layer.strides), self.layer.padding, tuple(self.layer.dilation_rate),
         )
         with _CHECKED_LOCK:
-            for batch in batches:
-                if (key, batch) not in _CHECKED:
-                    with tf.init_scope():  # eager, also while a step is traced
-                        _CHECKED[key, batch] = _bitwise_equal(
-                            original, (batch,) + key[0], kernel.shape, sizes
-                        )
-            return all(_CHECKED[key, batch] for batch in batches)
+            if key not in _CHECKED:
+                with tf.init_scope():  # eager, also while a step is traced
+                    _CHECKED[key] = _bitwise_equal(
+                        original, (batch,) + key[1], kernel.shape, sizes
+                    )
+            return _CHECKED[key]
 
     def _warn(self, reason, why):
         if reason in self.warned:
@@ -291,7 +301,7 @@ def apply(layers, setting="native"):
             f"depthwise={setting!r}: {len(changed)} layer(s) (e.g. {changed[0]!r}) "
             "were compiled with another depthwise setting before; the layers "
             f"now run {setting!r} in every boosted model that holds them.",
-            stacklevel=3,
+            stacklevel=4,  # apply <- _apply_plan <- compile <- the caller
         )
     return ids
 
@@ -307,8 +317,7 @@ def set_check_batches(layers, sizes):
 
 def runs_sliced(layer):
     """Whether `layer` runs in slices here ("chunked", and its last trace
-    outside a whole-step XLA compilation ran them; before any trace, whether
-    it is marked to)."""
+    ran them; before any trace, whether it is marked to)."""
     wrapper = _wrapper(layer)
     return (
         wrapper is not None
@@ -337,22 +346,32 @@ def _wrapper(layer):
 XLA_DENSE_FILTER_COPIES = 2
 
 
-def temporary_remedy(sliced):
-    """What the plan says of a depthwise convolution's XLA temporaries: why
-    they are there, and what shrinks or removes them (`sliced`: the layer
-    runs in slices already)."""
-    if sliced:
+def temporary_remedy(layer):
+    """What the plan says of the XLA temporaries of the depthwise
+    convolution `layer`: why they are there, and what shrinks or removes
+    them."""
+    native = 'compile(depthwise="native") removes them (values equal Keras\' to float rounding)'
+    if runs_sliced(layer):
         return (
             '(in slices of its channels, depthwise="chunked": the dense filters '
             "of the slices whose backwards run at once): recompute cannot remove "
-            'them; compile(depthwise="native") does, equal to float rounding'
+            f"them; {native}"
+        )
+    wrapper = _wrapper(layer)
+    tried = (  # chunked here, and it ran Keras' way (it said why)
+        wrapper is not None and wrapper.setting == "chunked"
+        and id(layer) in kernel_choice.current()
+    )
+    chunked = ""
+    if eligible(layer, "chunked")[0] and not tried:
+        chunked = (
+            f'compile(depthwise="chunked") makes them (C / {CHUNK_CHANNELS})^2 '
+            "times smaller (Keras' values bit for bit); "
         )
     return (
         "(Keras runs it as a grouped convolution; on a CPU its gradient goes "
         "through dense (kh, kw, C, C) filters): recompute cannot remove them; "
-        'compile(depthwise="chunked") makes them (C / 96)^2 times smaller, bit '
-        'for bit Keras\' values; compile(depthwise="native") removes them, equal '
-        "to float rounding"
+        f"{chunked}{native}"
     )
 
 

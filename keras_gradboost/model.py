@@ -1501,10 +1501,11 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             kwargs, args = _bind_fit_args(args, kwargs), ()
             rt.recompute.before_fit(kwargs, replicas=replicas)
             rt.recompute.note_fit(self, kwargs.get("callbacks"))
-        if self.train_plan.config.depthwise == "chunked" and self.train_plan.depthwise_layers:
+        plan = self.train_plan  # None before compile (Keras says so)
+        if plan is not None and plan.config.depthwise == "chunked" and plan.depthwise_layers:
             kwargs, args = _bind_fit_args(args, kwargs), ()
             depthwise_lib.set_check_batches(
-                self.train_plan.depthwise_layers, _fit_batch_sizes(kwargs, replicas)
+                plan.depthwise_layers, _fit_batch_sizes(kwargs, replicas)
             )
         if rt.config.accumulate_steps == 1 and rt.scaler is None and replicas == 1:
             return super().fit(*args, **kwargs)  # (nothing to do at an epoch's end)
@@ -1874,14 +1875,23 @@ def _bind_compile_args(args, kwargs):
 
 def _fit_batch_sizes(fit_args, replicas):
     """The batch sizes `fit` will trace no fixed size for, each replica's
-    share: the first batch's and, for arrays, the last partial one's (a
-    dataset's last partial batch is not known in advance)."""
+    shares (a replica may get one sample fewer): the first batch's and,
+    for arrays, the last partial one's (after `validation_split`). Other
+    sizes, such as a dataset's last partial batch, run Keras' way."""
     batch = recompute_lib.batch_size_hint(fit_args)
     sizes = [batch]
-    arrays = [a for a in tf.nest.flatten(fit_args.get("x")) if hasattr(a, "shape")]
-    if batch and arrays and not isinstance(fit_args.get("x"), tf.data.Dataset):
-        sizes.append(int(arrays[0].shape[0]) % batch)
-    return [-(-size // replicas) for size in sizes if size]
+    x = fit_args.get("x")
+    arrays = [a for a in tf.nest.flatten(x) if hasattr(a, "shape")]
+    if batch and arrays and not isinstance(x, tf.data.Dataset):
+        samples = int(arrays[0].shape[0])
+        split = fit_args.get("validation_split") or 0.0
+        if split:
+            samples = int(samples * (1.0 - split))  # as Keras splits
+        sizes.append(samples % batch)
+    shares = set()
+    for size in (size for size in sizes if size):
+        shares.update({-(-size // replicas), size // replicas})
+    return sorted(share for share in shares if share)
 
 
 def _bind_fit_args(args, kwargs):

@@ -237,6 +237,25 @@ def test_fit_checks_at_its_batch_sizes(monkeypatch):
     assert checked == {8, 3}
 
 
+def test_a_batch_of_an_unchecked_size_runs_keras_convolution(monkeypatch):
+    """Where the traced batch has no fixed size, the slices run only at the
+    sizes checked (here outside `fit`: 2 samples), Keras' convolution at
+    any other. Planted: slices that pass the check but give
+    zeros, so which one ran shows in the outputs."""
+    monkeypatch.setattr(depthwise, "_CHECKED", {})
+    monkeypatch.setattr(depthwise, "_bitwise_equal", lambda *args: True)
+    monkeypatch.setattr(depthwise, "_sliced",
+                        lambda original, inputs, kernel, sizes: 0.0 * original(inputs, kernel))
+    plain = wide_net()
+    boosted = kgb.boost(plain)
+    boosted.compile(optimizer="sgd", loss="mse", depthwise="chunked")
+    x, _ = data(4)
+    forward = tf.function(lambda t: boosted(t, training=False),
+                          input_signature=[tf.TensorSpec((None, 6, 6, 30), "float32")])
+    assert_same_bits(forward(x), plain(x, training=False))  # Keras' convolution
+    assert not np.array_equal(forward(x[:2]), plain(x[:2], training=False))  # the slices
+
+
 def test_auto_clustering_counts_as_xla(monkeypatch):
     """TF_XLA_FLAGS' auto-clustering may compile the slices with their
     neighbours: "chunked" treats it as a step XLA compiles."""

@@ -144,8 +144,8 @@ class RecomputePlan:
             batch 16: ~220 MiB, where the activations are ~50); 0 when
             there is none.
         xla_temporary_layer: the name of that convolution, or None.
-        xla_temporary_sliced: whether that convolution runs in slices
-            (`depthwise="chunked"`), whose dense filters those are.
+        xla_temporary_remedy: what the plan says of it
+            (`depthwise.temporary_remedy`).
         working_buffer_bytes: what the working buffers of Eigen's
             convolution kernels (`eigen_convolutions`) add to `peak_bytes`:
             it less the same plan's estimate without them
@@ -201,7 +201,7 @@ class RecomputePlan:
     eigen_dtypes: tuple = ()
     xla_temporary_bytes: int = 0
     xla_temporary_layer: object = None
-    xla_temporary_sliced: bool = False
+    xla_temporary_remedy: str = ""
     working_buffer_bytes: int = 0
     lowest_unbuffered_bytes: object = None
     pointwise_convolutions: int = 0
@@ -255,7 +255,7 @@ class RecomputePlan:
                 f"  the training peaks include ~{self.xla_temporary_bytes / MIB:.1f} "
                 "MiB that the XLA backward of the depthwise convolution "
                 f"{self.xla_temporary_layer!r} allocates "
-                + depthwise.temporary_remedy(self.xla_temporary_sliced)
+                + self.xla_temporary_remedy
             )
         if self.eigen_convolutions:
             why = _why_eigen(self.eigen_dtypes)

@@ -749,8 +749,7 @@ class RecomputeSetup:
         removable = (
             f" The training peak includes ~{temporary / MIB:.1f} MiB that the XLA "
             f"backward of the depthwise convolution {self.plan.xla_temporary_layer!r} "
-            "allocates, whatever is recomputed "
-            + depthwise.temporary_remedy(self.plan.xla_temporary_sliced) + "."
+            "allocates " + self.plan.xla_temporary_remedy + "."
             if temporary
             else ""
         ) + _eigen_advice(
@@ -935,7 +934,7 @@ class RecomputeSetup:
             eigen_dtypes=eigen_dtypes,
             xla_temporary_bytes=temporary,
             xla_temporary_layer=layer.name if layer is not None else None,
-            xla_temporary_sliced=layer is not None and depthwise.runs_sliced(layer),
+            xla_temporary_remedy=depthwise.temporary_remedy(layer) if layer is not None else "",
             pointwise_convolutions=_pointwise_convolutions(model),
         )
         if _counts_eigen_buffers(plan):
