@@ -17,12 +17,13 @@ grouped convolution on slices of at most `CHUNK_CHANNELS` channels, whose
 dense filters are (C / chunk)^2 times smaller; each output channel is
 computed by the same XLA convolution, and the results, checked bit for bit
 against Keras' unsliced convolution on this machine at each layer's first
-trace (`_bitwise_equal`), are Keras' own. A layer whose check differs, or
-a step XLA compiles as a whole, runs as Keras runs it. Layers neither can
-serve (channels_first; for "native" unequal strides, a stride with a
-dilation; for "chunked" a depth multiplier or a computation in other than
-float32, where the weights were not bit for bit Keras'; a class with a
-`convolution_op` of its own) run as Keras runs
+trace (`_bitwise_equal`), are Keras' own. A trace whose batch has no
+fixed size runs the slices at the batch sizes checked only. A layer whose
+check differs, or in a step XLA compiles, runs as Keras runs it, with a
+warning. Layers neither can serve (channels_first; for "native" unequal
+strides, a stride with a dilation; for "chunked" a depth multiplier or a
+computation in other than float32, where the weights were not bit for bit
+Keras'; a class with a `convolution_op` of its own) run as Keras runs
 them; `eligible` says why.
 """
 
