@@ -404,7 +404,7 @@ def main():
                         "F times no recompute's estimate; blocks_GLOB[+GLOB] recomputes "
                         "the layers named")
     parser.add_argument("--jit", action="store_true", help="jit_compile=True (XLA)")
-    parser.add_argument("--depthwise", choices=["native", "chunked"],
+    parser.add_argument("--depthwise", choices=["keras", "native", "chunked"],
                         help="compile(depthwise=...) in every configuration")
     parser.add_argument("--pointwise", choices=["matmul"],
                         help='compile(pointwise="matmul") in every configuration')

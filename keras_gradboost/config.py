@@ -45,8 +45,9 @@ class GradBoostConfig:
         accumulate_check: whether to compare the first accumulation window
             with one step on its concatenated micro-batches, before its
             update. Needs `accumulate_steps > 1`. Defaults to `False`.
-        depthwise: `None` (grouped convolutions run as Keras runs them),
-            `"chunked"` (a `Conv2D` whose groups equal its input channels
+        depthwise: `None` (grouped convolutions run as Keras runs them;
+            with `recompute` on, `"chunked"` where it runs bit for bit),
+            `"keras"` (as Keras runs them, always), `"chunked"` (a `Conv2D` whose groups equal its input channels
             runs Keras' own grouped convolution on slices of its channels)
             or `"native"` (it runs TensorFlow's depthwise kernel); see
             `depthwise`. Defaults to `None`.

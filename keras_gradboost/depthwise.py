@@ -11,6 +11,10 @@ stage-3 block's backward, which sets the training peak, and a step 4.5x
 as long as with `tf.nn.depthwise_conv2d` computing the same convolution
 (`benchmarks/bench_depthwise.py`).
 
+With `compile(depthwise=None)` (the default) and recompute on, the plan
+runs "chunked" where it serves (float32, no XLA, a CPU:
+`plan._decide_depthwise`); `depthwise="keras"` keeps Keras' way.
+
 "native" runs `tf.nn.depthwise_conv2d`, which sums in another order: values
 equal Keras' to float rounding, not bit for bit. "chunked" runs Keras' own
 grouped convolution on slices of at most `CHUNK_CHANNELS` channels, whose
@@ -27,6 +31,7 @@ Keras'; a class with a `convolution_op` of its own) run as Keras runs
 them; `eligible` says why.
 """
 
+import math
 import os
 import threading
 import warnings
@@ -41,7 +46,7 @@ from keras_gradboost import kernel_choice
 from keras_gradboost import precision
 from keras_gradboost import wrappers
 
-SETTINGS = (None, "native", "chunked")
+SETTINGS = (None, "keras", "native", "chunked")
 # "chunked": the most channels in one slice. A slice's dense filter is
 # (kh, kw, 96, 96), 1.7 MiB in float32 at 7x7; on this project's CPU the
 # step's convolutions ran as fast at 48 channels, slower at 8 (more calls),
@@ -53,7 +58,9 @@ def check_setting(value):
     """Raises if `value` is not an accepted `depthwise` compile argument."""
     return kernel_choice.check_setting(
         "depthwise", value, SETTINGS,
-        'None (grouped convolutions run as Keras runs them), "native" (a '
+        'None (as Keras runs them; with recompute on, "chunked" where it '
+        'runs bit for bit), "keras" (grouped convolutions run as Keras runs '
+        'them), "native" (a '
         "Conv2D whose groups equal its input channels runs TensorFlow's "
         'depthwise kernel) or "chunked" (Keras\' own grouped convolution on '
         "slices of its channels)",
@@ -125,6 +132,7 @@ class _Depthwise:
     def __init__(self, layer):
         self.layer = layer
         self.setting = "native"
+        self.chosen_by = None  # what chose the setting, if not compile(depthwise=)
         self.check_batches = ()
         self.sliced = None
         self.warned = set()
@@ -157,7 +165,7 @@ class _Depthwise:
         if len(sizes) == 1 or kernel.shape[-1] != inputs.shape[-1]:
             return original(inputs, kernel)  # not what `eligible` chose
         self.sliced = False
-        if hooks.in_xla_context() or _xla_clusters():
+        if hooks.in_xla_context() or xla_clusters():
             # The check, run outside the step, would not vouch for what XLA
             # makes of the slices inside it.
             self._warn("xla", "XLA compiles the step (jit_compile or auto-clustering)")
@@ -205,15 +213,16 @@ class _Depthwise:
         if reason in self.warned:
             return
         self.warned.add(reason)
+        chosen = f" ({self.chosen_by} chose it; depthwise=\"keras\" turns it off)" if self.chosen_by else ""
         warnings.warn(
-            f'depthwise="chunked": layer {self.layer.name!r} runs as Keras runs it '
-            f"(one XLA grouped convolution): {why}. depthwise=\"native\" runs "
-            "TensorFlow's depthwise kernel instead (equal to float rounding).",
+            f'depthwise="chunked"{chosen}: layer {self.layer.name!r} runs as Keras '
+            f"runs it (one XLA grouped convolution): {why}. depthwise=\"native\" "
+            "runs TensorFlow's depthwise kernel instead (equal to float rounding).",
             stacklevel=3,
         )
 
 
-def _xla_clusters():
+def xla_clusters():
     """Whether TensorFlow's auto-clustering may compile parts of a step
     with XLA (`tf.config.optimizer.set_jit`, or `TF_XLA_FLAGS` with
     `--tf_xla_auto_jit` on)."""
@@ -277,12 +286,13 @@ def _bitwise_equal(original, input_shape, kernel_shape, sizes):
     return all(np.array_equal(a, b) for a, b in zip(whole, sliced))
 
 
-def apply(layers, setting="native"):
+def apply(layers, setting="native", chosen_by=None):
     """Marks `layers` (from `candidates`) to run as `setting` says inside
     `kernel_choice.running` (idempotent; the marks do nothing outside it).
     A layer is marked once, for every model that holds it: one marked for
     another setting by an earlier compile (another boosted model sharing
-    the layer) takes this one, with a warning.
+    the layer) takes this one, with a warning. `chosen_by` names what chose
+    `setting` where the user did not (`recompute="auto"`), for the warnings.
 
     Returns:
         A frozenset of their ids, for `kernel_choice.running`.
@@ -295,6 +305,7 @@ def apply(layers, setting="native"):
         if before[id(layer)] not in (None, setting):
             changed.append(layer.name)
         wrapper.setting = setting
+        wrapper.chosen_by = chosen_by
         wrapper.sliced = None
         wrapper.warned = set()  # a new compile traces anew, and warns anew
     if changed:
@@ -310,22 +321,26 @@ def apply(layers, setting="native"):
 def set_check_batches(layers, sizes):
     """The batch sizes at which "chunked" checks a layer of `layers` whose
     traced batch is not fixed (`fit`'s batches, each replica's share)."""
+    batches = tuple(sorted({int(size) for size in sizes if size}))
     for layer in layers:
         wrapper = _wrapper(layer)
         if wrapper is not None:
-            wrapper.check_batches = tuple(sorted({int(size) for size in sizes if size}))
+            wrapper.check_batches = batches
 
 
 def runs_sliced(layer):
     """Whether `layer` runs in slices here ("chunked", and its last trace
     ran them; before any trace, whether it is marked to)."""
+    return _setting_here(layer) == "chunked" and _wrapper(layer).sliced is not False
+
+
+def _setting_here(layer):
+    """The setting `layer` runs here (inside `kernel_choice.running` for
+    it), or None for Keras' way."""
+    if id(layer) not in kernel_choice.current():
+        return None
     wrapper = _wrapper(layer)
-    return (
-        wrapper is not None
-        and id(layer) in kernel_choice.current()
-        and wrapper.setting == "chunked"
-        and wrapper.sliced is not False
-    )
+    return None if wrapper is None else wrapper.setting
 
 
 def _wrapper(layer):
@@ -358,13 +373,9 @@ def temporary_remedy(layer):
             "of the slices whose backwards run at once): recompute cannot remove "
             f"them; {native}"
         )
-    wrapper = _wrapper(layer)
-    tried = (  # chunked here, and it ran Keras' way (it said why)
-        wrapper is not None and wrapper.setting == "chunked"
-        and id(layer) in kernel_choice.current()
-    )
     chunked = ""
-    if eligible(layer, "chunked")[0] and not tried:
+    # Not where "chunked" is set and ran Keras' way (it said why).
+    if eligible(layer, "chunked")[0] and _setting_here(layer) != "chunked":
         chunked = (
             f'compile(depthwise="chunked") makes them (C / {CHUNK_CHANNELS})^2 '
             "times smaller (Keras' values bit for bit); "
@@ -388,25 +399,22 @@ def xla_backward_temporaries(model):
     channels_last; the others assumed alike). Layers running natively
     here (`kernel_choice.current()`) have none, and neither has a GPU
     (cuDNN runs grouped convolutions); a layer running in slices
-    (`depthwise="chunked"`) has those of its largest slices, as many at once
-    as the executor runs ops (`cpu_threads.inter_op()`). A layer not yet built is skipped (the estimates trace the
-    model first, which builds it).
+    (`depthwise="chunked"`) has those of its largest slices, as many at
+    once as the executor runs ops (`cpu_threads.inter_op()`). A layer not
+    yet built is skipped (the estimates trace the model first, which
+    builds it).
 
     Returns:
         A list of `(layer, bytes)`.
     """
     if precision.gpu_available():
         return []
-    running = kernel_choice.current()
     found = []
     for layer in hooks.flatten_layers(model, include_self=False):
         if not isinstance(layer, _GROUPED) or layer.groups == 1 or not layer.built:
             continue
         *window, per_group, filters = layer.kernel.shape
-        if per_group != 1 or filters != layer.groups:
-            continue
-        wrapper = _wrapper(layer) if id(layer) in running else None
-        if wrapper is not None and wrapper.setting == "native":
+        if per_group != 1 or filters != layer.groups or _setting_here(layer) == "native":
             continue
         dense = [filters * filters]
         if runs_sliced(layer):
@@ -415,11 +423,8 @@ def xla_backward_temporaries(model):
             # project's 2 cores: the peak held 2 slices' filters).
             sizes = sorted(chunk_sizes(filters), reverse=True)
             dense = [size * size for size in sizes[: cpu_threads.inter_op()]]
-        window_size = 1
-        for size in window:
-            window_size *= size
         itemsize = max(4, tf.as_dtype(layer.compute_dtype).size)
-        found.append((layer, int(XLA_DENSE_FILTER_COPIES * sum(dense) * window_size * itemsize)))
+        found.append((layer, int(XLA_DENSE_FILTER_COPIES * sum(dense) * math.prod(window) * itemsize)))
     return found
 
 

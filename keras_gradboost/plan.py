@@ -83,9 +83,12 @@ class TrainPlan:
         auto_scale_loss: `compile(auto_scale_loss=...)` as given.
         recompute: the per-model recompute setup (blocks chosen, not yet
             applied), or None.
+        depthwise_setting: how `depthwise_layers` run: `"native"`,
+            `"chunked"`, or None (as Keras runs them). `depthwise=None` with
+            recompute on is `"chunked"` where it serves (`_decide_depthwise`).
         depthwise_layers: the grouped `Conv2D` layers that
-            `depthwise="native"` runs on TensorFlow's depthwise kernel, or
-            `depthwise="chunked"` on slices of their channels
+            `"native"` runs on TensorFlow's depthwise kernel, or
+            `"chunked"` on slices of their channels
             (`depthwise.candidates`); `()` otherwise.
         pointwise_layers: the 1x1 `Conv2D` layers that `pointwise="matmul"`
             runs as matrix products (`pointwise.candidates`); `()`
@@ -107,6 +110,7 @@ class TrainPlan:
     loss_scale: object = None
     auto_scale_loss: bool = False
     recompute: object = None
+    depthwise_setting: object = None
     depthwise_layers: tuple = ()
     pointwise_layers: tuple = ()
     warnings: tuple = ()
@@ -183,38 +187,10 @@ class TrainPlan:
         if config.accumulate_steps > 1:
             check_accumulate_check(model, config)
             notes.extend(inexact_accumulation_warnings(model, config, kwargs.get("loss")))
-        depthwise_layers = ()
-        if config.depthwise is None and recompute is not None and not devices.on_gpu:
-            grouped = depthwise.candidates(model)
-            if grouped:
-                notes.append(
-                    f"recompute={config.recompute!r} cannot remove the largest "
-                    f"temporaries of {len(grouped)} depthwise Conv2D layer(s) "
-                    f"(e.g. {grouped[0].name!r}): Keras runs them as XLA-compiled "
-                    "grouped convolutions, whose gradient on a CPU goes through a "
-                    "dense (kh, kw, C, C) filter. compile(depthwise=\"chunked\") "
-                    "runs them on slices of their channels, bit for bit Keras' "
-                    "values (layers of over 96 channels); compile(depthwise="
-                    "\"native\") runs TensorFlow's depthwise kernel, equal to "
-                    "float rounding (ConvNeXtTiny: 0.56x the training memory, "
-                    "0.22x the step time)."
-                )
-        if config.depthwise == "native":
-            depthwise_layers = _chosen_layers(
-                depthwise.candidates(model), 'depthwise="native"', model, notes,
-                "no Conv2D whose groups equal its input channels (channels_last, "
-                "equal strides, no stride with a dilation, Keras' own "
-                "convolution_op). DepthwiseConv2D layers already run "
-                "TensorFlow's depthwise kernel.",
-            )
-        if config.depthwise == "chunked":
-            depthwise_layers = _chosen_layers(
-                depthwise.candidates(model, "chunked"), 'depthwise="chunked"', model,
-                notes,
-                "no Conv2D whose groups equal its input channels and filters, "
-                f"with over {depthwise.CHUNK_CHANNELS} channels (channels_last, "
-                "float32 computation, Keras' own convolution_op).",
-            )
+        depthwise_setting, depthwise_layers = _decide_depthwise(
+            config, model, recompute is not None, requested, jit,
+            (policy,) + tuple(measured), devices.on_gpu, notes,
+        )
         pointwise_layers = ()
         if config.pointwise == "matmul":
             pointwise_layers = _chosen_layers(
@@ -235,6 +211,7 @@ class TrainPlan:
             loss_scale=scale,
             auto_scale_loss=auto_scale_loss,
             recompute=recompute,
+            depthwise_setting=depthwise_setting,
             depthwise_layers=depthwise_layers,
             pointwise_layers=pointwise_layers,
             warnings=tuple(notes),
@@ -252,8 +229,12 @@ class TrainPlan:
         old = precision_lib.float16_cpu_warning(self.policy, self.jit_compile, devices.on_gpu)
         new = precision_lib.float16_cpu_warning(policy, jit, devices.on_gpu)
         notes = [n for n in self.warnings if n != old] + ([new] if new else [])
+        depthwise_choice = {}
+        if jit and self.config.depthwise is None and self.depthwise_layers:
+            # Recompute's "chunked" holds without XLA only (`_decide_depthwise`).
+            depthwise_choice = dict(depthwise_setting=None, depthwise_layers=())
         return dataclasses.replace(
-            self, jit_compile=jit, policy=policy, warnings=tuple(notes)
+            self, jit_compile=jit, policy=policy, warnings=tuple(notes), **depthwise_choice
         )
 
 
@@ -548,6 +529,73 @@ def inexact_accumulation_warnings(model, config, loss):
             'is exact for reduction="sum_over_batch_size" (the default) only.'
         )
     return notes
+
+
+def _decide_depthwise(config, model, recomputes, jit_requested, jit, policies, on_gpu, notes):
+    """`(setting, layers)`: how the model's depthwise convolutions written
+    as grouped `Conv2D`s run (`TrainPlan.depthwise_setting`,
+    `depthwise_layers`), with the notes to give.
+
+    `depthwise=None` with recompute on runs `"chunked"` where it serves:
+    on a CPU, without XLA (auto-clustering included: the slices are checked
+    outside the step, which cannot vouch for what XLA makes of them) and in
+    float32 only (every policy the plan may train in), so that the
+    layers it chooses run in slices bit for bit as Keras runs them
+    (ConvNeXtTiny "auto": 0.11x the training memory instead of 0.56x).
+    Its values are Keras' own, so recompute stays exact; `"keras"` keeps
+    Keras' way."""
+    if config.depthwise == "native":
+        return "native", _chosen_layers(
+            depthwise.candidates(model), 'depthwise="native"', model, notes,
+            "no Conv2D whose groups equal its input channels (channels_last, "
+            "equal strides, no stride with a dilation, Keras' own "
+            "convolution_op). DepthwiseConv2D layers already run "
+            "TensorFlow's depthwise kernel.",
+        )
+    if config.depthwise == "chunked":
+        return "chunked", _chosen_layers(
+            depthwise.candidates(model, "chunked"), 'depthwise="chunked"', model,
+            notes,
+            "no Conv2D whose groups equal its input channels and filters, "
+            f"with over {depthwise.CHUNK_CHANNELS} channels (channels_last, "
+            "float32 computation, Keras' own convolution_op).",
+        )
+    if config.depthwise is not None or not recomputes or on_gpu:
+        return None, ()
+    chunkable = depthwise.candidates(model, "chunked")
+    grouped = depthwise.candidates(model)
+    grouped += [layer for layer in chunkable if layer not in grouped]
+    if not grouped:
+        return None, ()
+    serves = (
+        not jit and jit_requested != "measure" and not depthwise.xla_clusters()
+        and all(p in (None, "float32") for p in policies)
+    )
+    sliced = tuple(chunkable) if serves else ()
+    # Beside the slices, only a layer whose dense filter is larger than a
+    # slice's is worth a note (a depth multiplier; 96 channels are one
+    # slice already).
+    left = [
+        layer for layer in grouped
+        if not sliced or (layer not in sliced and layer.groups > depthwise.CHUNK_CHANNELS)
+    ]
+    if left:
+        chunked = (
+            'depthwise="chunked" would run those of over '
+            f"{depthwise.CHUNK_CHANNELS} channels on slices of their channels, "
+            "bit for bit Keras' values, but in float32 without XLA only; "
+        ) if chunkable and not serves else ""
+        notes.append(
+            f"recompute={config.recompute!r} cannot remove the largest "
+            f"temporaries of {len(left)} depthwise Conv2D layer(s) "
+            f"(e.g. {left[0].name!r}): Keras runs them as XLA-compiled "
+            "grouped convolutions, whose gradient on a CPU goes through a "
+            f"dense (kh, kw, C, C) filter. {chunked}compile(depthwise="
+            "\"native\") runs TensorFlow's depthwise kernel, equal to "
+            "float rounding (ConvNeXtTiny: 0.56x the training memory, "
+            "0.22x the step time)."
+        )
+    return ("chunked", sliced) if sliced else (None, ())
 
 
 def _chosen_layers(layers, setting, model, notes, none_found):

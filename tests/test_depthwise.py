@@ -134,7 +134,7 @@ def test_native_with_other_features_trains_like_keras(extra):
     Keras' grouped convolution: the same weights after 4 steps. The
     recompute checks (gradients with and without each block recomputed) and
     the accumulation check (against one large-batch step) run inside."""
-    reference, want = _fit_weights(None, **extra)
+    reference, want = _fit_weights("keras", **extra)
     model, got = _fit_weights("native", **extra)
     tolerance = 2e-2 if "precision" in extra else 1e-4
     for a, b in zip(got, want):
@@ -208,7 +208,7 @@ def test_native_under_mirrored_strategy_trains_like_keras():
         return model, [w.numpy() for w in model.trainable_weights]
 
     model, got = weights("native")
-    _, want = weights(None)
+    _, want = weights("keras")
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert xla_convolutions(model, data()[0]) == 0
@@ -300,7 +300,8 @@ def test_the_training_peak_estimate_counts_xla_depthwise_temporaries(
     them warns so; with depthwise="native" there are none to count."""
     pixels, dense_layers = (16, 6) if first else (4, 0)
     model = kgb.boost(wide_depthwise_net(policy, pixels, dense_layers))
-    kwargs = {"depthwise": "native"} if native else {}
+    # Keras' way by name: with recompute on, depthwise=None would run slices.
+    kwargs = {"depthwise": "native" if native else "keras"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # compile's depthwise advice
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
@@ -328,7 +329,7 @@ def test_the_training_peak_estimate_counts_xla_depthwise_temporaries(
                       r"allocates .*recompute cannot remove them; .*"
                       r'compile\(depthwise="native"\) removes them') as caught:
         budget.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
-                       recompute={"budget_mb": 20, "batch_size": 16})
+                       recompute={"budget_mb": 20, "batch_size": 16}, depthwise="keras")
         budget.recompute_plan()
     said = " ".join(str(w.message) for w in caught if "cannot be brought" in str(w.message))
     # "chunked" runs float32 computations only: named where it would serve.

@@ -1,9 +1,10 @@
 """compile(depthwise="chunked"): depthwise Conv2Ds of over 96 channels run
 Keras' own grouped convolution on slices of their channels. The reference
 is Keras' unsliced convolution (the un-boosted model, or the same feature
-with depthwise=None), compared bit for bit: alone, with recompute, selective
+with depthwise="keras"), compared bit for bit: alone, with recompute, selective
 recompute, bfloat16 and a mirrored strategy, where the machine's check fails
-and where XLA compiles the whole step."""
+and where XLA compiles the whole step; and recompute with depthwise=None,
+which runs the slices where they serve."""
 
 import warnings
 
@@ -152,7 +153,7 @@ def test_chunked_with_other_features_trains_like_keras(extra, monkeypatch):
     bit. Under XLA (the whole step compiled) and in bfloat16 (where the
     weights differed by rounding) no layer runs in slices, and a warning
     says so."""
-    _, want = _fit_weights(None, **extra)
+    _, want = _fit_weights("keras", **extra)
     sliced = recording_slices(monkeypatch)
     model, got = _fit_weights("chunked", **extra)
     for a, b in zip(got, want):
@@ -167,6 +168,80 @@ def test_chunked_with_other_features_trains_like_keras(extra, monkeypatch):
         assert sliced == CHUNKED and not model.chunked_warnings
     if "recompute" in extra:
         assert model.recompute_plan().recomputed
+
+
+def test_recompute_runs_slices_by_default_like_keras(monkeypatch):
+    """depthwise=None with recompute on runs "chunked" where it serves: the
+    weights after 4 steps equal those with depthwise="keras", bit for bit,
+    both layers ran in slices, and nothing warned."""
+    _, want = _fit_weights("keras", recompute="auto")
+    sliced = recording_slices(monkeypatch)
+    model, got = _fit_weights(None, recompute="auto")
+    assert model.train_plan.depthwise_setting == "chunked"
+    assert {layer.name for layer in model.train_plan.depthwise_layers} == CHUNKED
+    for a, b in zip(got, want):
+        assert_same_bits(a, b)
+    assert sliced == CHUNKED and not model.chunked_warnings
+    assert model.recompute_plan().recomputed
+
+
+@pytest.mark.parametrize("compile_kwargs, chosen", [
+    ({"recompute": "auto"}, True),
+    ({"recompute": {"policy": "selective"}}, True),
+    ({"recompute": {"budget_mb": 1, "batch_size": 4}}, True),
+    ({}, False),  # no recompute: Keras' way
+    ({"recompute": "auto", "depthwise": "keras"}, False),
+    ({"recompute": "auto", "precision": "mixed_bfloat16"}, False),  # not float32
+    ({"recompute": "auto", "precision": "measure"}, False),  # a bfloat16 candidate
+    ({"recompute": "auto", "jit_compile": True}, False),  # XLA
+    ({"recompute": "auto", "jit_compile": "measure"}, False),  # an XLA candidate
+])
+def test_which_compiles_run_slices_by_default(compile_kwargs, chosen, monkeypatch):
+    """Where recompute turns "chunked" on (float32 without XLA, on a CPU),
+    and where it leaves Keras' way: there compile's note names "chunked"
+    only where it would serve."""
+    from keras_gradboost import precision
+
+    monkeypatch.setattr(precision, "gpu_available", lambda: False)
+    monkeypatch.setattr(precision, "cpu_has_native_bfloat16", lambda: True)
+    model = kgb.boost(wide_net())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.compile(optimizer="sgd", loss="mse", **compile_kwargs)
+    plan = model.train_plan
+    names = {layer.name for layer in plan.depthwise_layers}
+    assert (plan.depthwise_setting, names) == (("chunked", CHUNKED) if chosen else (None, set()))
+    notes = [str(w.message) for w in caught if "cannot remove the largest" in str(w.message)]
+    keras_way = compile_kwargs.get("depthwise") != "keras" and "recompute" in compile_kwargs
+    if chosen:
+        # Beside the slices, only the depth multiplier's dense filter is
+        # larger than a slice's (dw_narrow's 12 channels are one slice).
+        assert len(notes) == 1 and "1 depthwise Conv2D layer(s) (e.g. 'dw_multiplier')" in notes[0]
+        assert 'depthwise="chunked"' not in notes[0]
+    elif keras_way:
+        assert len(notes) == 1 and "4 depthwise Conv2D" in notes[0], notes
+        assert 'depthwise="chunked" would run' in notes[0]
+    else:
+        assert not notes, notes
+
+
+def test_a_slice_chosen_by_recompute_says_so_when_it_runs_keras_way(monkeypatch):
+    """A layer that recompute chose to run in slices but whose check
+    differs (planted) warns like depthwise="chunked", naming what chose it
+    and how to turn it off."""
+    monkeypatch.setattr(depthwise, "_CHECKED", {})
+    monkeypatch.setattr(depthwise, "_bitwise_equal", lambda *args: False)
+    plain = wide_net()
+    boosted = kgb.boost(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # compile's note on dw_multiplier
+        boosted.compile(optimizer="sgd", loss="mse", recompute="auto")
+    x, _ = data()
+    with pytest.warns(UserWarning) as caught:
+        assert_same_bits(boosted.predict(x, verbose=0), plain.predict(x, verbose=0))
+    said = [str(w.message) for w in caught if str(w.message).startswith('depthwise="chunked"')]
+    assert len(said) == 2, said
+    assert all("(recompute='auto' chose it; depthwise=\"keras\" turns it off)" in m for m in said)
 
 
 def test_chunked_under_mirrored_strategy_trains_like_keras(monkeypatch):
@@ -192,7 +267,7 @@ def test_chunked_under_mirrored_strategy_trains_like_keras(monkeypatch):
         assert not said, said
         return [w.numpy() for w in model.trainable_weights]
 
-    want = weights(None)
+    want = weights("keras")
     sliced = recording_slices(monkeypatch)
     for a, b in zip(weights("chunked"), want):
         assert_same_bits(a, b)
@@ -262,7 +337,7 @@ def test_auto_clustering_counts_as_xla(monkeypatch):
     for flags, clusters in [("--tf_xla_auto_jit=2", True), ("--tf_xla_auto_jit=0", False),
                             ("--tf_xla_cpu_global_jit", False), ("", False)]:
         monkeypatch.setenv("TF_XLA_FLAGS", flags)
-        assert depthwise._xla_clusters() is clusters, flags
+        assert depthwise.xla_clusters() is clusters, flags
 
 
 def test_a_layer_compiled_again_for_another_setting_warns():
