@@ -47,8 +47,9 @@ class GradBoostConfig:
             update. Needs `accumulate_steps > 1`. Defaults to `False`.
         depthwise: `None` (grouped convolutions run as Keras runs them;
             with `recompute` on, `"chunked"` where it runs bit for bit),
-            `"keras"` (as Keras runs them, always), `"chunked"` (a `Conv2D` whose groups equal its input channels
-            runs Keras' own grouped convolution on slices of its channels)
+            `"keras"` (as Keras runs them, always), `"chunked"` (a
+            `Conv2D` whose groups equal its input channels runs Keras'
+            own grouped convolution on slices of its channels)
             or `"native"` (it runs TensorFlow's depthwise kernel); see
             `depthwise`. Defaults to `None`.
         pointwise: `None` (1x1 convolutions run as Keras runs them) or

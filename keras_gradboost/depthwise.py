@@ -35,6 +35,7 @@ import math
 import os
 import threading
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -67,11 +68,12 @@ def check_setting(value):
     )
 
 
-def eligible(layer, setting="native"):
+def eligible(layer, setting="native", compute_dtype=None):
     """Whether `layer` is a depthwise convolution written as a grouped
     `Conv2D` that `setting` ("native" or "chunked") computes (for an
     unbuilt layer, whether its groups equal its input channels is checked
-    at each call).
+    at each call). `compute_dtype`: the dtype the layer will compute in
+    (a policy compile sets), if not its own now.
 
     Returns:
         `(True, None)`, or `(False, reason)`.
@@ -85,11 +87,12 @@ def eligible(layer, setting="native"):
     if layer.data_format != "channels_last":
         return False, "channels_first"
     if setting == "chunked":
-        if layer.compute_dtype != "float32":
+        dtype = compute_dtype or layer.compute_dtype
+        if dtype != "float32":
             # Keras casts the kernel inside its XLA function, the slices
             # outside: in bfloat16 the weights after 4 steps differed by
             # rounding, though each convolution alone was equal.
-            return False, f"{layer.compute_dtype} computation (float32 only)"
+            return False, f"{dtype} computation (float32 only)"
         if layer.filters != layer.groups:
             return False, f"a depth multiplier of {layer.filters // layer.groups}"
         if layer.groups <= CHUNK_CHANNELS:
@@ -103,9 +106,12 @@ def eligible(layer, setting="native"):
     return True, None
 
 
-def candidates(model, setting="native"):
-    """The layers of `model` that `depthwise=setting` runs its way."""
-    return kernel_choice.eligible_layers(model, lambda layer: eligible(layer, setting))
+def candidates(model, setting="native", compute_dtype=None):
+    """The layers of `model` that `depthwise=setting` runs its way (see
+    `eligible` for `compute_dtype`)."""
+    return kernel_choice.eligible_layers(
+        model, lambda layer: eligible(layer, setting, compute_dtype)
+    )
 
 
 def chunk_sizes(channels):
@@ -133,6 +139,7 @@ class _Depthwise:
         self.layer = layer
         self.setting = "native"
         self.chosen_by = None  # what chose the setting, if not compile(depthwise=)
+        self.owner = None  # a weak reference to the model whose compile set it
         self.check_batches = ()
         self.sliced = None
         self.warned = set()
@@ -213,7 +220,9 @@ class _Depthwise:
         if reason in self.warned:
             return
         self.warned.add(reason)
-        chosen = f" ({self.chosen_by} chose it; depthwise=\"keras\" turns it off)" if self.chosen_by else ""
+        chosen = ""
+        if self.chosen_by:
+            chosen = f" ({self.chosen_by} chose it; depthwise=\"keras\" turns it off)"
         warnings.warn(
             f'depthwise="chunked"{chosen}: layer {self.layer.name!r} runs as Keras '
             f"runs it (one XLA grouped convolution): {why}. depthwise=\"native\" "
@@ -286,33 +295,42 @@ def _bitwise_equal(original, input_shape, kernel_shape, sizes):
     return all(np.array_equal(a, b) for a, b in zip(whole, sliced))
 
 
-def apply(layers, setting="native", chosen_by=None):
+def apply(layers, setting="native", chosen_by=None, owner=None):
     """Marks `layers` (from `candidates`) to run as `setting` says inside
     `kernel_choice.running` (idempotent; the marks do nothing outside it).
     A layer is marked once, for every model that holds it: one marked for
-    another setting by an earlier compile (another boosted model sharing
-    the layer) takes this one, with a warning. `chosen_by` names what chose
+    another setting by another model's compile (`owner`: the model
+    compiled; boosted models share the layers of the model given to
+    `boost()`) takes this one, with a warning. `chosen_by` names what chose
     `setting` where the user did not (`recompute="auto"`), for the warnings.
 
     Returns:
         A frozenset of their ids, for `kernel_choice.running`.
     """
-    before = {id(layer): getattr(_wrapper(layer), "setting", None) for layer in layers}
+    before = {id(layer): _wrapper(layer) for layer in layers}
+    before = {
+        key: (wrapper.setting, wrapper.owner() if wrapper.owner else None)
+        for key, wrapper in before.items() if wrapper is not None
+    }
     ids = kernel_choice.mark(layers, _Depthwise)
     changed = []
     for layer in layers:
         wrapper = _wrapper(layer)
-        if before[id(layer)] not in (None, setting):
+        old_setting, old_owner = before.get(id(layer), (None, None))
+        if old_setting not in (None, setting) and old_owner not in (None, owner):
             changed.append(layer.name)
         wrapper.setting = setting
         wrapper.chosen_by = chosen_by
+        wrapper.owner = weakref.ref(owner) if owner is not None else None
         wrapper.sliced = None
         wrapper.warned = set()  # a new compile traces anew, and warns anew
     if changed:
+        chosen = f" ({chosen_by} chose it)" if chosen_by else ""
         warnings.warn(
-            f"depthwise={setting!r}: {len(changed)} layer(s) (e.g. {changed[0]!r}) "
-            "were compiled with another depthwise setting before; the layers "
-            f"now run {setting!r} in every boosted model that holds them.",
+            f"depthwise={setting!r}{chosen}: {len(changed)} layer(s) (e.g. "
+            f"{changed[0]!r}) were compiled with another depthwise setting by "
+            f"another model; the layers now run {setting!r} in every boosted "
+            "model that holds them.",
             stacklevel=4,  # apply <- _apply_plan <- compile <- the caller
         )
     return ids
@@ -362,10 +380,10 @@ def _wrapper(layer):
 XLA_DENSE_FILTER_COPIES = 2
 
 
-def temporary_remedy(layer):
+def temporary_remedy(layer, xla=False):
     """What the plan says of the XLA temporaries of the depthwise
     convolution `layer`: why they are there, and what shrinks or removes
-    them."""
+    them (with `xla`, the step XLA compiles: "chunked" would not run)."""
     native = 'compile(depthwise="native") removes them (values equal Keras\' to float rounding)'
     if runs_sliced(layer):
         return (
@@ -375,7 +393,7 @@ def temporary_remedy(layer):
         )
     chunked = ""
     # Not where "chunked" is set and ran Keras' way (it said why).
-    if eligible(layer, "chunked")[0] and _setting_here(layer) != "chunked":
+    if eligible(layer, "chunked")[0] and _setting_here(layer) != "chunked" and not xla:
         chunked = (
             f'compile(depthwise="chunked") makes them (C / {CHUNK_CHANNELS})^2 '
             "times smaller (Keras' values bit for bit); "
@@ -424,7 +442,8 @@ def xla_backward_temporaries(model):
             sizes = sorted(chunk_sizes(filters), reverse=True)
             dense = [size * size for size in sizes[: cpu_threads.inter_op()]]
         itemsize = max(4, tf.as_dtype(layer.compute_dtype).size)
-        found.append((layer, int(XLA_DENSE_FILTER_COPIES * sum(dense) * math.prod(window) * itemsize)))
+        size = XLA_DENSE_FILTER_COPIES * sum(dense) * math.prod(window) * itemsize
+        found.append((layer, int(size)))
     return found
 
 
@@ -434,5 +453,6 @@ def xla_backward_temporary(model):
     Returns:
         `(bytes, layer)`, or `(0, None)` when there is none.
     """
-    layer, size = max(xla_backward_temporaries(model), key=lambda found: found[1], default=(None, 0))
+    found = xla_backward_temporaries(model)
+    layer, size = max(found, key=lambda pair: pair[1], default=(None, 0))
     return size, layer

@@ -404,7 +404,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         super().compile(**plan.keras_kwargs)
         if bool(self.jit_compile) != plan.jit_compile:
             # Keras turned XLA off (or on) where the plan did not expect it.
-            replanned = plan.with_jit(self.jit_compile)
+            replanned = plan.with_jit(self.jit_compile, model=self)
             if replanned.policy != plan.policy:
                 float32_layers = precision_lib.apply_policy(self, replanned.policy)
             plan = replanned
@@ -424,8 +424,8 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         if plan.recompute is not None:
             plan.recompute.apply()
         rt.kernel_ids = depthwise_lib.apply(
-            plan.depthwise_layers, plan.depthwise_setting,
-            chosen_by=None if plan.config.depthwise else f"recompute={plan.config.recompute!r}",
+            plan.depthwise_layers, plan.depthwise_setting, owner=self,
+            chosen_by=plan.depthwise_chosen_by,
         ) | pointwise_lib.apply(
             plan.pointwise_layers
         )

@@ -115,6 +115,14 @@ class TrainPlan:
     pointwise_layers: tuple = ()
     warnings: tuple = ()
 
+    @property
+    def depthwise_chosen_by(self):
+        """What chose `depthwise_setting` where `compile(depthwise=...)` did
+        not (`recompute=...`), for the warnings; None otherwise."""
+        if self.config.depthwise is not None or self.depthwise_setting is None:
+            return None
+        return f"recompute={self.config.recompute!r}"
+
     @classmethod
     def build(cls, config, model, keras_kwargs, devices=None):
         """Decides everything `compile()` will apply, changing nothing.
@@ -188,8 +196,9 @@ class TrainPlan:
             check_accumulate_check(model, config)
             notes.extend(inexact_accumulation_warnings(model, config, kwargs.get("loss")))
         depthwise_setting, depthwise_layers = _decide_depthwise(
-            config, model, recompute is not None, requested, jit,
-            (policy,) + tuple(measured), devices.on_gpu, notes,
+            config, model, recomputes=recompute is not None, jit_requested=requested,
+            jit=jit, xla_blocked=xla_blocked, policy=policy,
+            policies=(policy,) + tuple(measured), on_gpu=devices.on_gpu, notes=notes,
         )
         pointwise_layers = ()
         if config.pointwise == "matmul":
@@ -217,10 +226,12 @@ class TrainPlan:
             warnings=tuple(notes),
         )
 
-    def with_jit(self, jit_compile, devices=None):
+    def with_jit(self, jit_compile, devices=None, model=None):
         """The plan for the jit setting Keras ended up with. Keras may turn
         XLA off where the plan's prediction of it did not (the precision
-        rule and the float16 warning depend on jit on a CPU)."""
+        rule and the float16 warning depend on jit on a CPU), or on: then
+        recompute's `"chunked"` (`depthwise_setting` with `depthwise=None`)
+        is dropped, and `model`'s note says what is left."""
         devices = devices or Devices.detect()
         jit = bool(jit_compile)
         policy = precision_lib.resolve_precision(
@@ -233,6 +244,8 @@ class TrainPlan:
         if jit and self.config.depthwise is None and self.depthwise_layers:
             # Recompute's "chunked" holds without XLA only (`_decide_depthwise`).
             depthwise_choice = dict(depthwise_setting=None, depthwise_layers=())
+            if model is not None:
+                notes += depthwise_notes(self.config.recompute, model, self.depthwise_layers)
         return dataclasses.replace(
             self, jit_compile=jit, policy=policy, warnings=tuple(notes), **depthwise_choice
         )
@@ -531,15 +544,17 @@ def inexact_accumulation_warnings(model, config, loss):
     return notes
 
 
-def _decide_depthwise(config, model, recomputes, jit_requested, jit, policies, on_gpu, notes):
+def _decide_depthwise(config, model, *, recomputes, jit_requested, jit, xla_blocked,
+                      policy, policies, on_gpu, notes):
     """`(setting, layers)`: how the model's depthwise convolutions written
     as grouped `Conv2D`s run (`TrainPlan.depthwise_setting`,
     `depthwise_layers`), with the notes to give.
 
     `depthwise=None` with recompute on runs `"chunked"` where it serves:
-    on a CPU, without XLA (auto-clustering included: the slices are checked
-    outside the step, which cannot vouch for what XLA makes of them) and in
-    float32 only (every policy the plan may train in), so that the
+    on a CPU, without XLA (auto-clustering and `jit_compile="measure"`'s
+    XLA candidate included: the slices are checked outside the step, which
+    cannot vouch for what XLA makes of them) and in float32 only (`policy`
+    and every policy the plan may train in, `policies`), so that the
     layers it chooses run in slices bit for bit as Keras runs them
     (ConvNeXtTiny "auto": 0.11x the training memory instead of 0.56x).
     Its values are Keras' own, so recompute stays exact; `"keras"` keeps
@@ -562,40 +577,49 @@ def _decide_depthwise(config, model, recomputes, jit_requested, jit, policies, o
         )
     if config.depthwise is not None or not recomputes or on_gpu:
         return None, ()
-    chunkable = depthwise.candidates(model, "chunked")
-    grouped = depthwise.candidates(model)
-    grouped += [layer for layer in chunkable if layer not in grouped]
-    if not grouped:
-        return None, ()
+    # The policy compile sets decides the layers' dtype (None: as built).
+    chunkable = depthwise.candidates(
+        model, "chunked", compute_dtype="float32" if policy == "float32" else None
+    )
     serves = (
-        not jit and jit_requested != "measure" and not depthwise.xla_clusters()
+        not jit
+        and (jit_requested != "measure" or xla_blocked)
+        and not depthwise.xla_clusters()
         and all(p in (None, "float32") for p in policies)
     )
-    sliced = tuple(chunkable) if serves else ()
-    # Beside the slices, only a layer whose dense filter is larger than a
-    # slice's is worth a note (a depth multiplier; 96 channels are one
-    # slice already).
-    left = [
-        layer for layer in grouped
-        if not sliced or (layer not in sliced and layer.groups > depthwise.CHUNK_CHANNELS)
+    if serves and chunkable:
+        return "chunked", tuple(chunkable)
+    # The note names "chunked" for the layers it would slice in float32.
+    in_float32 = depthwise.candidates(model, "chunked", compute_dtype="float32")
+    notes.extend(depthwise_notes(config.recompute, model, in_float32))
+    return None, ()
+
+
+def depthwise_notes(recompute, model, chunkable):
+    """The note that recompute cannot remove the XLA temporaries of the
+    model's depthwise convolutions Keras runs as grouped ones (a depth
+    multiplier of 1: `depthwise.xla_backward_temporaries`), naming
+    "chunked" where `chunkable` layers could run in slices but the step
+    does not serve; `[]` without such layers."""
+    left = [layer for layer in depthwise.candidates(model) if layer.filters == layer.groups]
+    left += [layer for layer in chunkable if layer not in left]
+    if not left:
+        return []
+    chunked = (
+        'depthwise="chunked" would run those of over '
+        f"{depthwise.CHUNK_CHANNELS} channels on slices of their channels, "
+        "bit for bit Keras' values, but in float32 without XLA only; "
+    ) if chunkable else ""
+    return [
+        f"recompute={recompute!r} cannot remove the largest "
+        f"temporaries of {len(left)} depthwise Conv2D layer(s) "
+        f"(e.g. {left[0].name!r}): Keras runs them as XLA-compiled "
+        "grouped convolutions, whose gradient on a CPU goes through a "
+        f"dense (kh, kw, C, C) filter. {chunked}compile(depthwise="
+        "\"native\") runs TensorFlow's depthwise kernel, equal to "
+        "float rounding (ConvNeXtTiny: 0.56x the training memory, "
+        "0.22x the step time)."
     ]
-    if left:
-        chunked = (
-            'depthwise="chunked" would run those of over '
-            f"{depthwise.CHUNK_CHANNELS} channels on slices of their channels, "
-            "bit for bit Keras' values, but in float32 without XLA only; "
-        ) if chunkable and not serves else ""
-        notes.append(
-            f"recompute={config.recompute!r} cannot remove the largest "
-            f"temporaries of {len(left)} depthwise Conv2D layer(s) "
-            f"(e.g. {left[0].name!r}): Keras runs them as XLA-compiled "
-            "grouped convolutions, whose gradient on a CPU goes through a "
-            f"dense (kh, kw, C, C) filter. {chunked}compile(depthwise="
-            "\"native\") runs TensorFlow's depthwise kernel, equal to "
-            "float rounding (ConvNeXtTiny: 0.56x the training memory, "
-            "0.22x the step time)."
-        )
-    return ("chunked", sliced) if sliced else (None, ())
 
 
 def _chosen_layers(layers, setting, model, notes, none_found):

@@ -64,16 +64,25 @@ def assert_same_bits(got, want):
 
 
 def recording_slices(monkeypatch):
-    """The names of the layers whose convolutions ran in slices."""
+    """The names of the layers whose traces ran slices (not the checks',
+    which slice too)."""
     sliced = set()
-    original = depthwise._sliced
-
-    def recording(convolution, *args):
-        sliced.add(convolution.__self__.name)  # Keras' bound convolution_op
-        return original(convolution, *args)
-
-    monkeypatch.setattr(depthwise, "_sliced", recording)
+    monkeypatch.setattr(depthwise._Depthwise, "_chunked", slices_recorder(sliced))
     return sliced
+
+
+def slices_recorder(sliced):
+    """`_Depthwise._chunked` adding to `sliced` the name of each layer
+    whose trace ran slices."""
+    original = depthwise._Depthwise._chunked
+
+    def recording(self, *args):
+        outputs = original(self, *args)
+        if self.sliced:
+            sliced.add(self.layer.name)
+        return outputs
+
+    return recording
 
 
 def data(n=8):
@@ -185,44 +194,68 @@ def test_recompute_runs_slices_by_default_like_keras(monkeypatch):
     assert model.recompute_plan().recomputed
 
 
-@pytest.mark.parametrize("compile_kwargs, chosen", [
-    ({"recompute": "auto"}, True),
-    ({"recompute": {"policy": "selective"}}, True),
-    ({"recompute": {"budget_mb": 1, "batch_size": 4}}, True),
-    ({}, False),  # no recompute: Keras' way
-    ({"recompute": "auto", "depthwise": "keras"}, False),
-    ({"recompute": "auto", "precision": "mixed_bfloat16"}, False),  # not float32
-    ({"recompute": "auto", "precision": "measure"}, False),  # a bfloat16 candidate
-    ({"recompute": "auto", "jit_compile": True}, False),  # XLA
-    ({"recompute": "auto", "jit_compile": "measure"}, False),  # an XLA candidate
+@pytest.mark.parametrize("compile_kwargs, chosen, note", [
+    ({"recompute": "auto"}, True, False),
+    ({"recompute": {"policy": "selective"}}, True, False),
+    ({"recompute": {"budget_mb": 1, "batch_size": 4}}, True, False),
+    # precision="float32" on a model built in mixed_bfloat16: float32 then.
+    ({"recompute": "auto", "precision": "float32", "built": "mixed_bfloat16"}, True, False),
+    ({}, False, False),  # no recompute: Keras' way
+    ({"recompute": "auto", "depthwise": "keras"}, False, False),
+    ({"recompute": "auto", "gpu": True}, False, False),  # no such temporaries there
+    ({"recompute": "auto", "precision": "mixed_bfloat16"}, False, True),  # not float32
+    ({"recompute": "auto", "built": "mixed_bfloat16"}, False, True),  # as built
+    ({"recompute": "auto", "precision": "measure"}, False, True),  # a bfloat16 candidate
+    ({"recompute": "auto", "jit_compile": True}, False, True),  # XLA
+    ({"recompute": "auto", "jit_compile": "measure"}, False, True),  # an XLA candidate
+    ({"recompute": "auto", "clusters": True}, False, True),  # auto-clustering
 ])
-def test_which_compiles_run_slices_by_default(compile_kwargs, chosen, monkeypatch):
+def test_which_compiles_run_slices_by_default(compile_kwargs, chosen, note, monkeypatch):
     """Where recompute turns "chunked" on (float32 without XLA, on a CPU),
-    and where it leaves Keras' way: there compile's note names "chunked"
-    only where it would serve."""
+    and where it leaves Keras' way: there compile's note names the layers
+    with a depth multiplier of 1 (dw_multiplier's has no such temporary)
+    and "chunked", which would serve elsewhere."""
     from keras_gradboost import precision
 
-    monkeypatch.setattr(precision, "gpu_available", lambda: False)
+    kwargs = dict(compile_kwargs)
+    gpu = kwargs.pop("gpu", False)
+    monkeypatch.setattr(precision, "gpu_available", lambda: gpu)
     monkeypatch.setattr(precision, "cpu_has_native_bfloat16", lambda: True)
-    model = kgb.boost(wide_net())
+    if kwargs.pop("clusters", False):
+        monkeypatch.setenv("TF_XLA_FLAGS", "--tf_xla_auto_jit=2")
+    built = kwargs.pop("built", "float32")
+    keras.mixed_precision.set_global_policy(built)
+    try:
+        model = kgb.boost(wide_net())
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model.compile(optimizer="sgd", loss="mse", **compile_kwargs)
+        model.compile(optimizer="sgd", loss="mse", **kwargs)
     plan = model.train_plan
     names = {layer.name for layer in plan.depthwise_layers}
     assert (plan.depthwise_setting, names) == (("chunked", CHUNKED) if chosen else (None, set()))
     notes = [str(w.message) for w in caught if "cannot remove the largest" in str(w.message)]
-    keras_way = compile_kwargs.get("depthwise") != "keras" and "recompute" in compile_kwargs
-    if chosen:
-        # Beside the slices, only the depth multiplier's dense filter is
-        # larger than a slice's (dw_narrow's 12 channels are one slice).
-        assert len(notes) == 1 and "1 depthwise Conv2D layer(s) (e.g. 'dw_multiplier')" in notes[0]
-        assert 'depthwise="chunked"' not in notes[0]
-    elif keras_way:
-        assert len(notes) == 1 and "4 depthwise Conv2D" in notes[0], notes
+    if note:
+        assert len(notes) == 1, notes
+        assert "3 depthwise Conv2D layer(s) (e.g. 'dw_wide')" in notes[0], notes
         assert 'depthwise="chunked" would run' in notes[0]
     else:
         assert not notes, notes
+
+
+def test_a_plan_that_keras_compiles_with_xla_drops_the_slices():
+    """Where Keras ends up compiling the step with XLA although the plan
+    expected not (`TrainPlan.with_jit`), recompute's slices are dropped and
+    the note says what is left."""
+    model = kgb.boost(wide_net())
+    model.compile(optimizer="sgd", loss="mse", recompute="auto")
+    replanned = model.train_plan.with_jit(True, model=model)
+    assert (replanned.depthwise_setting, replanned.depthwise_layers) == (None, ())
+    assert any("cannot remove the largest" in note for note in replanned.warnings)
+    explicit = kgb.boost(wide_net())
+    explicit.compile(optimizer="sgd", loss="mse", recompute="auto", depthwise="chunked")
+    assert explicit.train_plan.with_jit(True, model=explicit).depthwise_setting == "chunked"
 
 
 def test_a_slice_chosen_by_recompute_says_so_when_it_runs_keras_way(monkeypatch):
@@ -342,12 +375,20 @@ def test_auto_clustering_counts_as_xla(monkeypatch):
 
 def test_a_layer_compiled_again_for_another_setting_warns():
     """Two boosted models share the layers of the model given to boost(): a
-    layer runs one setting in both, and the compile that changes it says
-    so."""
+    layer runs one setting in both, and the compile that changes another
+    model's setting says so (naming recompute where it chose "chunked");
+    compiling the same model again does not."""
     plain = wide_net()
-    kgb.boost(plain).compile(optimizer="sgd", loss="mse", depthwise="chunked")
-    with pytest.warns(UserWarning, match=r"depthwise='native': 1 layer\(s\).*another depthwise"):
-        kgb.boost(plain).compile(optimizer="sgd", loss="mse", depthwise="native")
+    first = kgb.boost(plain)
+    first.compile(optimizer="sgd", loss="mse", depthwise="chunked")
+    second = kgb.boost(plain)  # (kept: a model no longer held is not warned of)
+    with pytest.warns(UserWarning, match=r"depthwise='native': 1 layer\(s\).*another model"):
+        second.compile(optimizer="sgd", loss="mse", depthwise="native")
+    with pytest.warns(UserWarning, match=r"depthwise='chunked' \(recompute='auto' chose it\)"):
+        first.compile(optimizer="sgd", loss="mse", recompute="auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same model compiled again: no warning
+        first.compile(optimizer="sgd", loss="mse", depthwise="native")
 
 
 def test_a_layer_whose_slices_differ_runs_as_keras_with_a_warning(monkeypatch):
@@ -385,6 +426,36 @@ def test_the_check_leaves_tensorflows_random_state_alone(monkeypatch):
     model.predict(data()[0], verbose=0)  # traces: the check runs
     assert depthwise._CHECKED
     np.testing.assert_array_equal(keras.random.normal((4,), seed=None).numpy(), plain_draw)
+
+
+def test_the_estimates_read_slices_as_the_layers_convolution():
+    """The estimates' graph reading finds a layer run in slices: its joined
+    output (plus its bias) is a kernel layer's output, which selective
+    recompute keeps, and its slices' function calls are its XLA calls
+    (where its temporaries are placed). Keras' one grouped convolution,
+    a function call given the kernel's handle, is read as rebuilt."""
+    from keras_gradboost.recompute import estimates
+
+    def graph(setting):
+        model = kgb.boost(wide_net())
+        model.compile(optimizer="sgd", loss="mse", depthwise=setting)
+        forward = tf.function(lambda x: model(x, training=True))
+        graph = forward.get_concrete_function(tf.TensorSpec((4, 6, 6, 30))).graph
+        return model, graph, graph.get_operations()
+
+    model, sliced_graph, ops = graph("chunked")
+    joins = [op for op in ops if op.type == "ConcatV2" and estimates._by_weight(op)]
+    assert len(joins) == len(CHUNKED)
+    kept = [op for op in ops if op.type == "BiasAdd" and estimates._kernel_output(op.outputs[0])]
+    assert {join.name for join in joins} <= {op.inputs[0].op.name for op in kept}
+    for layer in model.layers:
+        if layer.name in CHUNKED:
+            kernel = set(estimates._handles(sliced_graph, [layer.kernel]))
+            calls = [op for op in ops if op.type in estimates._CALLS
+                     and kernel & {estimates._sliced_weight(t) for t in op.inputs}]
+            assert len(calls) == len(depthwise.chunk_sizes(layer.groups)), layer.name
+    _, _, ops = graph("keras")
+    assert not [op for op in ops if op.type == "ConcatV2" and estimates._by_weight(op)]
 
 
 @pytest.mark.skipif(bool(tf.config.list_physical_devices("GPU")), reason="a CPU temporary")

@@ -44,6 +44,7 @@ import pytest
 import keras
 from conftest import InterruptAt
 from conftest import shared_mirrored_strategy
+from test_depthwise_chunked import slices_recorder
 from keras_gradboost import GradBoostModel
 from keras_gradboost import depthwise
 from keras_gradboost import precision_measure
@@ -740,15 +741,9 @@ def run(cell, with_callbacks=True):
         if cell.measure
         else contextlib.nullcontext()
     )
-    sliced = set()  # the layers whose convolutions ran in slices
-    slices = depthwise._sliced
-
-    def recording(convolution, *args):
-        sliced.add(convolution.__self__.name)  # Keras' bound convolution_op
-        return slices(convolution, *args)
-
-    with measuring, mock.patch.object(depthwise, "_sliced", recording), \
-            warnings.catch_warnings(record=True) as caught:
+    sliced = set()  # the layers whose traces ran slices
+    recording = mock.patch.object(depthwise._Depthwise, "_chunked", slices_recorder(sliced))
+    with measuring, recording, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = make_model()
         plan_before = _plan_facts(model) if cell.recompute else None

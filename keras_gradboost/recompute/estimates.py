@@ -747,7 +747,8 @@ def _workspaces(graph, forward_ops, trainable, model):
     those of TensorFlow's own convolution kernels where they run
     (`_eigen_workspace`, `eigen_convolution_kernels`), and the temporaries
     of the XLA backward of a depthwise convolution Keras runs as a grouped
-    one, on its XLA call (`depthwise.xla_backward_temporaries`).
+    one, on its XLA call (`depthwise.xla_backward_temporaries`; in slices,
+    `depthwise="chunked"`, on each slice's call).
 
     Returns:
         `(found, anywhere)`: the dict, and the largest temporary whose op
@@ -770,7 +771,8 @@ def _workspaces(graph, forward_ops, trainable, model):
         calls = [
             op
             for op in forward_ops
-            if op.type in _CALLS and kernel & {t.name for t in op.inputs}
+            if op.type in _CALLS
+            and kernel & {name for t in op.inputs for name in (t.name, _sliced_weight(t))}
         ]
         for op in calls:
             found[op.name] = found.get(op.name, 0) + size
@@ -1046,8 +1048,27 @@ _WEIGHT_PATH = _ALIASES | {"Cast"}
 
 def _by_weight(op):
     """Whether a matmul or convolution multiplies by a weight (a variable's
-    value, through casts and reshapes): a kernel layer's."""
+    value, through casts and reshapes): a kernel layer's. Also the join
+    of Keras' convolutions on slices of a weight (`depthwise="chunked"`:
+    a `ConcatV2` of function calls, each given a slice)."""
+    if op.type == "ConcatV2":
+        calls = [_root(t).op for t in op.inputs[:-1]]
+        return bool(calls) and all(
+            call.type in _CALLS and any(_sliced_weight(t) for t in call.inputs)
+            for call in calls
+        )
     return op.type in _CONTRACTIONS and any(_from_weight(t) for t in op.inputs)
+
+
+def _sliced_weight(tensor):
+    """The name of the variable handle whose value `tensor` is a slice of
+    (`SplitV` of a `ReadVariableOp`, through casts and reshapes:
+    `depthwise="chunked"`), or None."""
+    root = _weight_root(tensor)
+    if root.op.type != "SplitV":
+        return None
+    value = _weight_root(root.op.inputs[0])
+    return value.op.inputs[0].name if value.op.type == "ReadVariableOp" else None
 
 
 def _from_weight(tensor):
@@ -1091,7 +1112,8 @@ def _kernel_output(tensor):
     a contraction by a weight, or that plus a bias. Not the depthwise half
     of a separable convolution, which feeds the pointwise one: its replay
     rebuilds it. (Missed, so counted as rebuilt, which reads high: a
-    transposed convolution, a grouped one Keras runs as a function call.)"""
+    transposed convolution, a grouped one Keras runs as a function call;
+    found in slices, `depthwise="chunked"`, `_by_weight`.)"""
     op = _root(tensor).op
     contraction = _bias_added(op)
     if contraction is None:

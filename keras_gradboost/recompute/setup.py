@@ -934,7 +934,9 @@ class RecomputeSetup:
             eigen_dtypes=eigen_dtypes,
             xla_temporary_bytes=temporary,
             xla_temporary_layer=layer.name if layer is not None else None,
-            xla_temporary_remedy=depthwise.temporary_remedy(layer) if layer is not None else "",
+            xla_temporary_remedy=depthwise.temporary_remedy(
+                layer, xla=bool(model.jit_compile) or depthwise.xla_clusters()
+            ) if layer is not None else "",
             pointwise_convolutions=_pointwise_convolutions(model),
         )
         if _counts_eigen_buffers(plan):
