@@ -307,16 +307,12 @@ def apply(layers, setting="native", chosen_by=None, owner=None):
     Returns:
         A frozenset of their ids, for `kernel_choice.running`.
     """
-    before = {id(layer): _wrapper(layer) for layer in layers}
-    before = {
-        key: (wrapper.setting, wrapper.owner() if wrapper.owner else None)
-        for key, wrapper in before.items() if wrapper is not None
-    }
+    before = {id(layer): _marked(layer) for layer in layers}
     ids = kernel_choice.mark(layers, _Depthwise)
     changed = []
     for layer in layers:
         wrapper = _wrapper(layer)
-        old_setting, old_owner = before.get(id(layer), (None, None))
+        old_setting, old_owner = before[id(layer)]
         if old_setting not in (None, setting) and old_owner not in (None, owner):
             changed.append(layer.name)
         wrapper.setting = setting
@@ -334,6 +330,15 @@ def apply(layers, setting="native", chosen_by=None, owner=None):
             stacklevel=4,  # apply <- _apply_plan <- compile <- the caller
         )
     return ids
+
+
+def _marked(layer):
+    """`(setting, model)` of the compile that marked `layer` last (the
+    model None once it is gone), or `(None, None)`."""
+    wrapper = _wrapper(layer)
+    if wrapper is None:
+        return None, None
+    return wrapper.setting, wrapper.owner() if wrapper.owner else None
 
 
 def set_check_batches(layers, sizes):
