@@ -1055,10 +1055,14 @@ def _by_weight(op):
     a `ConcatV2` of function calls, each given a slice)."""
     if op.type == "ConcatV2":
         calls = [_root(t).op for t in op.inputs[:-1]]
-        return bool(calls) and all(
-            call.type in _CALLS and any(_sliced_weight(t) for t in call.inputs)
-            for call in calls
-        )
+        if not calls or any(call.type not in _CALLS for call in calls):
+            return False
+        # One slice of one split of one weight per call, all of them.
+        slices = [[t for t in call.inputs if _sliced_weight(t)] for call in calls]
+        if any(len(found) != 1 for found in slices):
+            return False
+        splits = {_weight_root(found[0]).op for found in slices}
+        return len(splits) == 1 and len(next(iter(splits)).outputs) == len(calls)
     return op.type in _CONTRACTIONS and any(_from_weight(t) for t in op.inputs)
 
 
@@ -1113,9 +1117,10 @@ def _kernel_output(tensor):
     which a selective replay takes from the forward instead of rebuilding:
     a contraction by a weight, or that plus a bias. Not the depthwise half
     of a separable convolution, which feeds the pointwise one: its replay
-    rebuilds it. (Missed, so counted as rebuilt, which reads high: a
-    transposed convolution, a grouped one Keras runs as a function call;
-    found in slices, `depthwise="chunked"`, `_by_weight`.)"""
+    rebuilds it. (Missed, so counted as rebuilt: a transposed convolution,
+    a grouped one Keras runs as a function call, and one in slices whose
+    batch has no fixed size (`depthwise="chunked"`'s `tf.cond`); found in
+    slices otherwise, `_by_weight`.)"""
     op = _root(tensor).op
     contraction = _bias_added(op)
     if contraction is None:
@@ -1164,13 +1169,20 @@ def _block_figures(calls, operations, cached, trainable, selective=False, worksp
             for t in op.outputs:
                 if t.dtype.is_floating and op.type != "Const":
                     largest = max(largest, _bytes(t))
-                    # What a selective replay keeps: a kernel output the
-                    # rest of the block reads on.
-                    if _kernel_output(t) and _read_on(op, own_ops):
+                    # What a selective replay keeps: a kernel output made
+                    # here that the rest of the block reads on.
+                    if (
+                        (op.type in _BIAS_ADDS or _by_weight(op))
+                        and _root(t).op.name in own_ops
+                        and _kernel_output(t)
+                        and _read_on(t, own_ops)
+                    ):
                         kernel_kept[_root(t).name] = _bytes(t)
                 if t.name in cached and t.name not in outputs:
                     inside.add(t.name)
     inside -= outputs | set(input_roots)
+    for name in outputs | set(input_roots):
+        kernel_kept.pop(name, None)
     # A convolution's backward comes when the block's activations made from
     # it on are freed: its buffers raise the block's moment by what they
     # exceed those by.
@@ -1193,22 +1205,37 @@ def _block_figures(calls, operations, cached, trainable, selective=False, worksp
     }
 
 
-# Ops whose gradient reads none of their inputs: an output they alone read
-# is needed by a replay only where what they make is read on.
-_ADDITIVE = {"AddV2", "Add", "AddN", "Sub", "Neg"}
+_BIAS_ADDS = ("BiasAdd", "AddV2", "Add")
+# Ops whose gradient reads none of their inputs' values: a tensor they
+# alone read is needed by a replay only where what they make is read on.
+_PASSING = _ALIASES | {
+    "AddV2", "Add", "AddN", "Sub", "Neg", "ConcatV2", "Transpose", "Cast", "Pad",
+    "PadV2", "Slice", "StridedSlice", "Pack", "Split", "SplitV", "Tile",
+}
+# Ops that read their input's shape only.
+_SHAPE_ONLY = {"Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike"}
 
 
-def _read_on(op, own_ops, seen=None):
-    """Whether a replay of the block whose ops are `own_ops` needs `op`'s
-    output: an op of the block reads it whose gradient reads its inputs,
-    or an add whose sum the block reads on (not a last projection before
-    the block's residual add, whose sum leaves the block)."""
+def _read_on(tensor, own_ops, seen=None):
+    """Whether a replay of the block whose ops are `own_ops` needs
+    `tensor`: an op of the block reads it whose gradient reads its
+    inputs, or one that passes it on (an add, a concatenation, a reshape)
+    into something the block reads on; not a last projection before the
+    block's residual add, nor a convolution's output the block's closing
+    concatenation passes out (DenseNet's)."""
     seen = set() if seen is None else seen
-    for consumer in _consumers(op):
+    for consumer in tensor.consumers():
         if consumer.name not in own_ops or consumer.name in seen:
             continue
         seen.add(consumer.name)
-        if consumer.type not in _ADDITIVE or _read_on(consumer, own_ops, seen):
+        if consumer.type in _SHAPE_ONLY:
+            continue
+        if consumer.type not in _PASSING:
+            return True
+        passed = consumer.outputs
+        if consumer.type == "IdentityN":  # the matching output only
+            passed = [consumer.outputs[i] for i, t in enumerate(consumer.inputs) if t is tensor]
+        if any(_read_on(t, own_ops, seen) for t in passed):
             return True
     return False
 
@@ -1599,12 +1626,12 @@ def selective_plan_bytes(total, per_block, chosen, kept, gradient_bytes=None, al
 
     `kept`, the bytes the selective step's own trace keeps for its backward
     (`kept_bytes`), can exceed what the figures say it keeps (a kernel
-    layer's output the figures count as rebuilt, a block's input kept for
-    its replay): the excess is counted throughout, so such an output counts
-    twice at its block's moment (the excess was 0 MiB of MobileNetV2's 39.7
+    layer's output the figures miss, a block's input kept for its replay):
+    the excess is counted throughout, so such an output counts twice at
+    its block's moment (the excess was 0 MiB of MobileNetV2's 39.7
     estimated, 12 of ResNet50's 105, 43 of ConvNeXtTiny's 118 and 120 of
-    the residual MLP's 206, whose kernel outputs the figures miss, measured
-    when the figures still counted what pruned backward operations read).
+    the residual MLP's 206, measured before the figures counted
+    `kernel_kept`, the outputs no backward without recompute reads).
     Where it is smaller, the figures stand, which reads high.
 
     Args:

@@ -991,8 +991,8 @@ class RecomputeSetup:
         plan = self._plan(estimated, batch_size, model)
         if self.selective:
             # The moments of the backward from the per-block figures; the
-            # step's own trace catches what they miss (kernel outputs
-            # counted as rebuilt, inputs kept for the replays).
+            # step's own trace catches what they miss (kernel outputs they
+            # do not find, inputs kept for the replays).
             kept = kept_bytes(model, lambda v, _: self.forward(model, v), spec)
             plan.bytes_with = selective_plan_bytes(total, per_block, self.chosen, kept)
             figures = with_pile_up(per_block, plan.gradients_pile_up)

@@ -267,6 +267,40 @@ def test_a_kept_output_no_backward_reads_counts_until_the_replay():
     assert _selective_peak(rows, kept=85) == 85
 
 
+def test_the_figures_count_the_kernel_outputs_a_block_reads_on():
+    """`kernel_kept` on a traced block: a Dense before a separate gelu is
+    kept (its output, which the gelu's gradient does not read, is not
+    cached), a last projection into the block's residual add is not, and
+    neither is a Dense whose output the block only passes out through a
+    concatenation (DenseNet's pattern)."""
+    from keras_gradboost import GradBoostModel
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((WIDTH,))
+
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.expand = keras.layers.Dense(4 * WIDTH, name="expand")
+            self.gelu = keras.layers.Activation("gelu", name="gelu")
+            self.project = keras.layers.Dense(WIDTH, name="project")
+            self.side = keras.layers.Dense(WIDTH, name="side")
+
+        def call(self, h):
+            body = keras.ops.add(h, self.project(self.gelu(self.expand(h))))
+            return keras.ops.concatenate([body, self.side(h)], axis=-1)
+
+    h = Block(name="block")(inputs)
+    model = GradBoostModel(inputs, keras.layers.Dense(3, name="head")(h))
+    model.compile(optimizer="sgd", loss="mse", recompute={"policy": "selective",
+                                                          "blocks": ["block"]})
+    _, per_block, _ = model._gradboost.recompute._estimate(
+        model, tf.TensorSpec((16, WIDTH), tf.float32))
+    (figures,) = per_block.values()
+    assert figures["kernel_kept"] == 16 * 4 * WIDTH * 4  # expand's output alone
+    assert figures["kernel_cached"] < figures["kernel_kept"]
+
+
 def test_the_largest_replay_and_the_largest_gradients_need_not_coincide():
     """ConvNeXtTiny's shape: large activations first, large weights last.
     The gradients of the last block's weights are gone when the backward
