@@ -768,14 +768,15 @@ def _workspaces(graph, forward_ops, trainable, model):
             size = _eigen_workspace(op, differentiable)
             if size:
                 found[op.name] = size
+    # Per function call, the handles it reads: given, or sliced ("chunked").
+    reads = {
+        op: {name for t in op.inputs for name in (t.name, _sliced_weight(t))}
+        for op in forward_ops
+        if op.type in _CALLS
+    }
     for layer, size in depthwise.xla_backward_temporaries(model):
         kernel = set(_handles(graph, [layer.kernel]))
-        calls = [
-            op
-            for op in forward_ops
-            if op.type in _CALLS
-            and kernel & {name for t in op.inputs for name in (t.name, _sliced_weight(t))}
-        ]
+        calls = [op for op, names in reads.items() if kernel & names]
         for op in calls:
             found[op.name] = found.get(op.name, 0) + size
         if not calls:
@@ -1089,9 +1090,12 @@ def _weight_root(tensor):
     return tensor
 
 
+_BIAS_ADDS = ("BiasAdd", "AddV2", "Add")
+
+
 def _bias_added(op):
     """The contraction a bias add (`op`) adds a weight to, or None."""
-    if op.type in ("BiasAdd", "AddV2", "Add") and len(op.inputs) == 2:
+    if op.type in _BIAS_ADDS and len(op.inputs) == 2:
         a, b = op.inputs
         for value, bias in ((a, b), (b, a)):
             if _from_weight(bias) and _by_weight(_root(value).op):
@@ -1205,7 +1209,6 @@ def _block_figures(calls, operations, cached, trainable, selective=False, worksp
     }
 
 
-_BIAS_ADDS = ("BiasAdd", "AddV2", "Add")
 # Ops whose gradient reads none of their inputs' values: a tensor they
 # alone read is needed by a replay only where what they make is read on.
 _PASSING = _ALIASES | {
