@@ -19,6 +19,11 @@ peak of the timed steps above the level before them.
     python benchmarks/bench_depthwise.py [--models ConvNeXtTiny] [--rounds 8]
     python benchmarks/bench_depthwise.py --setting pointwise=matmul \
         --models MobileNetV2,EfficientNetB0
+
+`--splits 97,98,193`: no timing; for each channel count, the splits
+"chunked" tries (`depthwise.chunk_splits`) and whether each gives Keras'
+values and gradients bit for bit on this machine (`_bitwise_equal`, as
+at a layer's first trace; inputs (4, 4, 4, C), a 7x7 kernel).
 """
 
 import argparse
@@ -95,6 +100,27 @@ def memory(name, setting, args):
     return {"error": (out.stderr.strip().splitlines() or ["?"])[-1][:100]}
 
 
+def splits(counts):
+    import keras
+
+    from keras_gradboost import depthwise
+
+    print('Splits depthwise="chunked" tries, checked bit for bit against Keras\' '
+          "grouped convolution on this machine: inputs (4, 4, 4, C), 7x7 kernel, "
+          "\"same\" padding.")
+    for channels in counts:
+        layer = keras.layers.Conv2D(channels, 7, groups=channels, padding="same")
+        layer.build((None, 4, 4, channels))
+        checked = [
+            (sizes, depthwise._bitwise_equal(
+                layer.convolution_op, (4, 4, 4, channels), layer.kernel.shape, sizes))
+            for sizes in depthwise.chunk_splits(channels)
+        ]
+        runs = next((sizes for sizes, equal in checked if equal), "Keras' way")
+        said = ", ".join(f"{sizes} {'equal' if equal else 'differs'}" for sizes, equal in checked)
+        print(f"  {channels:4d}: {said} -> runs {runs}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="ConvNeXtTiny")
@@ -105,8 +131,11 @@ def main():
     parser.add_argument("--pixels", type=int, default=64)
     parser.add_argument("--setting", default="depthwise=native",
                         choices=["depthwise=native", "depthwise=chunked", "pointwise=matmul"])
+    parser.add_argument("--splits", help="channel counts: check the splits, no timing")
     parser.add_argument("--time-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.splits:
+        return splits([int(count) for count in args.splits.split(",")])
     if args.time_worker:
         return time_worker(args)
     mib = 2**20

@@ -16,6 +16,7 @@ import keras
 import keras_gradboost as kgb
 from keras_gradboost import cpu_threads
 from keras_gradboost import depthwise
+from keras_gradboost import jit_measure
 import test_depthwise
 from test_depthwise import gradients
 from test_depthwise import measured_training_peak
@@ -127,7 +128,7 @@ def test_chunked_equals_keras_bit_for_bit():
     assert xla_convolutions(boosted, x) == (3 + 3 + 2) * per_convolution
 
 
-def _fit_weights(setting, seed=0, **compile_kwargs):
+def _fit_weights(setting, seed=0, samples=16, **compile_kwargs):
     model = kgb.boost(wide_net(seed))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # compile's depthwise advice
@@ -137,7 +138,7 @@ def _fit_weights(setting, seed=0, **compile_kwargs):
             depthwise=setting,
             **compile_kwargs,
         )
-    x, y = data(16)
+    x, y = data(samples)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
@@ -177,6 +178,26 @@ def test_chunked_with_other_features_trains_like_keras(extra, monkeypatch):
         assert sliced == CHUNKED and not model.chunked_warnings
     if "recompute" in extra:
         assert model.recompute_plan().recomputed
+
+
+def test_chunked_under_measured_xla_trains_like_keras(monkeypatch):
+    """jit_compile="measure" with depthwise="chunked": the XLA candidate
+    runs Keras' way with a warning, the other runs the slices, and the
+    weights after the 8 measured steps and 2 more are bit for bit those of
+    the same measurement with Keras' grouped convolution. A fake clock
+    (every call 1 s) makes both decide alike: no XLA on a tie."""
+    clock = iter(range(10**6))
+    monkeypatch.setattr(jit_measure, "perf_counter", lambda: next(clock))
+    _, want = _fit_weights("keras", samples=40, jit_compile="measure")
+    sliced = recording_slices(monkeypatch)
+    model, got = _fit_weights("chunked", samples=40, jit_compile="measure")
+    assert model.jit_measurement.jit_compile is False
+    assert int(model.optimizer.iterations) == 10
+    for a, b in zip(got, want):
+        assert_same_bits(a, b)
+    assert sliced == CHUNKED
+    assert len(model.chunked_warnings) == len(CHUNKED), model.chunked_warnings
+    assert all("XLA compiles the step" in said for said in model.chunked_warnings)
 
 
 def test_recompute_runs_slices_by_default_like_keras(monkeypatch):
@@ -409,7 +430,59 @@ def test_a_layer_whose_slices_differ_runs_as_keras_with_a_warning(monkeypatch):
     said = [str(w.message) for w in caught if str(w.message).startswith('depthwise="chunked"')]
     assert len(said) == 2, said  # one per layer, not one per trace
     assert "'dw_wide'" in said[0] + said[1] and 'depthwise="native"' in said[0]
+    assert "its slices ([10, 10, 10]) did not give Keras'" in said[0]  # the splits tried
     assert xla_convolutions(boosted, x) == xla_convolutions(keras_way, x)
+
+
+def test_splits_tried_in_turn(monkeypatch):
+    """The even split first, then whole multiples of 48 channels, as many
+    slices and one more, each of at most 96 (as in use)."""
+    assert depthwise.chunk_splits(30) == [[10, 10, 10]]  # slices of 12 here
+    monkeypatch.setattr(depthwise, "CHUNK_CHANNELS", 96)
+    assert depthwise.chunk_splits(98) == [[49, 49], [48, 50]]
+    assert depthwise.chunk_splits(193) == [[65, 64, 64], [96, 48, 49], [48, 48, 48, 49]]
+    assert depthwise.chunk_splits(768) == [[96] * 8, [96] * 7 + [48, 48]]
+    for channels in range(97, 800):
+        for sizes in depthwise.chunk_splits(channels):
+            assert sum(sizes) == channels and 2 <= min(sizes) and max(sizes) <= 96
+
+
+def test_a_split_whose_check_differs_gives_way_to_the_next(monkeypatch):
+    """Where the even split's check differs (planted), the next split is
+    checked (the machine's own check) and runs: gradients bit for bit
+    Keras', in slices of 16 and 14 (slices of at most 16 here, aligned to
+    8), with no warning."""
+    monkeypatch.setattr(depthwise, "CHUNK_CHANNELS", 16)
+    monkeypatch.setattr(depthwise, "ALIGNED_CHANNELS", 8)
+    assert depthwise.chunk_splits(30) == [[15, 15], [16, 14], [8, 8, 14]]
+    monkeypatch.setattr(depthwise, "_CHECKED", {})
+    check = depthwise._bitwise_equal
+    monkeypatch.setattr(
+        depthwise, "_bitwise_equal",
+        lambda original, shape, kernel, sizes: sizes != [15, 15]
+        and check(original, shape, kernel, sizes),
+    )
+    ran = []
+    split = depthwise._Depthwise._split
+
+    def recording(self, *args):
+        sizes, equal = split(self, *args)
+        ran.append((self.layer.name, sizes, equal))
+        return sizes, equal
+
+    monkeypatch.setattr(depthwise._Depthwise, "_split", recording)
+    plain = wide_net()
+    boosted = kgb.boost(plain)
+    boosted.compile(optimizer="sgd", loss="mse", depthwise="chunked")
+    x, y = data()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for got, want in zip(gradients(boosted, x, y), gradients(plain, x, y)):
+            assert_same_bits(got, want)
+    said = [str(w.message) for w in caught if str(w.message).startswith("depthwise=")]
+    assert not said, said
+    assert {name for name, _, _ in ran} == CHUNKED
+    assert all(sizes == [16, 14] and equal == [8] for _, sizes, equal in ran), ran
 
 
 def test_the_check_leaves_tensorflows_random_state_alone(monkeypatch):
