@@ -158,8 +158,8 @@ class _Depthwise:
     For "chunked": `check_batches`, the batch sizes a trace whose batch is
     not fixed is checked at (`set_check_batches`; else 2), the only sizes
     it runs the slices at; `sliced`, whether the last trace ran slices
-    (None before one), which the estimates follow; `warned`, the reasons a
-    warning has named."""
+    (None before one), which the estimates follow, and `sizes`, the split
+    it ran (None before one); `warned`, the reasons a warning has named."""
 
     def __init__(self, layer):
         self.layer = layer
@@ -168,6 +168,7 @@ class _Depthwise:
         self.owner = None  # a weak reference to the model whose compile set it
         self.check_batches = ()
         self.sliced = None
+        self.sizes = None
         self.warned = set()
 
     def __call__(self, original, inputs, kernel):
@@ -217,7 +218,7 @@ class _Depthwise:
                            f"{tuple(inputs.shape)}, batch sizes "
                            f"{sorted(set(batches) - set(equal))})")
             if equal:
-                self.sliced = True
+                self.sliced, self.sizes = True, sizes
                 if inputs.shape[0]:
                     return _sliced(original, inputs, kernel, sizes)
                 # A batch of no fixed size: the slices at the sizes checked,
@@ -462,8 +463,9 @@ def xla_backward_temporaries(model):
     channels_last; the others assumed alike). Layers running natively
     here (`kernel_choice.current()`) have none, and neither has a GPU
     (cuDNN runs grouped convolutions); a layer running in slices
-    (`depthwise="chunked"`) has those of its largest slices, as many at
-    once as the executor runs ops (`cpu_threads.inter_op()`). A layer not
+    (`depthwise="chunked"`) has those of its largest slices (of the split
+    its last trace ran; before one, the even split), as many at once as
+    the executor runs ops (`cpu_threads.inter_op()`). A layer not
     yet built is skipped (the estimates trace the model first, which
     builds it).
 
@@ -484,7 +486,7 @@ def xla_backward_temporaries(model):
             # The slices' backwards are independent ops: the executor runs
             # as many at once as it has threads (a 3-slice layer on this
             # project's 2 cores: the peak held 2 slices' filters).
-            sizes = sorted(chunk_sizes(filters), reverse=True)
+            sizes = sorted(_wrapper(layer).sizes or chunk_sizes(filters), reverse=True)
             dense = [size * size for size in sizes[: cpu_threads.inter_op()]]
         itemsize = max(4, tf.as_dtype(layer.compute_dtype).size)
         size = XLA_DENSE_FILTER_COPIES * sum(dense) * math.prod(window) * itemsize

@@ -483,6 +483,13 @@ def test_a_split_whose_check_differs_gives_way_to_the_next(monkeypatch):
     assert not said, said
     assert {name for name, _, _ in ran} == CHUNKED
     assert all(sizes == [16, 14] and equal == [8] for _, sizes, equal in ran), ran
+    # The estimates count the dense filters of the split that ran.
+    with boosted._chosen_kernels():
+        found = dict(depthwise.xla_backward_temporaries(boosted))
+    layer = boosted.get_layer("dw_wide")
+    at_once = [16, 14][: cpu_threads.inter_op()]
+    assert found[layer] == depthwise.XLA_DENSE_FILTER_COPIES * sum(
+        7 * 7 * size * size * 4 for size in at_once)
 
 
 def test_the_check_leaves_tensorflows_random_state_alone(monkeypatch):
