@@ -339,9 +339,10 @@ def estimates(args):
             model = zoo.residual_mlp(blocks=args.blocks, width=args.width)
     finally:
         keras.mixed_precision.set_global_policy("float32")
+    # As the workers compile it (under XLA the slices of "chunked" do not run).
     model.compile(optimizer=optimizer(args), loss=keras.losses.SparseCategoricalCrossentropy(),
                   recompute="auto", depthwise=args.depthwise, pointwise=args.pointwise,
-                  precision=args.precision)
+                  precision=args.precision, jit_compile=args.jit)
     plan = model.recompute_plan(batch_size=args.batch)
     # Inputs of unknown length are estimated at fit; a NaNWatcher's fit
     # holds every gradient, which the plan's peaks then count.
