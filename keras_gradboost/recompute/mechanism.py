@@ -400,8 +400,11 @@ def _with_losses(outputs, losses):
     (`hooks.collecting_losses`): the custom gradient returns both, so a
     loss made inside the block (an activity regularizer, a mixture of
     experts' load-balancing loss) is differentiated through the replay
-    like an output, instead of reaching none of the block's weights."""
-    return tf.nest.flatten(outputs) + [loss for _, loss in losses]
+    like an output, instead of reaching none of the block's weights. An
+    output that is None (keras-hub's T5 attention returns its cache as
+    None) is left out, and `_add_back` puts it back."""
+    given = [t for t in tf.nest.flatten(outputs) if t is not None]
+    return given + [loss for _, loss in losses]
 
 
 def _add_back(recorded, flat_outputs):
@@ -410,12 +413,16 @@ def _add_back(recorded, flat_outputs):
     back to those layers, as the custom gradient returns them (connected
     to the block's inputs and weights)."""
     outputs, losses = recorded
-    count = len(tf.nest.flatten(outputs))
+    leaves = tf.nest.flatten(outputs)
+    count = sum(t is not None for t in leaves)
     for (layer, _), loss in zip(losses, flat_outputs[count:]):
         # Keras' own `add_loss`: a class's override of it ran already, in
         # the forward, on the loss as it was recorded.
         keras.layers.Layer.add_loss(layer, loss)
-    return tf.nest.pack_sequence_as(outputs, flat_outputs[:count])
+    given = iter(flat_outputs[:count])
+    return tf.nest.pack_sequence_as(
+        outputs, [None if t is None else next(given) for t in leaves]
+    )
 
 
 def _operations_made():

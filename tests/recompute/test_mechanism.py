@@ -275,6 +275,48 @@ def test_losses_added_inside_a_block_reach_its_weights(data, setting, jit_compil
     assert np.isfinite(history.history["loss"]).all()
 
 
+class _ReturnsNone(keras.layers.Layer):
+    """Returns `(output, None)`, as keras-hub's T5 attention returns its
+    cache when it has none."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(WIDTH, activation="gelu")
+
+    def call(self, x):
+        return self.dense(x), None
+
+
+class _CallsReturnsNone(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = _ReturnsNone(name="inner")
+        self.out = keras.layers.Dense(WIDTH)
+
+    def call(self, x):
+        h, cache = self.inner(x)
+        assert cache is None  # given back as it was returned
+        return self.out(h) + x
+
+
+@pytest.mark.parametrize("setting", [["inner"], ["block"], {"policy": "selective"}])
+def test_a_block_returning_none_among_its_outputs(data, setting):
+    # A None output made the custom gradient raise "None values not
+    # supported" (T5's attention, recompute="auto").
+    def make():
+        keras.utils.set_random_seed(0)
+        i = keras.Input((5,))
+        h = keras.layers.Dense(WIDTH, name="pre")(i)
+        h = _CallsReturnsNone(name="block")(h)
+        return keras.Model(i, keras.layers.Dense(3, name="head")(h))
+
+    keras_model, recomputed = make(), boost(make())
+    train(keras_model, *data, epochs=2)
+    train(recomputed, *data, epochs=2, recompute=setting)
+    assert recomputed.recompute_plan().recomputed
+    assert_same_state(keras_model, recomputed, atol=0)
+
+
 class _HalvesItsLosses(_OwnLoss):
     """Overrides `add_loss` (halves each loss): applied once, as in Keras."""
 
