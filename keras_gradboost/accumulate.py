@@ -64,6 +64,17 @@ def listed(names, limit):
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def random_layers(model):
+    """The layers of `model` that draw random numbers of their own: those
+    holding a `keras.random.SeedGenerator` (Dropout with a rate above 0,
+    GaussianNoise, the random augmentation layers)."""
+    return [
+        layer
+        for layer in hooks.flatten_layers(model)
+        if any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
+    ]
+
+
 # Keras' own activity regularizers: sums of per-element terms.
 _PER_ELEMENT_REGULARIZERS = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
 

@@ -11,6 +11,7 @@ from keras_gradboost import wrappers
 from keras_gradboost.accumulate import listed
 from keras_gradboost.accumulate import loss_normaliser
 from keras_gradboost.accumulate import mean_activity_loss
+from keras_gradboost.accumulate import random_layers
 from keras_gradboost.accumulate import reduces_like_keras
 from keras_gradboost.accumulate import sample_count
 from keras_gradboost.guard import gradient_array
@@ -84,7 +85,7 @@ def check(model, window, rtol=None):
         return tape.gradient(loss, variables), count
 
     run = tf.function(gradients, autograph=False)
-    undo = [wrappers.patch(layer, "call", _identity) for layer in _random_layers(model)]
+    undo = [wrappers.patch(layer, "call", _identity) for layer in random_layers(model)]
     try:
         accumulated, total = None, 0.0
         for batch in window:
@@ -129,14 +130,6 @@ def check(model, window, rtol=None):
 
 def _identity(call, inputs, *args, **kwargs):
     return inputs
-
-
-def _random_layers(model):
-    return [
-        layer
-        for layer in hooks.flatten_layers(model)
-        if any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
-    ]
 
 
 def _concatenate(window):
@@ -187,7 +180,7 @@ def _causes(model, adding=(), by_samples=True):
                 + ") may normalise per batch; accumulation is exact for "
                 'reduction="sum_over_batch_size" through Loss.call.'
             )
-    random = _random_layers(model)
+    random = random_layers(model)
     stateful = [
         l.name
         for l in layers

@@ -31,6 +31,7 @@ from keras_gradboost import hooks
 from keras_gradboost import precision as precision_lib
 from keras_gradboost.accumulate import EXACT_REDUCTIONS
 from keras_gradboost.accumulate import listed
+from keras_gradboost.accumulate import random_layers
 from keras_gradboost.config import GradBoostConfig
 from keras_gradboost.config import jit_compile_setting
 from keras_gradboost.recompute.setup import RecomputeSetup
@@ -525,6 +526,17 @@ def inexact_accumulation_warnings(model, config, loss):
             "not those of the whole accumulated batch, so the result differs "
             "from one large-batch step. Use LayerNormalization or "
             "GroupNormalization for an exact equivalent."
+        )
+    drawing = [l.name for l in random_layers(model)]
+    if drawing:
+        notes.append(
+            f"accumulate_steps={steps}: the layers that draw random numbers "
+            f"({listed(drawing, 4)}, e.g. Dropout masks) draw them for each "
+            "micro-batch: every sample gets a draw of its own, as in a large "
+            "batch, but not the one a large-batch step would draw, so the "
+            "weights differ from one large-batch step with the same seed by "
+            "that randomness (not in expectation). accumulate_check=True "
+            "compares with these layers as the identity."
         )
     losses = tf.nest.flatten(loss) if loss is not None else []
     odd = sorted(

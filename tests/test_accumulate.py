@@ -243,6 +243,27 @@ def test_batch_normalization_warning_names_layers():
         model.compile(optimizer="sgd", loss="mse", accumulate_steps=2)
 
 
+@pytest.mark.parametrize("rate", [0.1, 0.0])
+def test_a_layer_drawing_random_numbers_is_warned_about(rate):
+    # Each micro-batch draws its own Dropout masks: 3 windows of 2 moved a
+    # Dense -> Dropout(0.1) -> Dense 0.069 away from 3 large-batch steps
+    # with the same seed (of 0.127 moved), silently. At rate 0 Keras draws
+    # nothing, and the two are equal.
+    inputs = keras.Input((5,))
+    x = keras.layers.Dense(4)(inputs)
+    x = keras.layers.Dropout(rate, name="drop")(x)
+    model = GradBoostModel(inputs, keras.layers.Dense(1)(x))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.compile(optimizer="sgd", loss="mse", accumulate_steps=2)
+    said = [str(w.message) for w in caught if "draw random numbers" in str(w.message)]
+    if rate:
+        assert len(said) == 1 and "('drop', e.g. Dropout masks)" in said[0], said
+        assert "not the one a large-batch step would draw" in said[0]
+    else:
+        assert not said
+
+
 def test_a_stateful_rnn_window_sums_consecutive_batches_and_warns():
     # No large batch equals a window of a stateful RNN (its batch size is
     # fixed; each micro-batch starts from the state the one before left):
