@@ -64,15 +64,31 @@ def listed(names, limit):
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+# The attributes that say how much a Keras layer draws: all 0, it draws
+# nothing (Keras' RNN cells hold a SeedGenerator at dropout=0 too).
+RANDOM_RATES = ("rate", "dropout", "recurrent_dropout", "stddev")
+
+
 def random_layers(model):
-    """The layers of `model` that draw random numbers of their own: those
-    holding a `keras.random.SeedGenerator` (Dropout with a rate above 0,
-    GaussianNoise, the random augmentation layers)."""
-    return [
-        layer
-        for layer in hooks.flatten_layers(model)
-        if any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
-    ]
+    """The layers of `model` that draw random numbers of their own in
+    training: those holding a `keras.random.SeedGenerator` (in an attribute,
+    or a list or dict of them), but for those whose rates (`RANDOM_RATES`)
+    are all 0. Dropout with a rate above 0, GaussianNoise, an LSTM's cell
+    with dropout, the random augmentation layers."""
+    found = []
+    for layer in hooks.flatten_layers(model):
+        held = []
+        for value in vars(layer).values():
+            if isinstance(value, dict):
+                value = list(value.values())
+            held.extend(value if isinstance(value, (list, tuple)) else [value])
+        if not any(isinstance(v, keras.random.SeedGenerator) for v in held):
+            continue
+        rates = [getattr(layer, name) for name in RANDOM_RATES if hasattr(layer, name)]
+        if rates and all(isinstance(r, (int, float)) and r == 0 for r in rates):
+            continue
+        found.append(layer)
+    return found
 
 
 # Keras' own activity regularizers: sums of per-element terms.

@@ -213,10 +213,11 @@ class _Depthwise:
             sizes, equal = self._split(original, inputs, kernel, splits, batches)
             if len(equal) < len(batches):
                 tried = " or ".join(str(split) for split in splits)
+                ran = f"; at batch sizes {equal} it runs the slices {sizes}" if equal else ""
                 self._warn("check", f"on this machine its slices ({tried}) did not give "
                            "Keras' values and gradients bit for bit (inputs "
                            f"{tuple(inputs.shape)}, batch sizes "
-                           f"{sorted(set(batches) - set(equal))})")
+                           f"{sorted(set(batches) - set(equal))}){ran}")
             if equal:
                 self.sliced, self.sizes = True, sizes
                 if inputs.shape[0]:
@@ -359,7 +360,7 @@ def apply(layers, setting="native", chosen_by=None, owner=None):
         wrapper.setting = setting
         wrapper.chosen_by = chosen_by
         wrapper.owner = weakref.ref(owner) if owner is not None else None
-        wrapper.sliced = None
+        wrapper.sliced = wrapper.sizes = None
         wrapper.warned = set()  # a new compile traces anew, and warns anew
     if changed:
         chosen = f" ({chosen_by} chose it)" if chosen_by else ""

@@ -536,7 +536,7 @@ def inexact_accumulation_warnings(model, config, loss):
             "batch, but not the one a large-batch step would draw, so the "
             "weights differ from one large-batch step with the same seed by "
             "that randomness (not in expectation). accumulate_check=True "
-            "compares with these layers as the identity."
+            "compares the two with these draws turned off."
         )
     losses = tf.nest.flatten(loss) if loss is not None else []
     odd = sorted(

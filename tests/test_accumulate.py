@@ -243,25 +243,49 @@ def test_batch_normalization_warning_names_layers():
         model.compile(optimizer="sgd", loss="mse", accumulate_steps=2)
 
 
-@pytest.mark.parametrize("rate", [0.1, 0.0])
-def test_a_layer_drawing_random_numbers_is_warned_about(rate):
+@pytest.mark.parametrize("kind, rate", [
+    ("dropout", 0.1), ("dropout", 0.0), ("lstm", 0.2), ("lstm", 0.0)])
+def test_a_layer_drawing_random_numbers_is_warned_about(kind, rate):
     # Each micro-batch draws its own Dropout masks: 3 windows of 2 moved a
     # Dense -> Dropout(0.1) -> Dense 0.069 away from 3 large-batch steps
-    # with the same seed (of 0.127 moved), silently. At rate 0 Keras draws
-    # nothing, and the two are equal.
-    inputs = keras.Input((5,))
-    x = keras.layers.Dense(4)(inputs)
-    x = keras.layers.Dropout(rate, name="drop")(x)
+    # with the same seed (of 0.127 moved), silently. At rate 0 nothing is
+    # drawn, and the two are equal (Keras' LSTM cell holds a SeedGenerator
+    # at dropout=0 too).
+    if kind == "dropout":
+        inputs = keras.Input((5,))
+        x = keras.layers.Dense(4)(inputs)
+        x = keras.layers.Dropout(rate, name="drop")(x)
+        named = "'drop'"
+    else:
+        inputs = keras.Input((3, 5))
+        x = keras.layers.LSTM(4, dropout=rate, name="lstm")(inputs)
+        named = "'lstm_cell'"
     model = GradBoostModel(inputs, keras.layers.Dense(1)(x))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.compile(optimizer="sgd", loss="mse", accumulate_steps=2)
     said = [str(w.message) for w in caught if "draw random numbers" in str(w.message)]
     if rate:
-        assert len(said) == 1 and "('drop', e.g. Dropout masks)" in said[0], said
+        assert len(said) == 1 and f"({named}, e.g. Dropout masks)" in said[0], said
         assert "not the one a large-batch step would draw" in said[0]
     else:
         assert not said
+
+
+def test_accumulate_check_turns_an_lstms_dropout_off_on_both_sides():
+    # The check ran the LSTM's cell as the identity, as it runs Dropout,
+    # and the LSTM failed (a cell returns its states too).
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 3, 5)).astype("float32"), rng.normal(size=(16, 1))
+    inputs = keras.Input((3, 5))
+    h = keras.layers.LSTM(4, dropout=0.2, recurrent_dropout=0.1, name="lstm")(inputs)
+    model = GradBoostModel(inputs, keras.layers.Dense(1)(h))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the random-layer warning
+        model.compile(optimizer="sgd", loss="mse", accumulate_steps=2, accumulate_check=True)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)  # passes
+    cell = model.get_layer("lstm").cell
+    assert (cell.dropout, cell.recurrent_dropout) == (0.2, 0.1)  # put back
 
 
 def test_a_stateful_rnn_window_sums_consecutive_batches_and_warns():

@@ -483,6 +483,12 @@ def test_a_split_whose_check_differs_gives_way_to_the_next(monkeypatch):
     assert not said, said
     assert {name for name, _, _ in ran} == CHUNKED
     assert all(sizes == [16, 14] and equal == [8] for _, sizes, equal in ran), ran
+    # The slices ran: 2 + 2 of Keras' XLA convolutions and the 2 layers left
+    # to Keras, where Keras' way has 4 (as in the bit-for-bit test above).
+    keras_way = kgb.boost(plain)
+    keras_way.compile(optimizer="sgd", loss="mse")
+    per_convolution = xla_convolutions(keras_way, x) // 4
+    assert xla_convolutions(boosted, x) == (2 + 2 + 2) * per_convolution
     # The estimates count the dense filters of the split that ran.
     with boosted._chosen_kernels():
         found = dict(depthwise.xla_backward_temporaries(boosted))

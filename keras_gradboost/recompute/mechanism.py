@@ -222,7 +222,8 @@ def recomputed(fn, state, name="block", weights=(), selective=False, nested=None
                 sources = [by_variable.get(id(v), v) for v in variables]
                 with _differentiating_replay():
                     grads = _differentiate(
-                        tape, _with_losses(again, losses_again), list(inputs) + sources,
+                        tape, _replayed(again, losses_again, structure[0], name),
+                        list(inputs) + sources,
                         arrived, len(upstream), name,
                     )
                 weight_grads = [
@@ -381,7 +382,8 @@ def _recomputed_in_replay(fn, state, name, weights, nested, selective=False):
                 _refuse_unsaved_updates(replay.updated, others + saved, name)
                 with _differentiating_replay():
                     grads = _differentiate(
-                        tape, _with_losses(again, losses_again), inputs + variables,
+                        tape, _replayed(again, losses_again, structure[0], name),
+                        inputs + variables,
                         arrived, len(upstream), name,
                     )
                 return grads[: len(inputs)], grads[len(inputs) :]
@@ -405,6 +407,26 @@ def _with_losses(outputs, losses):
     None) is left out, and `_add_back` puts it back."""
     given = [t for t in tf.nest.flatten(outputs) if t is not None]
     return given + [loss for _, loss in losses]
+
+
+def _replayed(again, losses_again, recorded, name):
+    """A replay's outputs and losses as `_with_losses` gives them, where
+    it returned None at the places its forward did (`recorded`: the
+    forward's `(outputs, losses)`); else the gradients would meet other
+    outputs than the forward's.
+
+    Raises:
+        RuntimeError: the Nones are elsewhere, or the outputs another structure.
+    """
+    nones = [[t is None for t in tf.nest.flatten(o)] for o in (recorded[0], again)]
+    if nones[0] != nones[1]:
+        raise RuntimeError(
+            f"Recompute of block {name!r}: its replay returned None at other "
+            "places than its forward, or another structure of outputs. The "
+            "block's call must return the same structure both times; leave it "
+            "out of `recompute`."
+        )
+    return _with_losses(again, losses_again)
 
 
 def _add_back(recorded, flat_outputs):

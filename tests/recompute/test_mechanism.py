@@ -299,7 +299,8 @@ class _CallsReturnsNone(keras.layers.Layer):
         return self.out(h) + x
 
 
-@pytest.mark.parametrize("setting", [["inner"], ["block"], {"policy": "selective"}])
+@pytest.mark.parametrize(
+    "setting", [["inner"], ["block"], ["block", "inner"], {"policy": "selective"}])
 def test_a_block_returning_none_among_its_outputs(data, setting):
     # A None output made the custom gradient raise "None values not
     # supported" (T5's attention, recompute="auto").
@@ -315,6 +316,13 @@ def test_a_block_returning_none_among_its_outputs(data, setting):
     train(recomputed, *data, epochs=2, recompute=setting)
     assert recomputed.recompute_plan().recomputed
     assert_same_state(keras_model, recomputed, atol=0)
+
+
+def test_a_replay_returning_none_elsewhere_than_its_forward_raises():
+    t = tf.constant([1.0])
+    assert mechanism._replayed((t, None), [], ((t, None), []), "b") == [t]
+    with pytest.raises(RuntimeError, match="'b': its replay returned None at other places"):
+        mechanism._replayed((None, t), [], ((t, None), []), "b")
 
 
 class _HalvesItsLosses(_OwnLoss):
