@@ -275,6 +275,16 @@ def test_losses_added_inside_a_block_reach_its_weights(data, setting, jit_compil
     assert np.isfinite(history.history["loss"]).all()
 
 
+def _around(block):
+    """Dense "pre" -> `block` (a layer class, named "block") -> Dense "head",
+    seeded."""
+    keras.utils.set_random_seed(0)
+    i = keras.Input((5,))
+    h = keras.layers.Dense(WIDTH, name="pre")(i)
+    h = block(name="block")(h)
+    return keras.Model(i, keras.layers.Dense(3, name="head")(h))
+
+
 class _ReturnsNone(keras.layers.Layer):
     """Returns `(output, None)`, as keras-hub's T5 attention returns its
     cache when it has none."""
@@ -304,14 +314,7 @@ class _CallsReturnsNone(keras.layers.Layer):
 def test_a_block_returning_none_among_its_outputs(data, setting):
     # A None output made the custom gradient raise "None values not
     # supported" (T5's attention, recompute="auto").
-    def make():
-        keras.utils.set_random_seed(0)
-        i = keras.Input((5,))
-        h = keras.layers.Dense(WIDTH, name="pre")(i)
-        h = _CallsReturnsNone(name="block")(h)
-        return keras.Model(i, keras.layers.Dense(3, name="head")(h))
-
-    keras_model, recomputed = make(), boost(make())
+    keras_model, recomputed = _around(_CallsReturnsNone), boost(_around(_CallsReturnsNone))
     train(keras_model, *data, epochs=2)
     train(recomputed, *data, epochs=2, recompute=setting)
     assert recomputed.recompute_plan().recomputed
@@ -335,14 +338,7 @@ class _HalvesItsLosses(_OwnLoss):
 def test_a_layer_overriding_add_loss_is_applied_once(data):
     # The loss was recorded after the override and added back through it:
     # halved twice, 0.026 away from Keras after two epochs.
-    def make():
-        keras.utils.set_random_seed(0)
-        i = keras.Input((5,))
-        h = keras.layers.Dense(WIDTH, name="pre")(i)
-        h = _HalvesItsLosses(name="block")(h)
-        return keras.Model(i, keras.layers.Dense(3, name="head")(h))
-
-    keras_model, recomputed = make(), boost(make())
+    keras_model, recomputed = _around(_HalvesItsLosses), boost(_around(_HalvesItsLosses))
     train(keras_model, *data, epochs=2)
     train(recomputed, *data, epochs=2, recompute=["block"])
     assert recomputed.recompute_plan().recomputed == ["block"]
