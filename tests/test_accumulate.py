@@ -272,19 +272,20 @@ def test_a_layer_drawing_random_numbers_is_warned_about(kind, rate):
         assert not said
 
 
-def test_accumulate_check_turns_an_lstms_dropout_off_on_both_sides():
-    # The check ran the LSTM's cell as the identity, as it runs Dropout,
-    # and the LSTM failed (a cell returns its states too).
+@pytest.mark.parametrize("rnn", [keras.layers.LSTM, keras.layers.GRU, keras.layers.SimpleRNN])
+def test_accumulate_check_turns_an_rnns_dropout_off_on_both_sides(rnn):
+    # The check ran the RNN's cell as the identity, as it runs Dropout,
+    # and the RNN failed (a cell returns its states too).
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(16, 3, 5)).astype("float32"), rng.normal(size=(16, 1))
     inputs = keras.Input((3, 5))
-    h = keras.layers.LSTM(4, dropout=0.2, recurrent_dropout=0.1, name="lstm")(inputs)
+    h = rnn(4, dropout=0.2, recurrent_dropout=0.1, name="rnn")(inputs)
     model = GradBoostModel(inputs, keras.layers.Dense(1)(h))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the random-layer warning
         model.compile(optimizer="sgd", loss="mse", accumulate_steps=2, accumulate_check=True)
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)  # passes
-    cell = model.get_layer("lstm").cell
+    cell = model.get_layer("rnn").cell
     assert (cell.dropout, cell.recurrent_dropout) == (0.2, 0.1)  # put back
 
 
