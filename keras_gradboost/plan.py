@@ -529,9 +529,12 @@ def inexact_accumulation_warnings(model, config, loss):
         )
     drawing = [l.name for l in random_layers(model)]
     if drawing:
+        # Each name once: keras-hub names every block's layers alike.
+        names = list(dict.fromkeys(drawing))
+        count = f"; {len(drawing)} layers" if len(names) < len(drawing) else ""
         notes.append(
             f"accumulate_steps={steps}: the layers that draw random numbers "
-            f"({listed(drawing, 4)}, e.g. Dropout masks) draw them for each "
+            f"({listed(names, 4)}{count}, e.g. Dropout masks) draw them for each "
             "micro-batch: every sample gets a draw of its own, as in a large "
             "batch, but not the one a large-batch step would draw, so the "
             "weights differ from one large-batch step with the same seed by "
