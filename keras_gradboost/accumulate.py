@@ -203,6 +203,9 @@ class GradientAccumulator:
         # or not) since the last update.
         self.count = replica_local_variable(0.0, "accumulated_samples")
         self.micro_step = replica_local_variable(0, "accumulated_micro_batches", tf.int64)
+        # Rows (samples) of the micro-batches added since the last update:
+        # where the next one's Dropout rows start (`window_dropout`).
+        self.rows = replica_local_variable(0, "accumulated_rows", tf.int64)
 
     def matches(self, variables):
         return self.variable_ids == tuple(id(v) for v in variables)
@@ -262,3 +265,4 @@ class GradientAccumulator:
         """Starts a new window (the sums are overwritten by the next add)."""
         self.count.assign(0.0)
         self.micro_step.assign(0)
+        self.rows.assign(0)

@@ -50,6 +50,8 @@ _MICRO = "window_micro_batches"
 _MASK = "window_gradient_mask"
 _SUM = "window_sum_"
 _REPLICAS = "window_replicas"
+_ROWS = "window_rows"  # samples added, where the next Dropout rows start
+_SEED = "window_seed_"  # each window_dropout generator's state at the window's start
 _PRECISION = "precision_measure"  # JSON, as uint8 (precision_measure.encode_state)
 
 
@@ -145,6 +147,9 @@ def collect(rt, strategy):
         state[_STEPS] = np.asarray(acc.steps, np.int64)
         state[_COUNT] = np.asarray(sum(counts), np.float32)
         state[_MICRO] = _first(acc.micro_step, strategy)
+        state[_ROWS] = _first(acc.rows, strategy)
+        for i, start in enumerate(rt.window_draws.starts if rt.window_draws else ()):
+            state[f"{_SEED}{i}"] = _first(start, strategy)
         state[_MASK] = np.asarray(acc.grad_mask, bool)
         state[_REPLICAS] = np.asarray(strategy.num_replicas_in_sync, np.int64)
         for i, (total, keeps_max) in enumerate(zip(acc.sums, acc.keeps_max)):
@@ -229,6 +234,27 @@ def _restore_scale(scaler, state, strategy):
     return [f"the {saved} loss scale {scale:g} (this model's scale is {own})"]
 
 
+def _restore_window_draws(rt, state, pending, strategy):
+    """Restores where the window's Dropout rows start and its seeds
+    (`window_dropout`); returns what it could not."""
+    acc = rt.accumulator
+    starts = rt.window_draws.starts if rt.window_draws else []
+    saved = sum(k.startswith(_SEED) for k in state)
+    _assign_all(acc.rows, int(state.get(_ROWS, 0)), strategy)
+    if saved == len(starts) and _ROWS in state:
+        for i, start in enumerate(starts):
+            _assign_all(start, state[f"{_SEED}{i}"], strategy)
+        return []
+    if not (pending and starts):
+        return []
+    _assign_all(acc.rows, 0, strategy)
+    return [
+        f"the Dropout seeds of the {pending} pending micro-batches ({saved} saved, "
+        f"{len(starts)} here): the rest of the window draws its masks as Keras "
+        "does, not as the large-batch step would"
+    ]
+
+
 def _restore_window(model, state, strategy):
     """Restores a saved accumulation window; returns what it could not."""
     rt = model._gradboost
@@ -253,6 +279,7 @@ def _restore_window(model, state, strategy):
     for j, part in enumerate(_local(acc.count, strategy)):
         part.assign(state[_COUNT] if j == 0 else 0.0)
     _assign_all(acc.micro_step, pending, strategy)
+    lost = _restore_window_draws(rt, state, pending, strategy)
     rt.loaded_window = rt.loaded_window or pending > 0
     saved_replicas = int(state.get(_REPLICAS, strategy.num_replicas_in_sync))
     if saved_replicas != strategy.num_replicas_in_sync and pending:
@@ -272,4 +299,4 @@ def _restore_window(model, state, strategy):
             f"{pending} pending micro-batches count towards the next update.",
             stacklevel=4,
         )
-    return []
+    return lost

@@ -325,6 +325,77 @@ def collecting_losses(keep=False):
         _LOSSES.collected = previous
 
 
+_DROPOUT_ROUTE = [None]  # what the installed `dropout` calls; None: Keras' own
+
+
+def route_backend_dropout(route):
+    """Keras' TensorFlow `backend.random.dropout`, which Keras' Dropout,
+    SpatialDropout, Attention and RNN cells call at each draw
+    (`keras.src.backend.tensorflow.random.dropout`, private), calls
+    `route(original, inputs, rate, noise_shape, seed)` from now on (None:
+    Keras' own again). Returns the route it replaced."""
+    from keras.src.backend.tensorflow import random as tf_random
+
+    if not getattr(tf_random.dropout, "_keras_gradboost_routed", False):
+        original = tf_random.dropout
+
+        def dropout(inputs, rate, noise_shape=None, seed=None):
+            route_now = _DROPOUT_ROUTE[0]
+            if route_now is None:
+                return original(inputs, rate, noise_shape=noise_shape, seed=seed)
+            return route_now(original, inputs, rate, noise_shape, seed)
+
+        dropout.__doc__ = original.__doc__
+        dropout._keras_gradboost_routed = True
+        tf_random.dropout = dropout
+    previous = _DROPOUT_ROUTE[0]
+    _DROPOUT_ROUTE[0] = route
+    return previous
+
+
+def keras_noise_shape(inputs, noise_shape):
+    """The noise shape Keras' TensorFlow `dropout` draws for `inputs` (a
+    shape tensor, or a list of ints and scalar tensors). Private
+    `_get_concrete_noise_shape`."""
+    from keras.src.backend.tensorflow import random as tf_random
+
+    return tf_random._get_concrete_noise_shape(inputs, noise_shape)
+
+
+def keras_dropout_seed(seed):
+    """The int32 seed Keras' TensorFlow `dropout` draws with for `seed` (a
+    `SeedGenerator` moves on, as in Keras' draw). Private `_cast_seed` and
+    `draw_seed`."""
+    from keras.src.backend.tensorflow import random as tf_random
+
+    return tf_random._cast_seed(tf_random.draw_seed(seed))
+
+
+def check_backend_dropout():
+    """Keras' Dropout draws through the routed `dropout`, with the seed and
+    noise shape read as above."""
+    seen = []
+
+    def record(original, inputs, rate, noise_shape, seed):
+        seen.append(seed)
+        return original(inputs, rate, noise_shape=noise_shape, seed=seed)
+
+    drop = keras.layers.Dropout(0.5, seed=3)
+    x = tf.ones((4, 6))
+    previous = route_backend_dropout(record)
+    try:
+        assert drop(x, training=True).shape == (4, 6)
+    finally:
+        route_backend_dropout(previous)
+    assert seen == [drop.seed_generator], "Dropout no longer draws through backend.random.dropout"
+    state = drop.seed_generator.state.numpy().copy()
+    seed = keras_dropout_seed(drop.seed_generator)
+    assert seed.dtype == tf.int32 and (drop.seed_generator.state.numpy() != state).any()
+    assert [int(d) for d in keras_noise_shape(x, None)] == [4, 6]
+    assert [int(d) for d in keras_noise_shape(x, (None, 1))] == [4, 1]
+    return True
+
+
 class _UpdateRecordingScope(keras.StatelessScope):
     def __init__(self, mapping):
         super().__init__(state_mapping=mapping)
@@ -866,6 +937,7 @@ def check():
     check_collecting_losses()
     check_untracked_state()
     check_compiled_metric_objects()
+    check_backend_dropout()
     assert tensorflow_runtime_started()  # (ops ran above)
     assert initial_epoch(model) is None
     set_initial_epoch(model, 2)

@@ -36,6 +36,8 @@ from keras_gradboost.plan import TrainPlan
 from keras_gradboost.state import StepFacts
 from keras_gradboost.step import CrossReplicaStep
 from keras_gradboost.step import flush_window
+from keras_gradboost import window_dropout
+from keras_gradboost.window_dropout import WindowDraws
 
 
 class _Runtime:
@@ -57,6 +59,8 @@ class _Runtime:
         self.scaler = None  # precision.LossScaler
         self.facts = None  # state.StepFacts
         self.accumulator = None  # accumulate.GradientAccumulator
+        self.window_draws = None  # window_dropout.WindowDraws, made with it
+        self.warned_own_step_draws = False
         # Which trainable variables get a gradient (set at trace time).
         self.grad_mask = None
         self.flush_function = None
@@ -969,6 +973,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         rt.accumulator = GradientAccumulator(
             self.trainable_variables, rt.config.accumulate_steps
         )
+        rt.window_draws = WindowDraws.for_model(self)
         rt.flush_function = None
 
     def _ensure_accumulator(self):
@@ -1006,32 +1011,33 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
 
         self._prepare_forward(x)
         accumulating = rt.config.accumulate_steps > 1
-        with tf.GradientTape() as tape:
-            with self._watching_layer_losses() as added:
-                y_pred = self._training_forward(x)
-            loss = hooks.compute_loss(
-                self, x, y, y_pred, sample_weight, training=True
-            )
-            batch_loss = loss * replicas if replicas > 1 else loss
-            hooks.loss_tracker(self).update_state(batch_loss, sample_weight=n)
-            # Accumulators sum count_j * (the replica's loss gradient) over
-            # micro-batches, count_j being what Keras divided the loss by (the
-            # samples, or a mask's valid entries). Keras' loss is also divided
-            # by `replicas`, so the weight is count * replicas; it goes on the
-            # scalar loss (free), or on the gradients together with the
-            # loss-scale division (one pass).
-            count = self._window_count(y_pred, n)
-            if accumulating:  # weighted by a mask's entries, a mean over samples is not exact
-                self._warn_layer_losses(added, by_samples=count is n)
-            weight = count * replicas if accumulating else 1.0
-            loss = self._loss_to_differentiate(loss, weight)
+        with self._window_draws(x) as advance_rows:
+            with tf.GradientTape() as tape:
+                with self._watching_layer_losses() as added:
+                    y_pred = self._training_forward(x)
+                loss = hooks.compute_loss(
+                    self, x, y, y_pred, sample_weight, training=True
+                )
+                batch_loss = loss * replicas if replicas > 1 else loss
+                hooks.loss_tracker(self).update_state(batch_loss, sample_weight=n)
+                # Accumulators sum count_j * (the replica's loss gradient) over
+                # micro-batches, count_j being what Keras divided the loss by (the
+                # samples, or a mask's valid entries). Keras' loss is also divided
+                # by `replicas`, so the weight is count * replicas; it goes on the
+                # scalar loss (free), or on the gradients together with the
+                # loss-scale division (one pass).
+                count = self._window_count(y_pred, n)
+                if accumulating:  # weighted by a mask's entries, a mean over samples is not exact
+                    self._warn_layer_losses(added, by_samples=count is n)
+                weight = count * replicas if accumulating else 1.0
+                loss = self._loss_to_differentiate(loss, weight)
 
-        variables = self.trainable_weights
-        if not variables:
-            warnings.warn("The model does not have any trainable weights.")
-            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            variables = self.trainable_weights
+            if not variables:
+                warnings.warn("The model does not have any trainable weights.")
+                return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-        grads = tape.gradient(loss, variables)
+            grads = tape.gradient(loss, variables)  # a replay draws as the forward did
         rt.facts.none_gradient_variables = tuple(
             v.path for v, g in zip(variables, grads) if g is None
         )
@@ -1045,6 +1051,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 for g, v in zip(grads, variables)
             ]
         dropped = self._update(grads, batch_loss, count, state)
+        advance_rows(dropped)
 
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         logs = guard.settle(self, state, dropped, logs)
@@ -1053,6 +1060,30 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             logs["loss_scale"] = rt.scaler.scale.read_value()
             logs["skipped_steps"] = rt.facts.skipped_steps.read_value()
         return logs
+
+    @contextlib.contextmanager
+    def _window_draws(self, x):
+        """Around a micro-batch's forward and backward pass: its Dropout
+        masks are its rows of the window's (`window_dropout`), on one
+        replica. Yields `advance_rows(dropped)`, to call after the update:
+        the next micro-batch's rows start after this one's, unless it was
+        dropped or closed the window."""
+        rt = self._gradboost
+        draws = rt.window_draws if rt.config.accumulate_steps > 1 else None
+        if draws is None or tf.distribute.get_strategy().num_replicas_in_sync > 1:
+            yield lambda dropped: None
+            return
+        acc = self._accumulator()
+        first = next(t for t in tf.nest.flatten(x) if t is not None)
+        samples = tf.cast(tf.shape(first)[0], tf.int64)
+        first_sample = acc.rows.read_value()
+
+        def advance_rows(dropped):
+            added = samples if dropped is None else tf.where(dropped, tf.constant(0, tf.int64), samples)
+            acc.rows.assign(tf.where(acc.micro_step.read_value() > 0, first_sample + added, 0))
+
+        with draws.drawing(first_sample, samples, first.shape[0]):
+            yield advance_rows
 
     def _window_count(self, y_pred, n):
         """The micro-batch's weight in its accumulation window: `n` samples,
@@ -1102,6 +1133,31 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             "for a dense one). With SGD (momentum and weight decay allowed, "
             "no clipping) the two are equal; accumulate_check compares "
             "gradients, which are equal, not updates.",
+            stacklevel=3,
+        )
+
+    def _warn_own_step_draws(self, accumulator):
+        """Warns (once) when a train_step of the model's own accumulates
+        through `minimize()`: its forward pass ran outside GradBoostModel's
+        step, so its Dropout layers drew masks of their own in each
+        micro-batch, not their rows of the large batch's (`window_dropout`)."""
+        rt = self._gradboost
+        draws = rt.window_draws
+        if (
+            accumulator is not rt.accumulator or draws is None
+            or window_dropout.drawing_now() or rt.warned_own_step_draws
+        ):
+            return
+        rt.warned_own_step_draws = True
+        names = list(dict.fromkeys(draws.names))
+        warnings.warn(
+            f"accumulate_steps={rt.config.accumulate_steps}: this model's own "
+            f"train_step runs the forward pass, so its Dropout layers "
+            f"({listed(names, 4)}) draw masks of their own in each micro-batch "
+            "(every sample gets a draw of its own, as in a large batch, but not "
+            "the one a large-batch step would draw). GradBoostModel's train_step "
+            "(super().train_step(data)) draws each micro-batch's rows of the "
+            "large batch's masks.",
             stacklevel=3,
         )
 
@@ -1342,6 +1398,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         grads = tape.gradient(loss, variables, output_gradients=tf.cast(seed, loss.dtype))
         if accumulator is not None:
             self._warn_sparse_repeats(grads, variables, optimizer)
+            self._warn_own_step_draws(accumulator)
         if scaler is not None:
             factor = weight / scaler.scale
             grads = [None if g is None else g * tf.cast(factor, g.dtype) for g in grads]

@@ -29,6 +29,7 @@ from keras_gradboost import depthwise
 from keras_gradboost import pointwise
 from keras_gradboost import hooks
 from keras_gradboost import precision as precision_lib
+from keras_gradboost import window_dropout
 from keras_gradboost.accumulate import EXACT_REDUCTIONS
 from keras_gradboost.accumulate import listed
 from keras_gradboost.accumulate import random_layers
@@ -497,6 +498,17 @@ def check_accumulate_check(model, config):
         )
 
 
+def _drawn_as_large_batch(model, layer):
+    """Whether `layer`'s random draws in a window are the large batch's
+    (`window_dropout`): a Dropout-like layer, on one replica. (A train_step
+    of the model's own that does not call GradBoostModel's is warned about
+    when traced.)"""
+    return (
+        window_dropout.draws_exactly(layer)
+        and model.distribute_strategy.num_replicas_in_sync == 1
+    )
+
+
 def inexact_accumulation_warnings(model, config, loss):
     """What makes k micro-batches differ from one large batch, as warnings."""
     steps = config.accumulate_steps
@@ -527,7 +539,7 @@ def inexact_accumulation_warnings(model, config, loss):
             "from one large-batch step. Use LayerNormalization or "
             "GroupNormalization for an exact equivalent."
         )
-    drawing = [l.name for l in random_layers(model)]
+    drawing = [l.name for l in random_layers(model) if not _drawn_as_large_batch(model, l)]
     if drawing:
         # Each name once: keras-hub names every block's layers alike.
         names = list(dict.fromkeys(drawing))

@@ -1,0 +1,259 @@
+"""Exact Dropout under gradient accumulation: each micro-batch draws its rows
+of the mask the large batch would draw.
+
+Keras' Dropout draws its mask as `tf.random.stateless_uniform(noise_shape,
+seed)`, the seed coming from the layer's `SeedGenerator`, which moves on at
+each draw. A window of micro-batches equals one large-batch step only if each
+micro-batch draws with the seed that step would use, and draws the rows of
+that step's mask where its samples sit in the window:
+
+- the generators of the layers drawn this way start every micro-batch of a
+  window from the state the window started from (`WindowDraws.drawing`), so
+  after a window each has moved as after one large step (a partial window
+  flushed at an epoch's end too);
+- TensorFlow's Philox gives four 32-bit numbers per counter step, and a
+  float32, float16 or bfloat16 draw takes element k from counter step
+  k // 4, so a micro-batch's rows are a draw started `first // 4` counter
+  steps on, less its first `first % 4` values (`uniform_rows`).
+
+Whether that gives the large batch's values on this TensorFlow, device and
+compilation (XLA or not) is checked once per dtype (`draws_rows_exactly`)
+before a step relies on it; where it does not hold, the draw is Keras' own
+and the step warns. Only layers whose draws all go through Keras'
+`backend.random.dropout` are drawn this way (`EXACT_LAYERS`): other random
+layers (GaussianNoise, the augmentation layers) still draw per micro-batch,
+and compile names them.
+"""
+
+import contextlib
+import functools
+import numbers
+import threading
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_gradboost import hooks
+from keras_gradboost.state import replica_local_variable
+
+# Keras layers whose only random draws are `backend.random.dropout` on
+# tensors whose first axis runs over the samples (an RNN cell's masks are
+# (samples, features)); a subclass that overrides `call` is not one.
+EXACT_LAYERS = (
+    keras.layers.Dropout,
+    keras.layers.SpatialDropout1D,
+    keras.layers.SpatialDropout2D,
+    keras.layers.SpatialDropout3D,
+    keras.layers.Attention,
+    keras.layers.AdditiveAttention,
+    keras.layers.LSTMCell,
+    keras.layers.GRUCell,
+    keras.layers.SimpleRNNCell,
+)
+
+# Dtypes whose uniform draws take one 32-bit number per element.
+_ONE_NUMBER_PER_ELEMENT = ("float32", "float16", "bfloat16")
+
+_LOCAL = threading.local()  # the window a step traced in this thread draws in
+
+
+def draws_exactly(layer):
+    """Whether `layer`'s random draws can be drawn as the large batch's:
+    one of `EXACT_LAYERS`, with its class's own `call`."""
+    return any(type(layer).call is cls.call for cls in EXACT_LAYERS if isinstance(layer, cls))
+
+
+def held_generators(layer):
+    """The `keras.random.SeedGenerator`s `layer` holds (in an attribute, or
+    a list or dict there)."""
+    held = []
+    for value in vars(layer).values():
+        if isinstance(value, dict):
+            value = list(value.values())
+        held.extend(value if isinstance(value, (list, tuple)) else [value])
+    return [v for v in held if isinstance(v, keras.random.SeedGenerator)]
+
+
+def uniform_rows(shape, seed, first, dtype):
+    """Elements `first, first + 1, ...` of the flat draw
+    `tf.random.stateless_uniform([first + size], seed, dtype=dtype)`,
+    reshaped to `shape` (whose size is `size`), without drawing the first
+    `first` (see the module's docstring; `draws_rows_exactly` checks it)."""
+    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+    alg = tf.raw_ops.StatelessRandomGetAlg()
+    first = tf.cast(first, tf.int64)
+    skip = tf.cast(first // 4, tf.uint64)
+    low = counter[0] + skip
+    carry = tf.cast(low < counter[0], tf.uint64)  # the counter is 128 bits
+    counter = tf.stack([low, counter[1] + carry])
+    extra = first % 4
+    size = tf.reduce_prod(tf.cast(shape, tf.int64))
+    flat = tf.raw_ops.StatelessRandomUniformV2(
+        shape=tf.reshape(size + extra, [1]), key=key, counter=counter, alg=alg, dtype=dtype
+    )
+    return tf.reshape(flat[extra:], shape)
+
+
+def dropout_rows(inputs, rate, noise_shape, seed, first_sample, samples, shared=False):
+    """Keras' TensorFlow `dropout(inputs, rate, noise_shape, seed)` for the
+    samples `first_sample, ...` of a larger batch: its mask is those
+    samples' rows of the larger batch's mask. `seed` is the int32 seed
+    Keras draws with; `samples` the samples in `inputs`; `shared`: the
+    noise shape's first axis is 1 (one mask for every sample)."""
+    x = tf.convert_to_tensor(inputs)
+    shape = hooks.keras_noise_shape(x, noise_shape)
+    shape = tf.stack([tf.cast(d, tf.int64) for d in shape]) if isinstance(shape, list) else shape
+    shape = tf.cast(shape, tf.int64)
+    size = tf.reduce_prod(shape)
+    per_sample = tf.constant(0, tf.int64) if shared else size // tf.cast(samples, tf.int64)
+    random = uniform_rows(shape, seed, tf.cast(first_sample, tf.int64) * per_sample, x.dtype)
+    # As TensorFlow's `nn_ops._dropout` computes it, for a Python rate.
+    scaled = x * tf.convert_to_tensor(1 / (1 - rate), dtype=x.dtype)
+    out = tf.where(random >= rate, scaled, tf.constant(0, x.dtype))
+    out.set_shape(x.shape)
+    return out
+
+
+# (first sample, samples) of a (6, 5, 3) batch: offsets of 0, 30, 75 and 15
+# elements, three of them not whole counter steps.
+_CHECKED_PARTS = ((0, 2), (2, 3), (5, 1), (1, 4))
+
+
+@functools.lru_cache(maxsize=None)
+def draws_rows_exactly(dtype, xla):
+    """Whether `dropout_rows` gives, bit for bit, the rows of Keras' own
+    Dropout draw (`tf.nn.experimental.stateless_dropout`) of a larger
+    batch, for `dtype` (a name), compiled by XLA or not. Run once per
+    process, eagerly."""
+    if dtype not in _ONE_NUMBER_PER_ELEMENT:
+        return False
+    with tf.init_scope():
+        x = tf.cast(tf.reshape(tf.range(1, 91, dtype=tf.float32), (6, 5, 3)), dtype)
+        seed = tf.constant([1234, -5678], tf.int32)
+
+        def both():
+            whole = tf.nn.experimental.stateless_dropout(x, rate=0.5, seed=seed)
+            parts = [dropout_rows(x[a : a + m], 0.5, None, seed, a, m) for a, m in _CHECKED_PARTS]
+            return whole, parts
+
+        try:
+            whole, parts = tf.function(both, jit_compile=xla, autograph=False)()
+        except (tf.errors.OpError, ValueError, TypeError):  # e.g. no XLA here
+            return False
+        whole = tf.cast(whole, tf.float32).numpy()
+        return all(
+            np.array_equal(whole[a : a + m], tf.cast(part, tf.float32).numpy())
+            for (a, m), part in zip(_CHECKED_PARTS, parts)
+        )
+
+
+class WindowDraws:
+    """The window's seeds for the seed generators of `EXACT_LAYERS` layers.
+
+    Args:
+        generators: the `keras.random.SeedGenerator`s drawn as the large
+            batch's. Make this in the model's distribution strategy scope.
+        names: the names of the layers holding them, for messages.
+    """
+
+    def __init__(self, generators, names=()):
+        self.generators = list(generators)
+        self.names = list(names)  # the layers holding them
+        self.ids = frozenset(id(g) for g in self.generators)
+        with hooks.autocast(None):
+            self.starts = [
+                replica_local_variable(g.state.value, f"window_seed_{i}", g.state.dtype)
+                for i, g in enumerate(self.generators)
+            ]
+        self.warned = set()
+        self.first_sample = self.samples = self.samples_static = None
+
+    @classmethod
+    def for_model(cls, model):
+        """The model's `WindowDraws`, or None when no layer draws exactly."""
+        generators, names = {}, []
+        for layer in hooks.flatten_layers(model):
+            if draws_exactly(layer) and held_generators(layer):
+                names.append(layer.name)
+                for g in held_generators(layer):
+                    generators.setdefault(id(g), g)
+        return cls(generators.values(), names) if generators else None
+
+    @contextlib.contextmanager
+    def drawing(self, first_sample, samples, samples_static):
+        """Around a micro-batch's forward and backward pass: its generators
+        start from the window's state (kept at the window's first
+        micro-batch, `first_sample == 0`), and their Dropout draws are its
+        rows of the window's (`first_sample`: samples of the window before
+        this micro-batch; `samples`: its own, a tensor, and
+        `samples_static`, an int or None). Call before the forward pass
+        reads the generators (a recomputed block keeps them as read)."""
+        window_start = tf.equal(first_sample, 0)
+        with hooks.autocast(None):
+            for g, start in zip(self.generators, self.starts):
+                start.assign(tf.where(window_start, g.state.value, start.read_value()))
+                g.state.assign(start.read_value())
+        hooks.route_backend_dropout(_route)  # outside a window: Keras' own draw
+        previous = getattr(_LOCAL, "window", None)
+        self.first_sample, self.samples, self.samples_static = first_sample, samples, samples_static
+        _LOCAL.window = self
+        try:
+            yield
+        finally:
+            _LOCAL.window = previous
+
+    def refusal(self, inputs, rate, noise_shape):
+        """Why this draw cannot be the large batch's rows, or None."""
+        dtype = tf.as_dtype(inputs.dtype).name
+        if not isinstance(rate, numbers.Real):
+            return "a rate given as a tensor"
+        if not draws_rows_exactly(dtype, hooks.in_xla_context()):
+            return f"{dtype} draws{' under XLA' if hooks.in_xla_context() else ''} on this TensorFlow"
+        first = inputs.shape[0] if noise_shape is None or noise_shape[0] is None else noise_shape[0]
+        if first is not None and first != 1 and self.samples_static and first % self.samples_static:
+            return (
+                f"a tensor of shape {tuple(inputs.shape)} whose first axis is not "
+                f"over the micro-batch's {self.samples_static} samples"
+            )
+        return None
+
+    def warn(self, reason):
+        if reason in self.warned:
+            return
+        self.warned.add(reason)
+        warnings.warn(
+            f"accumulate_steps: a Dropout draw with {reason} is drawn for each "
+            "micro-batch as Keras draws it, not as the large-batch step would "
+            "(its rows of the window's mask): the weights differ from one "
+            "large-batch step with the same seed by that randomness.",
+            stacklevel=2,
+        )
+
+
+def drawing_now():
+    """Whether a window's `drawing` is active in this thread."""
+    return getattr(_LOCAL, "window", None) is not None
+
+
+def _route(original, inputs, rate, noise_shape, seed):
+    """`hooks.route_backend_dropout`'s route: Keras' draw but inside a
+    window's `drawing`, for its generators."""
+    window = getattr(_LOCAL, "window", None)
+    if (
+        window is None
+        or not isinstance(seed, keras.random.SeedGenerator)
+        or id(seed) not in window.ids
+        or (isinstance(rate, numbers.Real) and not 0 < rate < 1)  # Keras draws nothing
+    ):
+        return original(inputs, rate, noise_shape=noise_shape, seed=seed)
+    reason = window.refusal(inputs, rate, noise_shape)
+    if reason is not None:
+        window.warn(reason)
+        return original(inputs, rate, noise_shape=noise_shape, seed=seed)
+    shared = noise_shape is not None and noise_shape[0] == 1
+    return dropout_rows(
+        inputs, rate, noise_shape, hooks.keras_dropout_seed(seed),
+        window.first_sample, window.samples, shared=shared,
+    )

@@ -1,0 +1,267 @@
+"""Dropout under accumulation against its independent reference: Keras' own
+large-batch step with the same seeds (`window_dropout`)."""
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+from conftest import max_weight_diff
+from keras_gradboost import GradBoostModel
+from keras_gradboost import window_dropout
+
+TOL = 2e-6  # float32 round-off of the window's sums
+
+
+@pytest.mark.parametrize("xla", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_uniform_rows_are_the_rows_of_the_whole_draw(dtype, xla):
+    seed = tf.constant([11, -3], tf.int32)
+    whole = tf.function(
+        lambda: tf.random.stateless_uniform([9, 7], seed, dtype=dtype), jit_compile=xla
+    )()
+    for first, rows in [(0, 9), (1, 3), (2, 5), (7, 2), (8, 1)]:  # 7, 14, 49, 56: odd offsets
+        part = tf.function(
+            lambda: window_dropout.uniform_rows(tf.constant([rows, 7]), seed, first * 7, dtype),
+            jit_compile=xla,
+        )()
+        np.testing.assert_array_equal(
+            tf.cast(part, tf.float32).numpy(), tf.cast(whole[first : first + rows], tf.float32).numpy()
+        )
+    assert window_dropout.draws_rows_exactly(dtype, xla)
+
+
+def test_float64_draws_are_not_drawn_in_rows():
+    # Two 32-bit numbers per element: the rows would start elsewhere.
+    assert not window_dropout.draws_rows_exactly("float64", False)
+
+
+def _dropout_model(cls, rate=0.3):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    x = keras.layers.Dense(16, activation="relu")(inputs)
+    x = keras.layers.Dropout(rate, seed=7, name="drop")(x)
+    x = keras.layers.Dense(8)(x)
+    x = keras.layers.Dropout(rate, noise_shape=(None, 1), seed=8, name="per_sample")(x)
+    return cls(inputs, keras.layers.Dense(1)(x))
+
+
+def _seed_states(model):
+    return [
+        g.state.numpy().tolist()
+        for layer in model._flatten_layers()
+        for g in window_dropout.held_generators(layer)
+    ]
+
+
+def _fit_both(build, x, y, large, micro, steps, epochs=2, boost=None, **compile_kwargs):
+    """Keras' own fit with batches of `large`, and GradBoostModel's with
+    `steps` micro-batches of `micro` (a partial window at each epoch's end
+    where the samples do not divide)."""
+    ref = build(keras.Model)
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **compile_kwargs)
+    ref.fit(x, y, batch_size=large, epochs=epochs, shuffle=False, verbose=0)
+    model = build(GradBoostModel)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=steps,
+            **compile_kwargs, **(boost or {}),
+        )
+        model.fit(x, y, batch_size=micro, epochs=epochs, shuffle=False, verbose=0)
+    said = [str(w.message) for w in caught if "draw" in str(w.message)]
+    return ref, model, said
+
+
+@pytest.mark.parametrize("jit_compile, steps_per_execution", [(False, 1), (True, 1), (False, 3)])
+def test_a_window_with_dropout_is_one_large_batch_step(jit_compile, steps_per_execution):
+    # 20 samples: windows of 12 and 8 (a partial one, flushed), two epochs.
+    # Before, each micro-batch drew masks of its own: 1.2 away from Keras'
+    # large-batch steps, of the 1.4 training moved the weights.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(20, 5)).astype("float32")
+    y = rng.normal(size=(20, 1)).astype("float32")
+    ref, model, said = _fit_both(
+        _dropout_model, x, y, 12, 4, 3, jit_compile=jit_compile,
+        steps_per_execution=steps_per_execution,
+    )
+    assert not said
+    assert max_weight_diff(model, ref) < TOL
+    assert max_weight_diff(ref, _dropout_model(keras.Model)) > 0.5  # training moved them
+    assert _seed_states(model) == _seed_states(ref)  # moved once per window
+
+
+def _recurrent_model(cls):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 3))
+    seq = keras.layers.LSTM(6, dropout=0.3, recurrent_dropout=0.2, return_sequences=True, seed=1)(inputs)
+    seq = keras.layers.GRU(6, dropout=0.2, recurrent_dropout=0.3, return_sequences=True, seed=2)(seq)
+    seq = keras.layers.Attention(dropout=0.4, seed=3)([seq, seq])
+    seq = keras.layers.SpatialDropout1D(0.3, seed=4)(seq)
+    return cls(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(seq)))
+
+
+def test_rnn_attention_and_spatial_dropout_windows_are_exact():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(10, 4, 3)).astype("float32")
+    y = rng.normal(size=(10, 1)).astype("float32")
+    ref, model, said = _fit_both(_recurrent_model, x, y, 6, 2, 3)  # windows of 6 and 4
+    assert not said
+    assert max_weight_diff(model, ref) < TOL
+    assert _seed_states(model) == _seed_states(ref)
+
+
+class _Block(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8, activation="gelu")
+        self.drop = keras.layers.Dropout(0.4, seed=5)
+
+    def call(self, x, training=None):
+        return x + self.drop(self.dense(x), training=training)
+
+
+def _block_model(cls):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    x = _Block(name="block")(inputs)
+    return cls(inputs, keras.layers.Dense(1)(x))
+
+
+def test_a_recomputed_block_replays_its_rows_of_the_window_mask():
+    # The replay must draw what the forward drew: the same rows, seed and
+    # generator state as read before the forward.
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(12, 8)).astype("float32")
+    y = rng.normal(size=(12, 1)).astype("float32")
+    ref, model, said = _fit_both(_block_model, x, y, 6, 3, 2, boost={"recompute": ["block"]})
+    assert not said
+    assert model.recompute_plan().recomputed == ["block"]
+    assert max_weight_diff(model, ref) < TOL
+
+
+class _Noisy(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.noise = keras.layers.GaussianNoise(0.1, name="noise")
+        self.drop = keras.layers.Dropout(0.2, name="drop")
+
+    def call(self, x, training=None):
+        return self.drop(self.noise(x, training=training), training=training)
+
+
+def test_other_random_layers_are_still_named_and_dropout_is_not():
+    # Two blocks name their layers alike (as keras-hub's do): each name once.
+    inputs = keras.Input((5,))
+    x = _Noisy(name="first")(inputs)
+    x = _Noisy(name="second")(x)
+    model = GradBoostModel(inputs, keras.layers.Dense(1)(x))
+    with pytest.warns(UserWarning, match=r"draw random numbers \('noise'; 2 layers, e\.g\.") as caught:
+        model.compile(optimizer="sgd", loss="mse", accumulate_steps=2)
+    assert not any("'drop'" in str(w.message) for w in caught)
+
+
+class OwnMinimizeStep(GradBoostModel):
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean((self(x, training=True) - y) ** 2)
+        self.minimize(tape, loss, count=tf.shape(x)[0])
+        return {"loss": loss}
+
+
+class OwnSuperStep(GradBoostModel):
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def test_a_train_step_of_ones_own_is_warned_and_one_calling_gradboosts_is_exact():
+    # minimize()'s micro-batches ran their forward outside GradBoostModel's
+    # step: masks of their own, said when the step is traced.
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(8, 5)).astype("float32")
+    y = rng.normal(size=(8, 1)).astype("float32")
+    own = _dropout_model(OwnMinimizeStep)
+    own.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=2)
+    with pytest.warns(UserWarning, match=r"own train_step .* Dropout layers \('drop', 'per_sample'\)"):
+        own.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+    ref, model, said = _fit_both(_dropout_model, x, y, 4, 2, 2)
+    _, calling, said_too = _fit_both(lambda cls: _dropout_model(OwnSuperStep), x, y, 4, 2, 2)
+    assert not said and not said_too
+    assert max_weight_diff(calling, ref) < TOL
+    assert max_weight_diff(own, ref) > 1e-3
+
+
+class _SaveAfterBatch(keras.callbacks.Callback):
+    def __init__(self, batch, path):
+        super().__init__()
+        self.batch, self.path = batch, path
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            self.model.save_weights(self.path)
+
+
+def test_a_window_saved_mid_way_goes_on_with_its_rows_and_seeds(tmp_path):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(12, 5)).astype("float32")
+    y = rng.normal(size=(12, 1)).astype("float32")
+
+    def boosted():
+        model = _dropout_model(GradBoostModel)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=3)
+        return model
+
+    path = str(tmp_path / "mid.weights.h5")
+    never_saved = boosted()
+    never_saved.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[_SaveAfterBatch(4, path)])
+    loaded = boosted()
+    loaded.load_weights(path)  # 2 of the second window's 3 micro-batches pending
+    assert int(loaded._gradboost.accumulator.micro_step.numpy()) == 2
+    loaded.fit(x[10:], y[10:], batch_size=2, shuffle=False, verbose=0)
+    assert max_weight_diff(loaded, never_saved) < TOL
+
+
+def test_a_skipped_micro_batch_leaves_its_rows_to_the_next():
+    # NaNWatcher skips micro-batch 5 (a NaN in its inputs): window (4-7) is
+    # the large batch of 4, 6 and 7, whose masks start where 4's end.
+    from keras_gradboost.callbacks import NaNWatcher
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(16, 5)).astype("float32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+    x[10, 0] = np.nan
+    ref = _dropout_model(keras.Model)
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    ref.train_on_batch(x[:8], y[:8])
+    ref.train_on_batch(np.concatenate([x[8:10], x[12:]]), np.concatenate([y[8:10], y[12:]]))
+    model = _dropout_model(GradBoostModel)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=4)
+    model.fit(x, y, batch_size=2, shuffle=False, verbose=0,
+              callbacks=[NaNWatcher(action="skip", verbose=0)])
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert max_weight_diff(model, ref) < TOL
+    assert _seed_states(model) == _seed_states(ref)
+
+
+def test_mixed_bfloat16_windows_draw_the_large_batchs_masks():
+    # Dropout draws in bfloat16 here; the sums of a bfloat16 step round
+    # differently in micro-batches (2% of what training moved), where masks
+    # of their own ended 86% away.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(20, 5)).astype("float32")
+    y = rng.normal(size=(20, 1)).astype("float32")
+
+    def build(cls):
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+        try:
+            return _dropout_model(cls)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+
+    ref, model, said = _fit_both(build, x, y, 12, 4, 3)
+    assert not said
+    moved = max_weight_diff(ref, build(keras.Model))
+    assert max_weight_diff(model, ref) < 0.05 * moved
