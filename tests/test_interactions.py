@@ -369,6 +369,19 @@ SPECIFIC = [
     _cell(dict(model="depthwise", recompute=("block_*",), accumulate_steps=K,
                steps_per_execution=3, devices="mirrored", watcher="skip", bad=2),
           backup=True),
+    # Dropout under accumulation (each micro-batch draws its rows of the
+    # window's masks, `window_dropout`) x recompute's replay, XLA, chunks of
+    # 3 and a skipped micro-batch (window (4-7) is 4, 6 and 7, whose rows
+    # close up); x a backup mid-window (micro-batches 4-6 pending: where
+    # their rows end and the window's seeds come back with it) with
+    # momentum and the three callbacks. The reference draws once per
+    # update, so a dropped window or step (stop, restore, skip without
+    # accumulation), after which the seeds have moved on where Keras'
+    # would not, is no cell.
+    _cell(dict(model="dropout", recompute=("block_*",), accumulate_steps=K,
+               steps_per_execution=3, jit_compile=True, watcher="skip", bad=5)),
+    _cell(dict(model="dropout", accumulate_steps=K, optimizer="momentum",
+               callbacks="all"), backup=True),
 ]
 
 # Cells that must refuse, with what the message must name.
@@ -478,7 +491,8 @@ def test_epoch_schedule_by_hand():
 
 
 def build(kind, cls, seed=0):
-    """Dense(8, tanh) [-> two residual blocks | -> repeated 64 times, a
+    """Dense(8, tanh) [-> two residual blocks (with a Dropout inside each:
+    "dropout") | -> repeated 64 times, a
     functional tower of Dense layers called as a layer (keras.io's
     fine-tuning pattern, whose graph "auto" cuts), average pooling] ->
     Dense(3)."""
@@ -493,12 +507,16 @@ def build(kind, cls, seed=0):
             t = keras.layers.Dense(32, "tanh", kernel_initializer=small, name=f"tower_{i}")(t)
         tower = keras.Model(inner, t, name="tower")
         h = keras.layers.GlobalAveragePooling1D()(tower(keras.layers.RepeatVector(64)(h)))
-    if kind == "residual":
+    if kind in ("residual", "dropout"):
         for i in (1, 2):
             small = keras.initializers.RandomNormal(stddev=0.1)
+            # "dropout": a Dropout between the two (seeded: the reference's
+            # are the same generators' draws).
+            drop = [keras.layers.Dropout(0.3, seed=i, name=f"drop_{i}")] * (kind == "dropout")
             block = keras.Sequential(
                 [
                     keras.layers.Dense(16, activation="tanh", name=f"inner_{i}a"),
+                    *drop,
                     # Small residual branches: gradients times the dynamic
                     # loss scale's 2**15 stay below float16's 65504.
                     keras.layers.Dense(8, kernel_initializer=small, name=f"inner_{i}b"),
@@ -582,12 +600,16 @@ _REFERENCES = {}
 
 def reference(cell):
     """The plain-Keras run of what `cell` must do (cached per schedule)."""
+    # TensorFlow's random draws under XLA are not its draws without it, so
+    # Keras' Dropout masks under jit_compile=True are Keras' XLA step's.
+    xla_draws = cell.model == "dropout" and cell.jit_compile
     key = (cell.model, cell.optimizer, cell.accumulate_steps, cell.steps_per_execution,
-           cell.watcher, cell.bad)
+           cell.watcher, cell.bad, xla_draws)
     if key in _REFERENCES:
         return _REFERENCES[key]
     model = build(cell.model, keras.Model)
-    model.compile(optimizer=make_optimizer(cell), loss="mse", run_eagerly=True)
+    model.compile(optimizer=make_optimizer(cell), loss="mse",
+                  **({"jit_compile": True} if xla_draws else {"run_eagerly": True}))
     optimizer = model.optimizer
     optimizer.build(model.trainable_variables)
     x, y = make_data(cell.bad)
