@@ -211,7 +211,7 @@ class WindowDraws:
             return "a rate given as a tensor"
         if not draws_rows_exactly(dtype, hooks.in_xla_context()):
             return f"{dtype} draws{' under XLA' if hooks.in_xla_context() else ''} on this TensorFlow"
-        first = inputs.shape[0] if noise_shape is None or noise_shape[0] is None else noise_shape[0]
+        first = inputs.shape[0] if _shared(noise_shape) is None else noise_shape[0]
         if first is not None and first != 1 and self.samples_static and first % self.samples_static:
             return (
                 f"a tensor of shape {tuple(inputs.shape)} whose first axis is not "
@@ -252,8 +252,15 @@ def _route(original, inputs, rate, noise_shape, seed):
     if reason is not None:
         window.warn(reason)
         return original(inputs, rate, noise_shape=noise_shape, seed=seed)
-    shared = noise_shape is not None and noise_shape[0] == 1
     return dropout_rows(
         inputs, rate, noise_shape, hooks.keras_dropout_seed(seed),
-        window.first_sample, window.samples, shared=shared,
+        window.first_sample, window.samples, shared=bool(_shared(noise_shape)),
     )
+
+
+def _shared(noise_shape):
+    """Whether a noise shape's first axis is 1 (one mask for every sample:
+    True), the samples' (False), or not given as an int (None: the input's,
+    a tensor for a batch of no fixed size, as SpatialDropout passes it)."""
+    first = None if noise_shape is None else noise_shape[0]
+    return first == 1 if isinstance(first, int) else None

@@ -33,6 +33,31 @@ def test_uniform_rows_are_the_rows_of_the_whole_draw(dtype, xla):
     assert window_dropout.draws_rows_exactly(dtype, xla)
 
 
+@pytest.mark.parametrize("make, shape", [
+    (lambda: keras.layers.SpatialDropout2D(0.3, seed=1), (6, 3, 3, 4)),
+    (lambda: keras.layers.SpatialDropout1D(0.3, seed=2), (6, 3, 4)),
+    (lambda: keras.layers.Dropout(0.3, noise_shape=(None, 1, 4), seed=3), (6, 3, 4)),
+    (lambda: keras.layers.Dropout(0.3, noise_shape=(1, None, 4), seed=4), (6, 3, 4)),  # shared
+], ids=["spatial2d", "spatial1d", "per_sample", "shared"])
+def test_noise_shapes_draw_their_rows_at_a_batch_of_no_fixed_size(make, shape):
+    # SpatialDropout passes the batch's size as a tensor: it crashed here.
+    layer = make()
+    x = tf.reshape(tf.range(1, np.prod(shape) + 1, dtype=tf.float32), shape)
+    start = layer.seed_generator.state.numpy().copy()
+    whole = layer(x, training=True).numpy()  # Keras' own draw for 6 samples
+    layer.seed_generator.state.assign(start)
+    draws = window_dropout.WindowDraws([layer.seed_generator])
+    draws.starts[0].assign(start)  # the window's seed: samples 2-4 come second
+
+    @tf.function(input_signature=[tf.TensorSpec([None, *shape[1:]])])
+    def samples_2_to_4(part):
+        samples = tf.cast(tf.shape(part)[0], tf.int64)
+        with draws.drawing(tf.constant(2, tf.int64), samples, part.shape[0]):
+            return layer(part, training=True)
+
+    np.testing.assert_array_equal(samples_2_to_4(x[2:5]).numpy(), whole[2:5])
+
+
 def test_float64_draws_are_not_drawn_in_rows():
     # Two 32-bit numbers per element: the rows would start elsewhere.
     assert not window_dropout.draws_rows_exactly("float64", False)
