@@ -59,6 +59,11 @@ ENTRIES = {
         ["benchmarks/bench_depthwise.py"],
         ["--rounds", "2", "--memory-rounds", "1", "--pixels", "32", "--batch", "4"],
     ),
+    "window_dropout": (
+        "accumulation with Dropout: the window's masks vs masks of their own",
+        ["benchmarks/bench_window_dropout.py"],
+        ["--steps", "2", "--rounds", "2", "--batch", "2"],
+    ),
     "ops": (
         "kgb.ops vs naive composites; gradcheck fast vs full",
         ["benchmarks/bench_ops.py"],
