@@ -266,6 +266,19 @@ def kept_for_backward(model, spec):
     return with_rc, without
 
 
+class SaveAfterBatch(keras.callbacks.Callback):
+    """Saves the weights (`save_weights(path)`) at the end of batch `batch`
+    of every epoch: mid-window, for the save-and-load tests."""
+
+    def __init__(self, batch, path):
+        super().__init__()
+        self.batch, self.path = batch, path
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            self.model.save_weights(self.path)
+
+
 class InterruptAt(keras.callbacks.Callback):
     """Raises `RuntimeError("interrupted")` at the end of batch `batch` of
     epoch `epoch`: a fit stopped there, for the resume tests."""

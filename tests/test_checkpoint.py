@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import keras
+from conftest import SaveAfterBatch
 from conftest import max_weight_diff
 from conftest import shared_mirrored_strategy
 from keras_gradboost import GradBoostModel
@@ -118,16 +119,6 @@ def _mirrored():
     return shared_mirrored_strategy()
 
 
-class _SaveAfterBatch(keras.callbacks.Callback):
-    def __init__(self, batch, path):
-        super().__init__()
-        self.batch, self.path = batch, path
-
-    def on_train_batch_end(self, batch, logs=None):
-        if batch == self.batch:
-            self.model.save_weights(self.path)
-
-
 def test_a_window_saved_under_mirrored_strategy_loads_on_one_device(tmp_path):
     # Each replica holds its part of the window's sums; their sum is saved.
     x, y = _data()
@@ -139,7 +130,7 @@ def test_a_window_saved_under_mirrored_strategy_loads_on_one_device(tmp_path):
         mirrored = _model(4, loss_scale=None)
     mirrored.fit(
         x[: 6 * BATCH], y[: 6 * BATCH], batch_size=BATCH, shuffle=False, verbose=0,
-        callbacks=[_SaveAfterBatch(5, path)],  # mid-window, before the epoch's flush
+        callbacks=[SaveAfterBatch(5, path)],  # mid-window, before the epoch's flush
     )
     loaded = _model(4, loss_scale=None)
     loaded.optimizer.build(loaded.trainable_variables)

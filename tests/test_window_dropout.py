@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import keras
+from conftest import SaveAfterBatch
 from conftest import max_weight_diff
 from keras_gradboost import GradBoostModel
 from keras_gradboost import window_dropout
@@ -219,16 +220,6 @@ def test_a_train_step_of_ones_own_is_warned_and_one_calling_gradboosts_is_exact(
     assert max_weight_diff(own, ref) > 1e-3
 
 
-class _SaveAfterBatch(keras.callbacks.Callback):
-    def __init__(self, batch, path):
-        super().__init__()
-        self.batch, self.path = batch, path
-
-    def on_train_batch_end(self, batch, logs=None):
-        if batch == self.batch:
-            self.model.save_weights(self.path)
-
-
 def test_a_window_saved_mid_way_goes_on_with_its_rows_and_seeds(tmp_path):
     rng = np.random.default_rng(3)
     x = rng.normal(size=(12, 5)).astype("float32")
@@ -241,7 +232,7 @@ def test_a_window_saved_mid_way_goes_on_with_its_rows_and_seeds(tmp_path):
 
     path = str(tmp_path / "mid.weights.h5")
     never_saved = boosted()
-    never_saved.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[_SaveAfterBatch(4, path)])
+    never_saved.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[SaveAfterBatch(4, path)])
     loaded = boosted()
     loaded.load_weights(path)  # 2 of the second window's 3 micro-batches pending
     assert int(loaded._gradboost.accumulator.micro_step.numpy()) == 2
