@@ -77,7 +77,8 @@ def main(argv=None):
                         ("window", "window's masks / masks of their own")):
         median, (low, high) = ratio(times[name])
         a, b = step_ms(times[name])
-        print(f"  {label:40s} {median:.3f}x [95% CI {low:.3f}-{high:.3f}; {a:.0f} vs {b:.0f} ms/step]")
+        print(f"  {label:40s} {median:.3f}x [95% CI {low:.3f}-{high:.3f}; "
+              f"{a:.0f} vs {b:.0f} ms/step]")
 
 
 if __name__ == "__main__":

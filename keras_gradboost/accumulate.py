@@ -204,8 +204,10 @@ class GradientAccumulator:
         self.count = replica_local_variable(0.0, "accumulated_samples")
         self.micro_step = replica_local_variable(0, "accumulated_micro_batches", tf.int64)
         # Rows (samples) of the micro-batches added since the last update:
-        # where the next one's Dropout rows start (`window_dropout`).
+        # where the next one's Dropout rows start (`window_dropout`). The
+        # train step sets `next_rows`, the rows its micro-batch adds.
         self.rows = replica_local_variable(0, "accumulated_rows", tf.int64)
+        self.next_rows = None
 
     def matches(self, variables):
         return self.variable_ids == tuple(id(v) for v in variables)
@@ -237,6 +239,8 @@ class GradientAccumulator:
 
         tf.cond(self.count > 0.0, add, overwrite)
         self.count.assign_add(n)
+        if self.next_rows is not None:  # a micro-batch dropped adds no rows
+            self.rows.assign_add(self.next_rows)
 
     def pending(self, strategy):
         """The micro-batches added since the last update, read on the host

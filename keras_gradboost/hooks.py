@@ -333,7 +333,9 @@ def route_backend_dropout(route):
     SpatialDropout, Attention and RNN cells call at each draw
     (`keras.src.backend.tensorflow.random.dropout`, private), calls
     `route(original, inputs, rate, noise_shape, seed)` from now on (None:
-    Keras' own again). Returns the route it replaced."""
+    Keras' own again). Process-wide: the function put in front of Keras'
+    stays, calling Keras' own while no route is set. Returns the route it
+    replaced."""
     from keras.src.backend.tensorflow import random as tf_random
 
     if not getattr(tf_random.dropout, "_keras_gradboost_routed", False):

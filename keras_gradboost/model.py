@@ -20,6 +20,7 @@ from keras_gradboost import depthwise as depthwise_lib
 from keras_gradboost import kernel_choice
 from keras_gradboost import pointwise as pointwise_lib
 from keras_gradboost import recompute as recompute_lib
+from keras_gradboost import window_dropout
 from keras_gradboost import wrappers
 from keras_gradboost.accumulate import GradientAccumulator
 from keras_gradboost.accumulate import activity_losses_are_means
@@ -36,8 +37,6 @@ from keras_gradboost.plan import TrainPlan
 from keras_gradboost.state import StepFacts
 from keras_gradboost.step import CrossReplicaStep
 from keras_gradboost.step import flush_window
-from keras_gradboost import window_dropout
-from keras_gradboost.window_dropout import WindowDraws
 
 
 class _Runtime:
@@ -973,7 +972,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         rt.accumulator = GradientAccumulator(
             self.trainable_variables, rt.config.accumulate_steps
         )
-        rt.window_draws = WindowDraws.for_model(self)
+        rt.window_draws = window_dropout.WindowDraws.for_model(self)
         rt.flush_function = None
 
     def _ensure_accumulator(self):
@@ -1011,7 +1010,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
 
         self._prepare_forward(x)
         accumulating = rt.config.accumulate_steps > 1
-        with self._window_draws(x) as advance_rows:
+        with self._window_draws(x, n):
             with tf.GradientTape() as tape:
                 with self._watching_layer_losses() as added:
                     y_pred = self._training_forward(x)
@@ -1038,20 +1037,19 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
             grads = tape.gradient(loss, variables)  # a replay draws as the forward did
-        rt.facts.none_gradient_variables = tuple(
-            v.path for v, g in zip(variables, grads) if g is None
-        )
-        if rt.config.accumulate_steps > 1:
-            self._warn_sparse_repeats(grads, variables, self.optimizer)
-        if self._weights_gradients():
-            factor = weight if rt.scaler is None else weight / rt.scaler.scale
-            # A value, not a gradient: Keras neither unscales nor weights it.
-            grads = [
-                g if g is None or overwrites_with_gradient(v) else g * tf.cast(factor, g.dtype)
-                for g, v in zip(grads, variables)
-            ]
-        dropped = self._update(grads, batch_loss, count, state)
-        advance_rows(dropped)
+            rt.facts.none_gradient_variables = tuple(
+                v.path for v, g in zip(variables, grads) if g is None
+            )
+            if rt.config.accumulate_steps > 1:
+                self._warn_sparse_repeats(grads, variables, self.optimizer)
+            if self._weights_gradients():
+                factor = weight if rt.scaler is None else weight / rt.scaler.scale
+                # A value, not a gradient: Keras neither unscales nor weights it.
+                grads = [
+                    g if g is None or overwrites_with_gradient(v) else g * tf.cast(factor, g.dtype)
+                    for g, v in zip(grads, variables)
+                ]
+            dropped = self._update(grads, batch_loss, count, state)
 
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         logs = guard.settle(self, state, dropped, logs)
@@ -1062,28 +1060,26 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         return logs
 
     @contextlib.contextmanager
-    def _window_draws(self, x):
-        """Around a micro-batch's forward and backward pass: its Dropout
-        masks are its rows of the window's (`window_dropout`), on one
-        replica. Yields `advance_rows(dropped)`, to call after the update:
-        the next micro-batch's rows start after this one's, unless it was
-        dropped or closed the window."""
+    def _window_draws(self, x, n):
+        """Around a micro-batch's forward and backward pass (of `n`
+        samples): its Dropout masks are its rows of the window's
+        (`window_dropout`), on one replica; the accumulator counts its rows
+        when it adds the micro-batch."""
         rt = self._gradboost
         draws = rt.window_draws if rt.config.accumulate_steps > 1 else None
         if draws is None or tf.distribute.get_strategy().num_replicas_in_sync > 1:
-            yield lambda dropped: None
+            yield
             return
         acc = self._accumulator()
-        first = next(t for t in tf.nest.flatten(x) if t is not None)
-        samples = tf.cast(tf.shape(first)[0], tf.int64)
-        first_sample = acc.rows.read_value()
-
-        def advance_rows(dropped):
-            added = samples if dropped is None else tf.where(dropped, tf.constant(0, tf.int64), samples)
-            acc.rows.assign(tf.where(acc.micro_step.read_value() > 0, first_sample + added, 0))
-
-        with draws.drawing(first_sample, samples, first.shape[0]):
-            yield advance_rows
+        samples = tf.cast(n, tf.int64)
+        static = next((t.shape[0] for t in tf.nest.flatten(x) if t is not None), None)
+        window_start = tf.equal(acc.micro_step.read_value(), 0)
+        acc.next_rows = samples
+        try:
+            with draws.drawing(window_start, acc.rows.read_value(), samples, static):
+                yield
+        finally:
+            acc.next_rows = None
 
     def _window_count(self, y_pred, n):
         """The micro-batch's weight in its accumulation window: `n` samples,
@@ -1138,13 +1134,14 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
 
     def _warn_own_step_draws(self, accumulator):
         """Warns (once) when a train_step of the model's own accumulates
-        through `minimize()`: its forward pass ran outside GradBoostModel's
-        step, so its Dropout layers drew masks of their own in each
-        micro-batch, not their rows of the large batch's (`window_dropout`)."""
+        through `minimize()` (with any optimizer): its forward pass ran
+        outside GradBoostModel's step, so its Dropout layers drew masks of
+        their own in each micro-batch, not their rows of the large batch's
+        (`window_dropout`)."""
         rt = self._gradboost
         draws = rt.window_draws
         if (
-            accumulator is not rt.accumulator or draws is None
+            accumulator is None or draws is None
             or window_dropout.drawing_now() or rt.warned_own_step_draws
         ):
             return

@@ -96,19 +96,32 @@ def uniform_rows(shape, seed, first, dtype):
     return tf.reshape(flat[extra:], shape)
 
 
-def dropout_rows(inputs, rate, noise_shape, seed, first_sample, samples, shared=False):
+def dropout_rows(inputs, rate, noise_shape, seed, first_sample, samples, shared=False,
+                 check_first_axis=False):
     """Keras' TensorFlow `dropout(inputs, rate, noise_shape, seed)` for the
     samples `first_sample, ...` of a larger batch: its mask is those
     samples' rows of the larger batch's mask. `seed` is the int32 seed
-    Keras draws with; `samples` the samples in `inputs`; `shared`: the
-    noise shape's first axis is 1 (one mask for every sample)."""
+    Keras draws with; `samples` the samples in `inputs`, whose first axis
+    they are; `shared`: one mask for every sample (the rows of the first);
+    `check_first_axis`: fail at run time where the noise's first axis is
+    not `samples` (not known at trace time)."""
     x = tf.convert_to_tensor(inputs)
     shape = hooks.keras_noise_shape(x, noise_shape)
     shape = tf.stack([tf.cast(d, tf.int64) for d in shape]) if isinstance(shape, list) else shape
     shape = tf.cast(shape, tf.int64)
-    size = tf.reduce_prod(shape)
-    per_sample = tf.constant(0, tf.int64) if shared else size // tf.cast(samples, tf.int64)
-    random = uniform_rows(shape, seed, tf.cast(first_sample, tf.int64) * per_sample, x.dtype)
+    samples = tf.cast(samples, tf.int64)
+    checks = [
+        tf.debugging.assert_equal(
+            shape[0], samples,
+            message="accumulate_steps: a Dropout draws on a tensor whose first "
+            "axis is not the micro-batch's samples, so its rows of the large "
+            "batch's mask are not known. Train it with accumulate_steps=1",
+        )
+    ] if check_first_axis else []
+    per_sample = tf.constant(0, tf.int64) if shared else tf.reduce_prod(shape[1:])
+    with tf.control_dependencies(checks):
+        first = tf.cast(first_sample, tf.int64) * per_sample
+    random = uniform_rows(shape, seed, first, x.dtype)
     # As TensorFlow's `nn_ops._dropout` computes it, for a Python rate.
     scaled = x * tf.convert_to_tensor(1 / (1 - rate), dtype=x.dtype)
     out = tf.where(random >= rate, scaled, tf.constant(0, x.dtype))
@@ -156,12 +169,17 @@ class WindowDraws:
         generators: the `keras.random.SeedGenerator`s drawn as the large
             batch's. Make this in the model's distribution strategy scope.
         names: the names of the layers holding them, for messages.
+            Defaults to `()`.
+        shared: the ids of those generators whose layer draws one mask for
+            every sample (a Dropout with `noise_shape=(1, ...)`). Defaults
+            to `()`.
     """
 
-    def __init__(self, generators, names=()):
+    def __init__(self, generators, names=(), shared=()):
         self.generators = list(generators)
-        self.names = list(names)  # the layers holding them
+        self.names = list(names)
         self.ids = frozenset(id(g) for g in self.generators)
+        self.shared = frozenset(shared)
         with hooks.autocast(None):
             self.starts = [
                 replica_local_variable(g.state.value, f"window_seed_{i}", g.state.dtype)
@@ -172,25 +190,38 @@ class WindowDraws:
 
     @classmethod
     def for_model(cls, model):
-        """The model's `WindowDraws`, or None when no layer draws exactly."""
-        generators, names = {}, []
+        """The model's `WindowDraws`, or None when no layer draws exactly.
+
+        A generator another random layer draws from too is left as Keras
+        runs it: started anew at each micro-batch, that layer would draw the
+        same numbers in every micro-batch of a window."""
+        exact, other, shared, holders = {}, set(), set(), {}
         for layer in hooks.flatten_layers(model):
-            if draws_exactly(layer) and held_generators(layer):
-                names.append(layer.name)
-                for g in held_generators(layer):
-                    generators.setdefault(id(g), g)
-        return cls(generators.values(), names) if generators else None
+            held = held_generators(layer)
+            if not draws_exactly(layer):
+                other.update(id(g) for g in held)
+                continue
+            for g in held:
+                exact.setdefault(id(g), g)
+                holders.setdefault(id(g), layer.name)
+                if _declares_shared(layer):
+                    shared.add(id(g))
+        kept = [g for key, g in exact.items() if key not in other]
+        if not kept:
+            return None
+        names = [holders[id(g)] for g in kept]
+        return cls(kept, names, shared & {id(g) for g in kept})
 
     @contextlib.contextmanager
-    def drawing(self, first_sample, samples, samples_static):
+    def drawing(self, window_start, first_sample, samples, samples_static):
         """Around a micro-batch's forward and backward pass: its generators
         start from the window's state (kept at the window's first
-        micro-batch, `first_sample == 0`), and their Dropout draws are its
-        rows of the window's (`first_sample`: samples of the window before
-        this micro-batch; `samples`: its own, a tensor, and
+        micro-batch, `window_start`, a bool tensor, even if that one is
+        dropped as non-finite), and their Dropout draws are its rows of the
+        window's (`first_sample`: samples added to the window before this
+        micro-batch; `samples`: its own, an int64 tensor, and
         `samples_static`, an int or None). Call before the forward pass
         reads the generators (a recomputed block keeps them as read)."""
-        window_start = tf.equal(first_sample, 0)
         with hooks.autocast(None):
             for g, start in zip(self.generators, self.starts):
                 start.assign(tf.where(window_start, g.state.value, start.read_value()))
@@ -204,30 +235,33 @@ class WindowDraws:
         finally:
             _LOCAL.window = previous
 
-    def refusal(self, inputs, rate, noise_shape):
+    def refusal(self, inputs, rate, noise_shape, shared):
         """Why this draw cannot be the large batch's rows, or None."""
         dtype = tf.as_dtype(inputs.dtype).name
         if not isinstance(rate, numbers.Real):
             return "a rate given as a tensor"
-        if not draws_rows_exactly(dtype, hooks.in_xla_context()):
-            return f"{dtype} draws{' under XLA' if hooks.in_xla_context() else ''} on this TensorFlow"
-        first = inputs.shape[0] if _shared(noise_shape) is None else noise_shape[0]
-        if first is not None and first != 1 and self.samples_static and first % self.samples_static:
+        xla = hooks.in_xla_context()
+        if not draws_rows_exactly(dtype, xla):
+            return f"{dtype} draws{' under XLA' if xla else ''} on this TensorFlow"
+        first = _first_noise_axis(inputs, noise_shape)
+        if not shared and None not in (first, self.samples_static) and first != self.samples_static:
             return (
-                f"a tensor of shape {tuple(inputs.shape)} whose first axis is not "
-                f"over the micro-batch's {self.samples_static} samples"
+                f"a tensor of shape {tuple(inputs.shape)}, whose first axis is not "
+                f"the micro-batch's {self.samples_static} samples"
             )
         return None
 
     def warn(self, reason):
+        """Warns, once per `reason`, that a draw was not the large batch's."""
         if reason in self.warned:
             return
         self.warned.add(reason)
         warnings.warn(
             f"accumulate_steps: a Dropout draw with {reason} is drawn for each "
-            "micro-batch as Keras draws it, not as the large-batch step would "
-            "(its rows of the window's mask): the weights differ from one "
-            "large-batch step with the same seed by that randomness.",
+            "micro-batch with a seed of its own (the window's, folded with "
+            "where the micro-batch starts), not as the large-batch step would "
+            "draw it (its rows of the window's mask): the weights differ from "
+            "one large-batch step with the same seed by that randomness.",
             stacklevel=2,
         )
 
@@ -248,19 +282,38 @@ def _route(original, inputs, rate, noise_shape, seed):
         or (isinstance(rate, numbers.Real) and not 0 < rate < 1)  # Keras draws nothing
     ):
         return original(inputs, rate, noise_shape=noise_shape, seed=seed)
-    reason = window.refusal(inputs, rate, noise_shape)
+    shared = id(seed) in window.shared
+    reason = window.refusal(inputs, rate, noise_shape, shared)
     if reason is not None:
         window.warn(reason)
-        return original(inputs, rate, noise_shape=noise_shape, seed=seed)
+        # Keras' own draw, from the window's seed folded with where this
+        # micro-batch starts: masks of its own, not the same in each.
+        x = tf.convert_to_tensor(inputs)
+        folded = tf.random.experimental.stateless_fold_in(
+            hooks.keras_dropout_seed(seed), window.first_sample
+        )
+        return tf.nn.experimental.stateless_dropout(
+            x, rate=rate, noise_shape=hooks.keras_noise_shape(x, noise_shape), seed=folded
+        )
     return dropout_rows(
         inputs, rate, noise_shape, hooks.keras_dropout_seed(seed),
-        window.first_sample, window.samples, shared=bool(_shared(noise_shape)),
+        window.first_sample, window.samples, shared=shared,
+        check_first_axis=not shared and None in (
+            _first_noise_axis(inputs, noise_shape), window.samples_static
+        ),
     )
 
 
-def _shared(noise_shape):
-    """Whether a noise shape's first axis is 1 (one mask for every sample:
-    True), the samples' (False), or not given as an int (None: the input's,
-    a tensor for a batch of no fixed size, as SpatialDropout passes it)."""
+def _declares_shared(layer):
+    """Whether `layer` (a Dropout) draws one mask for every sample: its
+    `noise_shape` starts with 1."""
+    noise_shape = getattr(layer, "noise_shape", None)
+    return bool(noise_shape) and noise_shape[0] == 1
+
+
+def _first_noise_axis(inputs, noise_shape):
+    """The noise's first axis, where fixed at trace time (else None):
+    `noise_shape`'s when an int there (SpatialDropout passes the batch's
+    size, an int or a tensor), else the input's."""
     first = None if noise_shape is None else noise_shape[0]
-    return first == 1 if isinstance(first, int) else None
+    return first if isinstance(first, int) else inputs.shape[0]

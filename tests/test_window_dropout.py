@@ -29,7 +29,8 @@ def test_uniform_rows_are_the_rows_of_the_whole_draw(dtype, xla):
             jit_compile=xla,
         )()
         np.testing.assert_array_equal(
-            tf.cast(part, tf.float32).numpy(), tf.cast(whole[first : first + rows], tf.float32).numpy()
+            tf.cast(part, tf.float32).numpy(),
+            tf.cast(whole[first : first + rows], tf.float32).numpy(),
         )
     assert window_dropout.draws_rows_exactly(dtype, xla)
 
@@ -47,13 +48,13 @@ def test_noise_shapes_draw_their_rows_at_a_batch_of_no_fixed_size(make, shape):
     start = layer.seed_generator.state.numpy().copy()
     whole = layer(x, training=True).numpy()  # Keras' own draw for 6 samples
     layer.seed_generator.state.assign(start)
-    draws = window_dropout.WindowDraws([layer.seed_generator])
+    draws = window_dropout.WindowDraws.for_model(keras.Sequential([keras.Input(shape[1:]), layer]))
     draws.starts[0].assign(start)  # the window's seed: samples 2-4 come second
 
     @tf.function(input_signature=[tf.TensorSpec([None, *shape[1:]])])
     def samples_2_to_4(part):
         samples = tf.cast(tf.shape(part)[0], tf.int64)
-        with draws.drawing(tf.constant(2, tf.int64), samples, part.shape[0]):
+        with draws.drawing(tf.constant(False), tf.constant(2, tf.int64), samples, part.shape[0]):
             return layer(part, training=True)
 
     np.testing.assert_array_equal(samples_2_to_4(x[2:5]).numpy(), whole[2:5])
@@ -122,8 +123,10 @@ def test_a_window_with_dropout_is_one_large_batch_step(jit_compile, steps_per_ex
 def _recurrent_model(cls):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4, 3))
-    seq = keras.layers.LSTM(6, dropout=0.3, recurrent_dropout=0.2, return_sequences=True, seed=1)(inputs)
-    seq = keras.layers.GRU(6, dropout=0.2, recurrent_dropout=0.3, return_sequences=True, seed=2)(seq)
+    seq = keras.layers.LSTM(
+        6, dropout=0.3, recurrent_dropout=0.2, return_sequences=True, seed=1)(inputs)
+    seq = keras.layers.GRU(
+        6, dropout=0.2, recurrent_dropout=0.3, return_sequences=True, seed=2)(seq)
     seq = keras.layers.Attention(dropout=0.4, seed=3)([seq, seq])
     seq = keras.layers.SpatialDropout1D(0.3, seed=4)(seq)
     return cls(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(seq)))
@@ -184,7 +187,8 @@ def test_other_random_layers_are_still_named_and_dropout_is_not():
     x = _Noisy(name="first")(inputs)
     x = _Noisy(name="second")(x)
     model = GradBoostModel(inputs, keras.layers.Dense(1)(x))
-    with pytest.warns(UserWarning, match=r"draw random numbers \('noise'; 2 layers, e\.g\.") as caught:
+    said = r"draw random numbers \('noise'; 2 layers, e\.g\."
+    with pytest.warns(UserWarning, match=said) as caught:
         model.compile(optimizer="sgd", loss="mse", accumulate_steps=2)
     assert not any("'drop'" in str(w.message) for w in caught)
 
@@ -211,7 +215,8 @@ def test_a_train_step_of_ones_own_is_warned_and_one_calling_gradboosts_is_exact(
     y = rng.normal(size=(8, 1)).astype("float32")
     own = _dropout_model(OwnMinimizeStep)
     own.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=2)
-    with pytest.warns(UserWarning, match=r"own train_step .* Dropout layers \('drop', 'per_sample'\)"):
+    said = r"own train_step .* Dropout layers \('drop', 'per_sample'\)"
+    with pytest.warns(UserWarning, match=said):
         own.fit(x, y, batch_size=2, shuffle=False, verbose=0)
     ref, model, said = _fit_both(_dropout_model, x, y, 4, 2, 2)
     _, calling, said_too = _fit_both(lambda cls: _dropout_model(OwnSuperStep), x, y, 4, 2, 2)
@@ -232,7 +237,8 @@ def test_a_window_saved_mid_way_goes_on_with_its_rows_and_seeds(tmp_path):
 
     path = str(tmp_path / "mid.weights.h5")
     never_saved = boosted()
-    never_saved.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[SaveAfterBatch(4, path)])
+    never_saved.fit(x, y, batch_size=2, shuffle=False, verbose=0,
+                    callbacks=[SaveAfterBatch(4, path)])
     loaded = boosted()
     loaded.load_weights(path)  # 2 of the second window's 3 micro-batches pending
     assert int(loaded._gradboost.accumulator.micro_step.numpy()) == 2
@@ -281,3 +287,150 @@ def test_mixed_bfloat16_windows_draw_the_large_batchs_masks():
     assert not said
     moved = max_weight_diff(ref, build(keras.Model))
     assert max_weight_diff(model, ref) < 0.05 * moved
+
+
+def test_spatial_dropout_in_micro_batches_of_one_sample():
+    # SpatialDropout gives the batch's size as the noise's first axis: at 1
+    # it read as one mask for every sample (each micro-batch drew sample
+    # 0's rows: 0.39 away).
+    def build(cls):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4, 3))
+        x = keras.layers.Dense(6, activation="tanh")(inputs)
+        x = keras.layers.SpatialDropout1D(0.5, seed=3)(x)
+        return cls(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(x)))
+
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(8, 4, 3)).astype("float32")
+    y = rng.normal(size=(8, 1)).astype("float32")
+    ref, model, said = _fit_both(build, x, y, 4, 1, 4)
+    assert not said
+    assert max_weight_diff(model, ref) < TOL
+    assert _seed_states(model) == _seed_states(ref)
+
+
+def test_a_window_whose_first_micro_batch_is_skipped_keeps_its_seed():
+    # The skipped micro-batch 4 moved the generators on; window (4-7) still
+    # draws from the state it started with (it took the moved one: 0.28).
+    from keras_gradboost.callbacks import NaNWatcher
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(16, 5)).astype("float32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+    x[8, 0] = np.nan
+    ref = _dropout_model(keras.Model)
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    ref.train_on_batch(x[:8], y[:8])
+    ref.train_on_batch(x[10:], y[10:])
+    model = _dropout_model(GradBoostModel)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=4)
+    model.fit(x, y, batch_size=2, shuffle=False, verbose=0,
+              callbacks=[NaNWatcher(action="skip", verbose=0)])
+    assert max_weight_diff(model, ref) < TOL
+    assert _seed_states(model) == _seed_states(ref)
+
+
+class _TwoOptimizers(GradBoostModel):
+    """minimize()'s docstring's pattern, with a Dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = keras.layers.Dense(1)
+        self.b = keras.layers.Dense(1)
+        self.drop = keras.layers.Dropout(0.3, name="drop")
+        self.b_optimizer = keras.optimizers.SGD(0.1)
+
+    def call(self, x, training=None):
+        return self.a(self.drop(x, training=training)) + self.b(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean((self.a(self.drop(x, training=True)) - y) ** 2)
+        count = tf.shape(x)[0]
+        self.minimize(tape, loss, self.a.trainable_weights, count=count)
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean((self.b(x) - y) ** 2)
+        self.minimize(tape, loss, self.b.trainable_weights, self.b_optimizer, count=count)
+        return {"loss": loss}
+
+
+def test_minimize_with_other_optimizers_and_variables_is_warned_about():
+    model = _TwoOptimizers()
+    model(np.zeros((1, 3), "float32"))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), accumulate_steps=2)
+    with pytest.warns(UserWarning, match=r"own train_step .* Dropout layers \('drop'\)"):
+        model.fit(np.ones((8, 3), "float32"), np.ones((8, 1), "float32"), batch_size=2,
+                  verbose=0)
+
+
+def test_a_refused_draw_gives_each_micro_batch_a_mask_of_its_own():
+    # A float64 Dropout cannot draw rows: Keras' draw, from the window's
+    # seed folded with where the micro-batch starts (the same seed in each
+    # micro-batch would give each the same mask).
+    drop = keras.layers.Dropout(0.5, seed=2, dtype="float64")
+    draws = window_dropout.WindowDraws([drop.seed_generator])
+    ones = tf.ones((4, 16), tf.float64)
+
+    def mask(first):
+        with draws.drawing(tf.constant(first == 0), tf.constant(first, tf.int64),
+                           tf.constant(4, tf.int64), 4):
+            return drop(ones, training=True).numpy() > 0
+
+    with pytest.warns(UserWarning, match="float64 draws on this TensorFlow"):
+        first, second = mask(0), mask(4)
+    assert (first != second).any()
+    assert first.mean() not in (0.0, 1.0)
+
+
+class _NoisyDropout(keras.layers.Layer):
+    """Draws noise from its Dropout's generator."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.drop = keras.layers.Dropout(0.2, seed=4)
+        self.generator = self.drop.seed_generator
+
+    def call(self, x, training=None):
+        noise = keras.random.normal(keras.ops.shape(x), seed=self.generator)
+        return self.drop(x + noise, training=training)
+
+
+def test_a_generator_another_random_layer_draws_from_is_left_alone():
+    # Started anew at each micro-batch, the noise would repeat in each.
+    other = keras.layers.Dropout(0.2, seed=5, name="other")
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, other(_NoisyDropout()(inputs)))
+    draws = window_dropout.WindowDraws.for_model(model)
+    assert draws.names == ["other"]
+    assert draws.ids == {id(other.seed_generator)}
+
+
+def _time_major_model(cls):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 3))
+    swap = keras.layers.Lambda(lambda t: keras.ops.transpose(t, (1, 0, 2)))
+    x = swap(keras.layers.Dropout(0.3, seed=1)(swap(inputs)))
+    return cls(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(x)))
+
+
+def test_a_dropout_on_a_tensor_not_over_the_samples_is_refused():
+    # Time-major (4, 2, 3): its rows are not the micro-batch's samples.
+    # With the batch's size known: warned, masks of their own; unknown: the
+    # step fails, naming the option.
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(8, 4, 3)).astype("float32")
+    y = rng.normal(size=(8, 1)).astype("float32")
+    _, _, said = _fit_both(_time_major_model, x, y, 4, 2, 2, epochs=1)
+    assert any("whose first axis is not the micro-batch's 2 samples" in w for w in said)
+    model = _time_major_model(GradBoostModel)
+    model.compile(optimizer="sgd", loss="mse", accumulate_steps=2)
+    unbatched = tf.data.Dataset.from_tensor_slices((x, y)).batch(2)  # no fixed size
+    with pytest.raises(tf.errors.InvalidArgumentError, match="accumulate_steps: a Dropout draws"):
+        model.fit(unbatched, verbose=0)
+
+
+def test_jit_compile_measure_says_its_measured_windows_are_not_exact():
+    model = _dropout_model(GradBoostModel)
+    with pytest.warns(UserWarning, match=r'jit_compile="measure".*\(\'drop\', \'per_sample\'\)'):
+        model.compile(optimizer="sgd", loss="mse", accumulate_steps=2, jit_compile="measure")
