@@ -43,9 +43,10 @@ def check(model, window, rtol=None):
     micro-batch by what Keras divides its loss by (`loss_normaliser`), as
     the train step does. Random layers (a `SeedGenerator` among their
     attributes: Dropout, GaussianNoise, random augmentation) act as the
-    identity on both sides (an RNN cell with dropout 0): this check draws
-    each side anew, where training draws each micro-batch's rows of the
-    large batch's Dropout masks (`window_dropout`).
+    identity on both sides (an RNN cell takes dropout 0): this check
+    compares the accumulation, not the draws (training draws each
+    micro-batch's rows of the large batch's Dropout masks,
+    `window_dropout`).
 
     Args:
         model: the GradBoostModel.

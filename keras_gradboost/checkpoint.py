@@ -250,8 +250,8 @@ def _restore_window_draws(rt, state, pending, strategy):
     _assign_all(acc.rows, 0, strategy)
     return [
         f"the Dropout seeds of the {pending} pending micro-batches ({saved} saved, "
-        f"{len(starts)} here): the rest of the window draws its masks as Keras "
-        "does, not as the large-batch step would"
+        f"{len(starts)} here): the rest of the window draws its masks from the "
+        "seeds it finds, not as the large-batch step would"
     ]
 
 

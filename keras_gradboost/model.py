@@ -1132,6 +1132,26 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             stacklevel=3,
         )
 
+    def _warn_unexact_draws(self):
+        """Warns when, this epoch, Dropout draws turned out (at run time) to
+        be on a tensor whose first axis is not the micro-batch's samples:
+        they drew masks of their own (`window_dropout`)."""
+        rt = self._gradboost
+        if rt.window_draws is None or rt.config.accumulate_steps == 1:
+            return
+        count = rt.window_draws.unexact_draws(self.distribute_strategy)
+        if count:
+            warnings.warn(
+                f"accumulate_steps={rt.config.accumulate_steps}: {count} Dropout "
+                "draws this epoch were on a tensor whose first axis is not the "
+                "micro-batch's samples (known at run time only: the batch has no "
+                "fixed size), so each drew a mask of its own for its micro-batch, "
+                "not its rows of the large batch's: the weights differ from one "
+                f"large-batch step with the same seed by that randomness. Dropout "
+                f"layers: {listed(list(dict.fromkeys(rt.window_draws.names)), 4)}.",
+                stacklevel=2,
+            )
+
     def _warn_own_step_draws(self, accumulator):
         """Warns (once) when a train_step of the model's own accumulates
         through `minimize()` (with any optimizer): its forward pass ran
@@ -1597,6 +1617,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         rt = self._gradboost
         self.flush_accumulated_gradients()
         self._check_even_split()
+        self._warn_unexact_draws()
         if rt.scaler is None:
             return
         skipped = int(rt.facts.skipped_steps.numpy())

@@ -500,13 +500,15 @@ def check_accumulate_check(model, config):
         )
 
 
-def _drawn_as_large_batch(model, layer):
+def _drawn_as_large_batch(model, layer, exact_ids):
     """Whether `layer`'s random draws in a window are the large batch's
-    (`window_dropout`): a Dropout-like layer, on one replica. (A train_step
-    of the model's own that does not call GradBoostModel's is warned about
+    (`window_dropout`): each generator it holds is among `exact_ids` (of
+    `window_dropout.exact_generators`), on one replica. (A train_step of
+    the model's own that does not call GradBoostModel's is warned about
     when traced.)"""
+    held = window_dropout.held_generators(layer)
     return (
-        window_dropout.draws_exactly(layer)
+        bool(held) and all(id(g) in exact_ids for g in held)
         and model.distribute_strategy.num_replicas_in_sync == 1
     )
 
@@ -515,7 +517,9 @@ def inexact_accumulation_warnings(model, config, loss, jit_requested=False):
     """What makes k micro-batches differ from one large batch, as warnings."""
     steps = config.accumulate_steps
     notes = []
-    exact = [l.name for l in random_layers(model) if _drawn_as_large_batch(model, l)]
+    exact_ids = {id(g) for g in window_dropout.exact_generators(model)[0]}
+    drawn = random_layers(model)
+    exact = [l.name for l in drawn if _drawn_as_large_batch(model, l, exact_ids)]
     if exact and jit_requested == "measure":
         notes.append(
             f'accumulate_steps={steps} with jit_compile="measure": its measured '
@@ -552,7 +556,7 @@ def inexact_accumulation_warnings(model, config, loss, jit_requested=False):
             "from one large-batch step. Use LayerNormalization or "
             "GroupNormalization for an exact equivalent."
         )
-    drawing = [l.name for l in random_layers(model) if not _drawn_as_large_batch(model, l)]
+    drawing = [l.name for l in drawn if not _drawn_as_large_batch(model, l, exact_ids)]
     if drawing:
         # Each name once: keras-hub names every block's layers alike.
         names = list(dict.fromkeys(drawing))

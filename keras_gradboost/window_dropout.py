@@ -96,37 +96,42 @@ def uniform_rows(shape, seed, first, dtype):
     return tf.reshape(flat[extra:], shape)
 
 
-def dropout_rows(inputs, rate, noise_shape, seed, first_sample, samples, shared=False,
-                 check_first_axis=False):
+def dropout_rows(inputs, rate, noise_shape, seed, first_sample, shared=False):
     """Keras' TensorFlow `dropout(inputs, rate, noise_shape, seed)` for the
-    samples `first_sample, ...` of a larger batch: its mask is those
-    samples' rows of the larger batch's mask. `seed` is the int32 seed
-    Keras draws with; `samples` the samples in `inputs`, whose first axis
-    they are; `shared`: one mask for every sample (the rows of the first);
-    `check_first_axis`: fail at run time where the noise's first axis is
-    not `samples` (not known at trace time)."""
+    samples `first_sample, ...` of a larger batch, along the first axis of
+    `inputs`: its mask is those samples' rows of the larger batch's mask.
+    `seed` is the int32 seed Keras draws with; `shared`: one mask for every
+    sample (the rows of the first)."""
     x = tf.convert_to_tensor(inputs)
-    shape = hooks.keras_noise_shape(x, noise_shape)
-    shape = tf.stack([tf.cast(d, tf.int64) for d in shape]) if isinstance(shape, list) else shape
-    shape = tf.cast(shape, tf.int64)
-    samples = tf.cast(samples, tf.int64)
-    checks = [
-        tf.debugging.assert_equal(
-            shape[0], samples,
-            message="accumulate_steps: a Dropout draws on a tensor whose first "
-            "axis is not the micro-batch's samples, so its rows of the large "
-            "batch's mask are not known. Train it with accumulate_steps=1",
-        )
-    ] if check_first_axis else []
+    shape = _shape_tensor(hooks.keras_noise_shape(x, noise_shape))
     per_sample = tf.constant(0, tf.int64) if shared else tf.reduce_prod(shape[1:])
-    with tf.control_dependencies(checks):
-        first = tf.cast(first_sample, tf.int64) * per_sample
+    first = tf.cast(first_sample, tf.int64) * per_sample
     random = uniform_rows(shape, seed, first, x.dtype)
     # As TensorFlow's `nn_ops._dropout` computes it, for a Python rate.
     scaled = x * tf.convert_to_tensor(1 / (1 - rate), dtype=x.dtype)
     out = tf.where(random >= rate, scaled, tf.constant(0, x.dtype))
     out.set_shape(x.shape)
     return out
+
+
+def own_dropout(inputs, rate, noise_shape, seed, first_sample):
+    """Keras' TensorFlow `dropout` with `seed` (int32) folded with
+    `first_sample`: a micro-batch's mask of its own, another in each
+    micro-batch of a window (where its rows of the window's cannot be
+    drawn)."""
+    x = tf.convert_to_tensor(inputs)
+    folded = tf.random.experimental.stateless_fold_in(seed, tf.cast(first_sample, tf.int64))
+    return tf.nn.experimental.stateless_dropout(
+        x, rate=rate, noise_shape=hooks.keras_noise_shape(x, noise_shape), seed=folded
+    )
+
+
+def _shape_tensor(shape):
+    """A noise shape (a shape tensor, or a list of ints and scalar tensors)
+    as an int64 tensor."""
+    if isinstance(shape, (list, tuple)):
+        return tf.stack([tf.cast(d, tf.int64) for d in shape])
+    return tf.cast(shape, tf.int64)
 
 
 # (first sample, samples) of a (6, 5, 3) batch: offsets of 0, 30, 75 and 15
@@ -148,7 +153,7 @@ def draws_rows_exactly(dtype, xla):
 
         def both():
             whole = tf.nn.experimental.stateless_dropout(x, rate=0.5, seed=seed)
-            parts = [dropout_rows(x[a : a + m], 0.5, None, seed, a, m) for a, m in _CHECKED_PARTS]
+            parts = [dropout_rows(x[a : a + m], 0.5, None, seed, a) for a, m in _CHECKED_PARTS]
             return whole, parts
 
         try:
@@ -160,6 +165,33 @@ def draws_rows_exactly(dtype, xla):
             np.array_equal(whole[a : a + m], tf.cast(part, tf.float32).numpy())
             for (a, m), part in zip(_CHECKED_PARTS, parts)
         )
+
+
+def exact_generators(model):
+    """`(generators, names, shared)`: the seed generators of `model` whose
+    draws are drawn as the large batch's, the names of the layers holding
+    them, and the ids of those whose layer draws one mask for every sample
+    (see `WindowDraws`).
+
+    A generator another random layer draws from too is left as Keras runs
+    it: started anew at each micro-batch, that layer would draw the same
+    numbers in every micro-batch of a window. So is a layer the model's
+    functional graph calls on a tensor whose first axis is fixed (not the
+    batch's: a time-major tensor)."""
+    exact, other, shared, holders = {}, set(), set(), {}
+    not_over_samples = _not_over_samples(model)
+    for layer in hooks.flatten_layers(model):
+        held = held_generators(layer)
+        if not draws_exactly(layer) or id(layer) in not_over_samples:
+            other.update(id(g) for g in held)
+            continue
+        for g in held:
+            exact.setdefault(id(g), g)
+            holders.setdefault(id(g), layer.name)
+            if _declares_shared(layer):
+                shared.add(id(g))
+    kept = [g for key, g in exact.items() if key not in other]
+    return kept, [holders[id(g)] for g in kept], shared & {id(g) for g in kept}
 
 
 class WindowDraws:
@@ -185,32 +217,21 @@ class WindowDraws:
                 replica_local_variable(g.state.value, f"window_seed_{i}", g.state.dtype)
                 for i, g in enumerate(self.generators)
             ]
+        # Draws whose tensor's first axis turned out not to be the
+        # micro-batch's samples (not known at trace time): masks of their
+        # own; read after each epoch (`unexact_draws`).
+        self.mismatches = replica_local_variable(0, "window_draw_mismatches", tf.int64)
+        self.mismatches_read = 0
+        self.checks_at_run_time = False  # whether a trace counts them
         self.warned = set()
         self.first_sample = self.samples = self.samples_static = None
 
     @classmethod
     def for_model(cls, model):
-        """The model's `WindowDraws`, or None when no layer draws exactly.
-
-        A generator another random layer draws from too is left as Keras
-        runs it: started anew at each micro-batch, that layer would draw the
-        same numbers in every micro-batch of a window."""
-        exact, other, shared, holders = {}, set(), set(), {}
-        for layer in hooks.flatten_layers(model):
-            held = held_generators(layer)
-            if not draws_exactly(layer):
-                other.update(id(g) for g in held)
-                continue
-            for g in held:
-                exact.setdefault(id(g), g)
-                holders.setdefault(id(g), layer.name)
-                if _declares_shared(layer):
-                    shared.add(id(g))
-        kept = [g for key, g in exact.items() if key not in other]
-        if not kept:
-            return None
-        names = [holders[id(g)] for g in kept]
-        return cls(kept, names, shared & {id(g) for g in kept})
+        """The model's `WindowDraws`, or None when no layer draws exactly
+        (`exact_generators`)."""
+        kept, names, shared = exact_generators(model)
+        return cls(kept, names, shared) if kept else None
 
     @contextlib.contextmanager
     def drawing(self, window_start, first_sample, samples, samples_static):
@@ -235,6 +256,16 @@ class WindowDraws:
         finally:
             _LOCAL.window = previous
 
+    def unexact_draws(self, strategy):
+        """The draws since the last call that ran `own_dropout` because
+        their tensor's first axis was not the samples (a host read, where
+        a trace counts them; else 0)."""
+        if not self.checks_at_run_time:
+            return 0
+        total = int(strategy.experimental_local_results(self.mismatches)[0].numpy())
+        new, self.mismatches_read = total - self.mismatches_read, total
+        return new
+
     def refusal(self, inputs, rate, noise_shape, shared):
         """Why this draw cannot be the large batch's rows, or None."""
         dtype = tf.as_dtype(inputs.dtype).name
@@ -244,10 +275,13 @@ class WindowDraws:
         if not draws_rows_exactly(dtype, xla):
             return f"{dtype} draws{' under XLA' if xla else ''} on this TensorFlow"
         first = _first_noise_axis(inputs, noise_shape)
-        if not shared and None not in (first, self.samples_static) and first != self.samples_static:
+        if shared or first is None:
+            return None
+        if self.samples_static is None or first != self.samples_static:
+            # A fixed axis is not that of a batch of no fixed size either.
             return (
                 f"a tensor of shape {tuple(inputs.shape)}, whose first axis is not "
-                f"the micro-batch's {self.samples_static} samples"
+                f"the micro-batch's {self.samples_static or 'varying'} samples"
             )
         return None
 
@@ -282,26 +316,45 @@ def _route(original, inputs, rate, noise_shape, seed):
         or (isinstance(rate, numbers.Real) and not 0 < rate < 1)  # Keras draws nothing
     ):
         return original(inputs, rate, noise_shape=noise_shape, seed=seed)
-    shared = id(seed) in window.shared
+    # One mask for every sample where the layer declares it (SpatialDropout
+    # passes the batch's size, 1 at a micro-batch of one sample).
+    shared = id(seed) in window.shared and _first_noise_axis(inputs, noise_shape) == 1
     reason = window.refusal(inputs, rate, noise_shape, shared)
+    drawn = hooks.keras_dropout_seed(seed)  # the generator moves on once, as in Keras
     if reason is not None:
         window.warn(reason)
-        # Keras' own draw, from the window's seed folded with where this
-        # micro-batch starts: masks of its own, not the same in each.
-        x = tf.convert_to_tensor(inputs)
-        folded = tf.random.experimental.stateless_fold_in(
-            hooks.keras_dropout_seed(seed), window.first_sample
-        )
-        return tf.nn.experimental.stateless_dropout(
-            x, rate=rate, noise_shape=hooks.keras_noise_shape(x, noise_shape), seed=folded
-        )
-    return dropout_rows(
-        inputs, rate, noise_shape, hooks.keras_dropout_seed(seed),
-        window.first_sample, window.samples, shared=shared,
-        check_first_axis=not shared and None in (
-            _first_noise_axis(inputs, noise_shape), window.samples_static
-        ),
+        return own_dropout(inputs, rate, noise_shape, drawn, window.first_sample)
+    if shared or _first_noise_axis(inputs, noise_shape) is not None:
+        return dropout_rows(inputs, rate, noise_shape, drawn, window.first_sample, shared)
+    window.checks_at_run_time = True
+    # The first axis is known at run time only (a batch of no fixed size):
+    # where it is not the samples, a mask of its own, counted (an assert
+    # would do nothing under XLA).
+    x = tf.convert_to_tensor(inputs)
+    first = _shape_tensor(hooks.keras_noise_shape(x, noise_shape))[0]
+    over_samples = tf.equal(first, window.samples)
+    window.mismatches.assign_add(tf.cast(tf.logical_not(over_samples), tf.int64))
+    return tf.cond(
+        over_samples,
+        lambda: dropout_rows(x, rate, noise_shape, drawn, window.first_sample),
+        lambda: own_dropout(x, rate, noise_shape, drawn, window.first_sample),
     )
+
+
+def _not_over_samples(model):
+    """The ids of the layers that a functional graph of `model` (its own, or
+    a functional model's or `Sequential`'s inside it) calls on a first
+    input whose first axis is fixed (the batch's is None there)."""
+    found = set()
+    for owner in hooks.flatten_layers(model):
+        graph = hooks.layer_graph(owner)
+        if graph is None:
+            continue
+        for layer, inputs, _ in hooks.functional_nodes(graph):
+            first = next(iter(tf.nest.flatten(inputs)), None)
+            if first is not None and first.shape and first.shape[0] is not None:
+                found.add(id(layer))
+    return found
 
 
 def _declares_shared(layer):

@@ -370,7 +370,7 @@ class _NoisyDropout(keras.layers.Layer):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.drop = keras.layers.Dropout(0.2, seed=4)
+        self.drop = keras.layers.Dropout(0.2, seed=4, name="inner_drop")
         self.generator = self.drop.seed_generator
 
     def call(self, x, training=None):
@@ -382,33 +382,67 @@ def test_a_generator_another_random_layer_draws_from_is_left_alone():
     # Started anew at each micro-batch, the noise would repeat in each.
     other = keras.layers.Dropout(0.2, seed=5, name="other")
     inputs = keras.Input((3,))
-    model = keras.Model(inputs, other(_NoisyDropout()(inputs)))
+    model = GradBoostModel(inputs, other(_NoisyDropout(name="noisy")(inputs)))
     draws = window_dropout.WindowDraws.for_model(model)
     assert draws.names == ["other"]
     assert draws.ids == {id(other.seed_generator)}
+    # ... and compile names both layers that draw from it.
+    said = r"draw random numbers \('noisy', 'inner_drop', e\.g\."
+    with pytest.warns(UserWarning, match=said):
+        model.compile(optimizer="sgd", loss="mse", accumulate_steps=2)
 
 
 def _time_major_model(cls):
     keras.utils.set_random_seed(0)
-    inputs = keras.Input((4, 3))
+    inputs = keras.Input((2, 3))
     swap = keras.layers.Lambda(lambda t: keras.ops.transpose(t, (1, 0, 2)))
-    x = swap(keras.layers.Dropout(0.3, seed=1)(swap(inputs)))
+    x = swap(keras.layers.Dropout(0.3, seed=1, name="time_major")(swap(inputs)))
     return cls(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(x)))
 
 
-def test_a_dropout_on_a_tensor_not_over_the_samples_is_refused():
-    # Time-major (4, 2, 3): its rows are not the micro-batch's samples.
-    # With the batch's size known: warned, masks of their own; unknown: the
-    # step fails, naming the option.
+def test_a_dropout_the_graph_calls_on_a_time_major_tensor_is_named():
+    # (2, batch, 3): as long as the micro-batches of 2, so no size tells it
+    # apart; the functional graph does (its first axis is fixed there).
     rng = np.random.default_rng(7)
-    x = rng.normal(size=(8, 4, 3)).astype("float32")
+    x = rng.normal(size=(8, 2, 3)).astype("float32")
     y = rng.normal(size=(8, 1)).astype("float32")
     _, _, said = _fit_both(_time_major_model, x, y, 4, 2, 2, epochs=1)
-    assert any("whose first axis is not the micro-batch's 2 samples" in w for w in said)
-    model = _time_major_model(GradBoostModel)
-    model.compile(optimizer="sgd", loss="mse", accumulate_steps=2)
+    assert any("draw random numbers ('time_major'" in w for w in said), said
+
+
+class _Flattened(keras.layers.Layer):
+    """A Dropout on (samples * 2, 3): its first axis is not the samples."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.drop = keras.layers.Dropout(0.3, seed=1, name="flat")
+
+    def call(self, x, training=None):
+        flat = keras.ops.reshape(x, (-1, 3))
+        return keras.ops.reshape(self.drop(flat, training=training), keras.ops.shape(x))
+
+
+def _flattened_model(cls):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((2, 3))
+    x = _Flattened()(inputs)
+    return cls(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(x)))
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_dropout_not_over_the_samples_inside_a_layer_is_warned_about(jit_compile):
+    # Known at trace time (arrays: batches of a fixed size): warned then;
+    # at run time only (no fixed size): counted in the step (XLA ignores
+    # asserts) and warned at the epoch's end. Masks of their own either way.
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(8, 2, 3)).astype("float32")
+    y = rng.normal(size=(8, 1)).astype("float32")
+    _, _, said = _fit_both(_flattened_model, x, y, 4, 2, 2, epochs=1, jit_compile=jit_compile)
+    assert any("whose first axis is not the micro-batch's 2 samples" in w for w in said), said
+    model = _flattened_model(GradBoostModel)
+    model.compile(optimizer="sgd", loss="mse", accumulate_steps=2, jit_compile=jit_compile)
     unbatched = tf.data.Dataset.from_tensor_slices((x, y)).batch(2)  # no fixed size
-    with pytest.raises(tf.errors.InvalidArgumentError, match="accumulate_steps: a Dropout draws"):
+    with pytest.warns(UserWarning, match="4 Dropout draws this epoch were on a tensor"):
         model.fit(unbatched, verbose=0)
 
 
@@ -416,3 +450,22 @@ def test_jit_compile_measure_says_its_measured_windows_are_not_exact():
     model = _dropout_model(GradBoostModel)
     with pytest.warns(UserWarning, match=r'jit_compile="measure".*\(\'drop\', \'per_sample\'\)'):
         model.compile(optimizer="sgd", loss="mse", accumulate_steps=2, jit_compile="measure")
+
+
+def test_a_loss_scales_own_overflow_adds_no_rows():
+    # A dynamic loss scale's overflow drops the micro-batch without calling
+    # it dropped (not a real non-finite step): its rows must not count.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((1,))
+    hidden = keras.layers.Dropout(0.1, seed=1)(inputs)
+    model = GradBoostModel(inputs, keras.layers.Dense(1, use_bias=False)(hidden))
+    model.compile(optimizer="sgd", loss="mse", accumulate_steps=4, loss_scale="dynamic")
+    ones, zeros = np.ones((2, 1), "float32"), np.zeros((2, 1), "float32")
+    model.train_on_batch(ones, zeros)
+    model.train_on_batch(ones, zeros)
+    acc = model._gradboost.accumulator
+    assert int(acc.rows.numpy()) == 4
+    huge = np.full((4, 1), 1e18, "float32")  # the loss is finite, its scaled gradient not
+    logs = model.train_on_batch(huge, np.zeros((4, 1), "float32"), return_dict=True)
+    assert logs["loss_scale"] == 2.0**14 and int(model._gradboost.facts.nonfinite_steps.numpy()) == 0
+    assert int(acc.micro_step.numpy()) == 3 and int(acc.rows.numpy()) == 4
