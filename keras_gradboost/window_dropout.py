@@ -18,11 +18,15 @@ that step's mask where its samples sit in the window:
 
 Whether that gives the large batch's values on this TensorFlow, device and
 compilation (XLA or not) is checked once per dtype (`draws_rows_exactly`)
-before a step relies on it; where it does not hold, the draw is Keras' own
-and the step warns. Only layers whose draws all go through Keras'
-`backend.random.dropout` are drawn this way (`EXACT_LAYERS`): other random
-layers (GaussianNoise, the augmentation layers) still draw per micro-batch,
-and compile names them.
+before a step relies on it. The rows are those of the tensor's first axis,
+which must be the micro-batch's samples: told by its size (at trace time,
+or, for a batch of no fixed size, at run time, counted) and, for a layer a
+functional graph calls, by the graph. Where any of this does not hold, the
+micro-batch draws a mask of its own (the window's seed folded with where it
+starts, `own_dropout`), with a warning. Only layers whose draws all go
+through Keras' `backend.random.dropout` are drawn this way
+(`EXACT_LAYERS`): other random layers (GaussianNoise, the augmentation
+layers) still draw per micro-batch, and compile names them.
 """
 
 import contextlib
@@ -344,15 +348,17 @@ def _route(original, inputs, rate, noise_shape, seed):
 def _not_over_samples(model):
     """The ids of the layers that a functional graph of `model` (its own, or
     a functional model's or `Sequential`'s inside it) calls on a first
-    input whose first axis is fixed (the batch's is None there)."""
+    input whose first axis is fixed and not the graph's batch size (None,
+    unless its `keras.Input` fixes it)."""
     found = set()
     for owner in hooks.flatten_layers(model):
         graph = hooks.layer_graph(owner)
         if graph is None:
             continue
+        batch = next(iter(t.shape[0] for t in tf.nest.flatten(graph.inputs) if t.shape), None)
         for layer, inputs, _ in hooks.functional_nodes(graph):
             first = next(iter(tf.nest.flatten(inputs)), None)
-            if first is not None and first.shape and first.shape[0] is not None:
+            if first is not None and first.shape and first.shape[0] not in (None, batch):
                 found.add(id(layer))
     return found
 

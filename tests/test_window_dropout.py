@@ -469,3 +469,13 @@ def test_a_loss_scales_own_overflow_adds_no_rows():
     logs = model.train_on_batch(huge, np.zeros((4, 1), "float32"), return_dict=True)
     assert logs["loss_scale"] == 2.0**14 and int(model._gradboost.facts.nonfinite_steps.numpy()) == 0
     assert int(acc.micro_step.numpy()) == 3 and int(acc.rows.numpy()) == 4
+
+
+def test_a_batch_size_the_input_fixes_is_the_samples_axis():
+    # keras.Input(batch_size=4): every tensor's first axis is 4, the
+    # samples', not a time-major one's.
+    inputs = keras.Input((5,), batch_size=4)
+    x = keras.layers.Dense(8, activation="tanh")(inputs)
+    x = keras.layers.Dropout(0.3, seed=2, name="fixed")(x)
+    model = GradBoostModel(inputs, keras.layers.Dense(1)(x))
+    assert window_dropout.WindowDraws.for_model(model).names == ["fixed"]
