@@ -1072,7 +1072,8 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             return
         acc = self._accumulator()
         samples = tf.cast(n, tf.int64)
-        static = next((t.shape[0] for t in tf.nest.flatten(x) if t is not None), None)
+        first = next(t for t in tf.nest.flatten(x) if t is not None)  # as `sample_count`
+        static = first.shape[0] if first.shape.rank else None
         window_start = tf.equal(acc.micro_step.read_value(), 0)
         acc.next_rows = samples
         try:
