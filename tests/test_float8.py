@@ -170,7 +170,7 @@ def test_a_saved_window_keeps_the_maximum_over_replicas():
     for part in strategy.experimental_local_results(accumulator.count):
         part.assign(8.0)
     runtime = types.SimpleNamespace(facts=None, scaler=None, accumulator=accumulator,
-                                    other_states={})
+                                    window_draws=None, other_states={})
     state = checkpoint.collect(runtime, strategy)
     np.testing.assert_array_equal(state["window_sum_0"], [-1.0, 5.0, 2.0])  # max
     np.testing.assert_array_equal(state["window_sum_1"], [-4.0, 6.0, -2.0])  # sum
