@@ -69,20 +69,26 @@ def listed(names, limit):
 RANDOM_RATES = ("rate", "dropout", "recurrent_dropout", "stddev")
 
 
+def held_generators(layer):
+    """The `keras.random.SeedGenerator`s `layer` holds (in an attribute, or
+    a list or dict there)."""
+    held = []
+    for value in vars(layer).values():
+        if isinstance(value, dict):
+            value = list(value.values())
+        held.extend(value if isinstance(value, (list, tuple)) else [value])
+    return [v for v in held if isinstance(v, keras.random.SeedGenerator)]
+
+
 def random_layers(model):
     """The layers of `model` that draw random numbers of their own in
-    training: those holding a `keras.random.SeedGenerator` (in an attribute,
-    or a list or dict of them), but for those whose rates (`RANDOM_RATES`)
-    are all 0. Dropout with a rate above 0, GaussianNoise, an LSTM's cell
-    with dropout, the random augmentation layers."""
+    training: those holding a `keras.random.SeedGenerator`
+    (`held_generators`), but for those whose rates (`RANDOM_RATES`) are all
+    0. Dropout with a rate above 0, GaussianNoise, an LSTM's cell with
+    dropout, the random augmentation layers."""
     found = []
     for layer in hooks.flatten_layers(model):
-        held = []
-        for value in vars(layer).values():
-            if isinstance(value, dict):
-                value = list(value.values())
-            held.extend(value if isinstance(value, (list, tuple)) else [value])
-        if not any(isinstance(v, keras.random.SeedGenerator) for v in held):
+        if not held_generators(layer):
             continue
         rates = [getattr(layer, name) for name in RANDOM_RATES if hasattr(layer, name)]
         if rates and all(isinstance(r, (int, float)) and r == 0 for r in rates):

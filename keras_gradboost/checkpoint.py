@@ -240,14 +240,14 @@ def _restore_window_draws(rt, state, pending, strategy):
     acc = rt.accumulator
     starts = rt.window_draws.starts if rt.window_draws else []
     saved = sum(k.startswith(_SEED) for k in state)
-    _assign_all(acc.rows, int(state.get(_ROWS, 0)), strategy)
     if saved == len(starts) and _ROWS in state:
+        _assign_all(acc.rows, int(state[_ROWS]), strategy)
         for i, start in enumerate(starts):
             _assign_all(start, state[f"{_SEED}{i}"], strategy)
         return []
+    _assign_all(acc.rows, 0, strategy)
     if not (pending and starts):
         return []
-    _assign_all(acc.rows, 0, strategy)
     return [
         f"the Dropout seeds of the {pending} pending micro-batches ({saved} saved, "
         f"{len(starts)} here): the rest of the window draws its masks from the "

@@ -31,6 +31,7 @@ from keras_gradboost import hooks
 from keras_gradboost import precision as precision_lib
 from keras_gradboost import window_dropout
 from keras_gradboost.accumulate import EXACT_REDUCTIONS
+from keras_gradboost.accumulate import held_generators
 from keras_gradboost.accumulate import listed
 from keras_gradboost.accumulate import random_layers
 from keras_gradboost.config import GradBoostConfig
@@ -506,7 +507,7 @@ def _drawn_as_large_batch(model, layer, exact_ids):
     `window_dropout.exact_generators`), on one replica. (A train_step of
     the model's own that does not call GradBoostModel's is warned about
     when traced.)"""
-    held = window_dropout.held_generators(layer)
+    held = held_generators(layer)
     return (
         bool(held) and all(id(g) in exact_ids for g in held)
         and model.distribute_strategy.num_replicas_in_sync == 1
@@ -518,8 +519,8 @@ def inexact_accumulation_warnings(model, config, loss, jit_requested=False):
     steps = config.accumulate_steps
     notes = []
     exact_ids = {id(g) for g in window_dropout.exact_generators(model)[0]}
-    drawn = random_layers(model)
-    exact = [l.name for l in drawn if _drawn_as_large_batch(model, l, exact_ids)]
+    drawn = [(l.name, _drawn_as_large_batch(model, l, exact_ids)) for l in random_layers(model)]
+    exact = [name for name, large in drawn if large]
     if exact and jit_requested == "measure":
         notes.append(
             f'accumulate_steps={steps} with jit_compile="measure": its measured '
@@ -556,7 +557,7 @@ def inexact_accumulation_warnings(model, config, loss, jit_requested=False):
             "from one large-batch step. Use LayerNormalization or "
             "GroupNormalization for an exact equivalent."
         )
-    drawing = [l.name for l in drawn if not _drawn_as_large_batch(model, l, exact_ids)]
+    drawing = [name for name, large in drawn if not large]
     if drawing:
         # Each name once: keras-hub names every block's layers alike.
         names = list(dict.fromkeys(drawing))

@@ -40,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_gradboost import hooks
+from keras_gradboost.accumulate import held_generators
 from keras_gradboost.state import replica_local_variable
 
 # Keras layers whose only random draws are `backend.random.dropout` on
@@ -67,17 +68,6 @@ def draws_exactly(layer):
     """Whether `layer`'s random draws can be drawn as the large batch's:
     one of `EXACT_LAYERS`, with its class's own `call`."""
     return any(type(layer).call is cls.call for cls in EXACT_LAYERS if isinstance(layer, cls))
-
-
-def held_generators(layer):
-    """The `keras.random.SeedGenerator`s `layer` holds (in an attribute, or
-    a list or dict there)."""
-    held = []
-    for value in vars(layer).values():
-        if isinstance(value, dict):
-            value = list(value.values())
-        held.extend(value if isinstance(value, (list, tuple)) else [value])
-    return [v for v in held if isinstance(v, keras.random.SeedGenerator)]
 
 
 def uniform_rows(shape, seed, first, dtype):
@@ -270,15 +260,15 @@ class WindowDraws:
         new, self.mismatches_read = total - self.mismatches_read, total
         return new
 
-    def refusal(self, inputs, rate, noise_shape, shared):
-        """Why this draw cannot be the large batch's rows, or None."""
+    def refusal(self, inputs, rate, first, shared):
+        """Why this draw cannot be the large batch's rows, or None (`first`:
+        `_first_noise_axis`)."""
         dtype = tf.as_dtype(inputs.dtype).name
         if not isinstance(rate, numbers.Real):
             return "a rate given as a tensor"
         xla = hooks.in_xla_context()
         if not draws_rows_exactly(dtype, xla):
             return f"{dtype} draws{' under XLA' if xla else ''} on this TensorFlow"
-        first = _first_noise_axis(inputs, noise_shape)
         if shared or first is None:
             return None
         if self.samples_static is None or first != self.samples_static:
@@ -322,21 +312,22 @@ def _route(original, inputs, rate, noise_shape, seed):
         return original(inputs, rate, noise_shape=noise_shape, seed=seed)
     # One mask for every sample where the layer declares it (SpatialDropout
     # passes the batch's size, 1 at a micro-batch of one sample).
-    shared = id(seed) in window.shared and _first_noise_axis(inputs, noise_shape) == 1
-    reason = window.refusal(inputs, rate, noise_shape, shared)
+    first = _first_noise_axis(inputs, noise_shape)
+    shared = id(seed) in window.shared and first == 1
+    reason = window.refusal(inputs, rate, first, shared)
     drawn = hooks.keras_dropout_seed(seed)  # the generator moves on once, as in Keras
     if reason is not None:
         window.warn(reason)
         return own_dropout(inputs, rate, noise_shape, drawn, window.first_sample)
-    if shared or _first_noise_axis(inputs, noise_shape) is not None:
+    if shared or first is not None:
         return dropout_rows(inputs, rate, noise_shape, drawn, window.first_sample, shared)
     window.checks_at_run_time = True
     # The first axis is known at run time only (a batch of no fixed size):
     # where it is not the samples, a mask of its own, counted (an assert
     # would do nothing under XLA).
     x = tf.convert_to_tensor(inputs)
-    first = _shape_tensor(hooks.keras_noise_shape(x, noise_shape))[0]
-    over_samples = tf.equal(first, window.samples)
+    over_samples = tf.equal(_shape_tensor(hooks.keras_noise_shape(x, noise_shape))[0],
+                            window.samples)
     window.mismatches.assign_add(tf.cast(tf.logical_not(over_samples), tf.int64))
     return tf.cond(
         over_samples,

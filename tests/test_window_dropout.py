@@ -12,6 +12,7 @@ from conftest import SaveAfterBatch
 from conftest import max_weight_diff
 from keras_gradboost import GradBoostModel
 from keras_gradboost import window_dropout
+from keras_gradboost.accumulate import held_generators
 
 TOL = 2e-6  # float32 round-off of the window's sums
 
@@ -79,7 +80,7 @@ def _seed_states(model):
     return [
         g.state.numpy().tolist()
         for layer in model._flatten_layers()
-        for g in window_dropout.held_generators(layer)
+        for g in held_generators(layer)
     ]
 
 
