@@ -647,54 +647,45 @@ def count_traces(model):
     return traces
 
 
-def _measures_jit(model):
-    """Whether `model` will measure XLA against no XLA in its next fit."""
-    return getattr(model, "jit_measurement", 0) is None and (
-        model.get_compile_config().get("jit_compile") == "measure"
-    )
-
-
-def _precision_calls_per_timing(model):
-    """Train calls per timed unit of `precision="auto"` (or `"measure"`) in
+def _measuring_unit(model):
+    """Train calls per measured unit (`measure_schedule`) of
+    `jit_compile="measure"` or `precision="auto"` (or `"measure"`) in
     `model`'s next fit, or 0 when it will not measure."""
+    from keras_gradboost import measure_schedule
     from keras_gradboost import precision as precision_lib
-    from keras_gradboost import precision_measure
 
     config = getattr(model, "gradboost_config", None)
-    if config is None or not precision_lib.measures(config.precision):
+    if config is None or model.run_eagerly:
         return 0
-    if model.precision_measurement is not None or model.run_eagerly:
+    jit = model.get_compile_config().get("jit_compile") == "measure"
+    if jit and model.jit_measurement is not None:
         return 0
-    return precision_measure.calls_per_timing(
+    precision = precision_lib.measures(config.precision)
+    if not jit and (not precision or model.precision_measurement is not None):
+        return 0
+    return measure_schedule.calls_per_timing(
         config.accumulate_steps, int(model.steps_per_execution)
     )
 
 
 def first_trace_calls(model):
     """How many first calls trace the train step: 1, or, under
-    `jit_compile="measure"` or `precision="auto"`, the warm-up calls of
+    `jit_compile="measure"` or `precision="auto"`, the warm-up units of
     both variants."""
-    from keras_gradboost import jit_measure
-    from keras_gradboost import precision_measure
+    from keras_gradboost import measure_schedule
 
-    if _measures_jit(model):
-        return 2 * jit_measure.WARMUP_CALLS
-    unit = _precision_calls_per_timing(model)
-    if unit:
-        return 2 * precision_measure.WARMUP_CALLS * unit
-    return 1
+    unit = _measuring_unit(model)
+    return 2 * measure_schedule.WARMUP_CALLS * unit if unit else 1
 
 
 def measuring_calls(model):
     """How many first calls `jit_compile="measure"` or `precision="auto"`
-    runs both variants in (0 when it does not measure)."""
-    from keras_gradboost import jit_measure
-    from keras_gradboost import precision_measure
+    runs both variants in (0 when it does not measure; units of whole
+    windows within one epoch, `measure_schedule`)."""
+    from keras_gradboost import measure_schedule
 
-    if _measures_jit(model):
-        return 2 * (jit_measure.WARMUP_CALLS + jit_measure.TIMED_CALLS)
-    unit = _precision_calls_per_timing(model)
-    return 2 * (precision_measure.WARMUP_CALLS + precision_measure.TIMED_CALLS) * unit
+    units = 2 * (measure_schedule.WARMUP_CALLS + measure_schedule.TIMED_CALLS)
+    return units * _measuring_unit(model)
 
 
 def timed_fit(model, data, steps, device, warm_steps=0):

@@ -2,10 +2,15 @@
 XLA, then keep the faster train function.
 
 Every measured call is a real training call on the batches `fit` draws:
-nothing is run twice and nothing is skipped. The first call of each variant
-traces (and, for XLA, compiles) and is not timed; then `TIMED_CALLS` calls of
-each are timed, interleaved (XLA, no XLA, XLA, ...), each synchronised with
-the host by reading one value of its logs. The variant with the lower median
+nothing is run twice and nothing is skipped. The first unit of each variant
+traces (and, for XLA, compiles) and is not timed; then `TIMED_CALLS` units
+of each are timed, interleaved (XLA, no XLA, XLA, ...), each call
+synchronised with the host by reading one value of its logs. A unit is one
+call, or with `accumulate_steps > 1` whole accumulation windows
+(`measure_schedule`): each variant times as many updates, and a window's
+Dropout masks come from one random number generator (TensorFlow's under
+XLA are not its numbers without), so each window is the large-batch step
+under its variant. The variant with the lower median
 wins, and from then on Keras runs only that one: nothing is timed or read
 any more. (The untimed first calls are synchronised too, so their tail does
 not spill into the first timed call.)
@@ -22,12 +27,11 @@ import time
 import tensorflow as tf
 
 from keras_gradboost import hooks
+from keras_gradboost import measure_schedule
 from keras_gradboost import wrappers
 
-# Untimed first calls of each variant (tracing, XLA compilation).
-WARMUP_CALLS = 1
-# Timed calls of each variant; the median decides.
-TIMED_CALLS = 3
+WARMUP_CALLS = measure_schedule.WARMUP_CALLS
+TIMED_CALLS = measure_schedule.TIMED_CALLS
 
 _UNSUPPORTED = re.compile(
     r"Detected unsupported operations when trying to compile graph \S+ on "
@@ -46,7 +50,9 @@ class JitMeasurement:
             not be used).
         no_xla_ms: median time of a timed call without XLA, in ms (None when
             not measured).
-        timed_calls: timed calls of each variant.
+        timed_calls: timed units of each variant.
+        calls_per_timing: the fewest train calls in one timed unit (whole
+            accumulation windows); the medians are per call.
         reason: one line saying why this choice was made.
     """
 
@@ -54,6 +60,7 @@ class JitMeasurement:
     xla_ms: object = None
     no_xla_ms: object = None
     timed_calls: int = 0
+    calls_per_timing: int = 1
     reason: str = ""
 
     def message(self):
@@ -66,62 +73,50 @@ class XLAUnsupportedOpError(RuntimeError):
     """XLA cannot compile the training step: an op has no XLA kernel."""
 
 
-class Measurer:
+class Measurer(measure_schedule.Schedule):
     """The schedule and the decision of `jit_compile="measure"`.
 
     Args:
-        warmup_calls: untimed first calls of each variant. Defaults to
+        warmup_calls: untimed first units of each variant. Defaults to
             `WARMUP_CALLS`.
-        timed_calls: timed calls of each variant. Defaults to `TIMED_CALLS`.
+        timed_calls: timed units of each variant. Defaults to `TIMED_CALLS`.
+        calls_per_timing: the fewest train calls in one unit (see
+            `measure_schedule`: a unit is whole accumulation windows).
+            Defaults to `1`.
 
     Raises:
-        ValueError: if `warmup_calls < 1` or `timed_calls < 1`.
+        ValueError: if a count is not an int >= 1.
     """
 
-    def __init__(self, warmup_calls=WARMUP_CALLS, timed_calls=TIMED_CALLS):
-        for name, value in (("warmup_calls", warmup_calls), ("timed_calls", timed_calls)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"Invalid value for argument `{name}`. Received: "
-                    f"{name}={value!r}. Expected an int >= 1."
-                )
+    def __init__(self, warmup_calls=WARMUP_CALLS, timed_calls=TIMED_CALLS, calls_per_timing=1):
         # XLA first: a step XLA cannot compile is found on the first call.
-        self.schedule = [(True, False), (False, False)] * warmup_calls + [
-            (True, True),
-            (False, True),
-        ] * timed_calls
-        self.timed_calls = timed_calls
-        self.times = {True: [], False: []}
-        self.result = None
+        super().__init__((True, False), warmup_calls, timed_calls, calls_per_timing)
 
-    def next_call(self):
-        """`(jit_compile, timed)` of the next call."""
-        return self.schedule[0]
-
-    def record(self, seconds):
-        """Records the duration of the call `next_call()` announced."""
-        jit, timed = self.schedule.pop(0)
-        if timed:
-            self.times[jit].append(seconds * 1000)
-        if not self.schedule:
-            xla = statistics.median(self.times[True])
-            plain = statistics.median(self.times[False])
-            faster = xla < plain
-            self.result = JitMeasurement(
-                jit_compile=faster,
-                xla_ms=xla,
-                no_xla_ms=plain,
-                timed_calls=self.timed_calls,
-                reason=(
-                    f"median {min(xla, plain):.2f} ms per train call vs "
-                    f"{max(xla, plain):.2f} ms with{'out' if faster else ''} "
-                    f"XLA ({self.timed_calls} timed calls each)"
-                ),
-            )
+    def _decide(self):
+        xla = statistics.median(self.times[True])
+        plain = statistics.median(self.times[False])
+        faster = xla < plain
+        unit = (
+            f", {self.calls_per_timing} calls per timing, whole accumulation windows"
+            if self.calls_per_timing > 1
+            else ""
+        )
+        return JitMeasurement(
+            jit_compile=faster,
+            xla_ms=xla,
+            no_xla_ms=plain,
+            timed_calls=self.timed_calls,
+            calls_per_timing=self.calls_per_timing,
+            reason=(
+                f"median {min(xla, plain):.2f} ms per train call vs "
+                f"{max(xla, plain):.2f} ms with{'out' if faster else ''} "
+                f"XLA ({self.timed_calls} timed calls each{unit})"
+            ),
+        )
 
     def fail_xla(self, reason):
         """Decides no XLA, because XLA cannot be used (`reason`)."""
-        self.schedule = []
+        self.units = []
         self.result = JitMeasurement(jit_compile=False, reason=reason)
 
 
@@ -202,14 +197,25 @@ class MeasuringTrainFunction:
             module's `perf_counter`.
         measurer: the `Measurer`. Defaults to a new one with the default
             schedule.
+        window_closed: callable telling, after a call, whether no
+            micro-batch of an accumulation window is pending (a unit ends
+            only then). Defaults to `None`: always.
+        on_open_window: callable called once when the first call finds
+            micro-batches of a window pending (restored with the weights:
+            which variant ran them is not saved). Defaults to `None`.
     """
 
-    def __init__(self, model, functions, on_decided, clock=None, measurer=None):
+    def __init__(
+        self, model, functions, on_decided, clock=None, measurer=None, window_closed=None,
+        on_open_window=None,
+    ):
         self.model = model
         self.functions = functions
         self.on_decided = on_decided
         self.clock = clock
         self.measurer = measurer or Measurer()
+        self.window_closed = window_closed or (lambda: True)
+        self.on_open_window = on_open_window
         wrappers.runs_batches(self)
 
     @property
@@ -225,6 +231,8 @@ class MeasuringTrainFunction:
         if self.result is not None:  # a stale reference: run the choice
             chosen = self.functions[self.result.jit_compile]
             return wrappers.run_batches(self.model, chosen, batches)
+        if not self.measurer.started and self.on_open_window and not self.window_closed():
+            self.on_open_window()
         jit, _ = self.measurer.next_call()
         clock = self.clock or perf_counter
         start = clock()
@@ -238,7 +246,7 @@ class MeasuringTrainFunction:
             self.measurer.fail_xla(f"XLA cannot compile the step: {found}")
             logs = wrappers.run_batches(self.model, self.functions[False], batches)
         else:
-            self.measurer.record(clock() - start)
+            self.measurer.record(clock() - start, window_closed=self.window_closed())
         if self.result is not None:
             self.on_decided(self.result, self.functions[self.result.jit_compile])
         return logs

@@ -14,6 +14,7 @@ from keras_gradboost import checkpoint
 from keras_gradboost import guard
 from keras_gradboost import hooks
 from keras_gradboost import jit_measure
+from keras_gradboost import measure_schedule
 from keras_gradboost import precision as precision_lib
 from keras_gradboost import precision_measure
 from keras_gradboost import depthwise as depthwise_lib
@@ -217,7 +218,9 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 first training calls of `fit` run alternately with and
                 without XLA (each one a real step on the real batches: the
                 first call of each traces and compiles and is not timed,
-                then `jit_measure.TIMED_CALLS` timed calls of each), and the
+                then `jit_measure.TIMED_CALLS` timed calls of each; with
+                `accumulate_steps` each timing is whole accumulation windows,
+                so a window and its Dropout masks are one variant's), and the
                 variant with the lower median is kept from then on (see
                 `jit_measurement`; a one-line report is printed). A step XLA
                 cannot compile (an op without an XLA kernel) makes it choose
@@ -760,7 +763,41 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             self.jit_compile = jit  # Keras reads it when it makes the function
             super().make_train_function(force=True)
             functions[jit] = self.train_function
-        return jit_measure.MeasuringTrainFunction(self, functions, self._jit_decided)
+        rt = self._gradboost
+        measurer = jit_measure.Measurer(
+            calls_per_timing=measure_schedule.calls_per_timing(
+                rt.config.accumulate_steps, self.steps_per_execution
+            )
+        )
+        return jit_measure.MeasuringTrainFunction(
+            self, functions, self._jit_decided, measurer=measurer,
+            window_closed=self._window_closed, on_open_window=self._warn_measure_open_window,
+        )
+
+    def _warn_measure_open_window(self):
+        """Warns when `jit_compile="measure"` starts inside a window restored
+        with the weights, whose micro-batches drew their Dropout masks under
+        a setting not saved with them."""
+        rt = self._gradboost
+        if rt.window_draws is None:
+            return
+        pending = checkpoint.pending_micro_batches(self)
+        warnings.warn(
+            f'jit_compile="measure" starts with {pending} micro-batch(es) of a '
+            "restored accumulation window pending. They drew their Dropout masks "
+            f"({listed(list(dict.fromkeys(rt.window_draws.names)), 4)}) under XLA "
+            "or without, which the file does not say, and the rest of the window "
+            "runs under XLA (the first measured setting): where the two differ, "
+            "the window's masks are not one large-batch step's (TensorFlow's "
+            "random numbers under XLA are not its numbers without). jit_compile="
+            "True or False resumes such a window exactly.",
+            stacklevel=2,
+        )
+
+    def _window_closed(self):
+        """Whether no micro-batch of an accumulation window is pending (read
+        on the host; the measuring functions read it after each call)."""
+        return checkpoint.pending_micro_batches(self) == 0
 
     def _keep_choice(self, measuring, function):
         """Puts the chosen `function` in the place of the `measuring` one, so
@@ -803,7 +840,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             functions[policy] = self.train_function
         return precision_measure.MeasuringTrainFunction(
             self, functions, self._set_layers_policy, self._precision_decided,
-            measurer=self._precision_measurer(),
+            measurer=self._precision_measurer(), window_closed=self._window_closed,
         )
 
     def _precision_measurer(self):
@@ -813,7 +850,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         if rt.precision_measurer is None:
             rt.precision_measurer = precision_measure.Measurer(
                 rt.plan.precision_candidates,
-                calls_per_timing=precision_measure.calls_per_timing(
+                calls_per_timing=measure_schedule.calls_per_timing(
                     rt.config.accumulate_steps, self.steps_per_execution
                 ),
             )

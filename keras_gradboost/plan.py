@@ -197,9 +197,7 @@ class TrainPlan:
             recompute = RecomputeSetup(model, config.recompute)
         if config.accumulate_steps > 1:
             check_accumulate_check(model, config)
-            notes.extend(inexact_accumulation_warnings(
-                model, config, kwargs.get("loss"), jit_requested=requested
-            ))
+            notes.extend(inexact_accumulation_warnings(model, config, kwargs.get("loss")))
         depthwise_setting, depthwise_layers = _decide_depthwise(
             config, model, recomputes=recompute is not None, jit_requested=requested,
             jit=jit, xla_blocked=xla_blocked, policy=policy,
@@ -514,23 +512,12 @@ def _drawn_as_large_batch(model, layer, exact_ids):
     )
 
 
-def inexact_accumulation_warnings(model, config, loss, jit_requested=False):
+def inexact_accumulation_warnings(model, config, loss):
     """What makes k micro-batches differ from one large batch, as warnings."""
     steps = config.accumulate_steps
     notes = []
     exact_ids = {id(g) for g in window_dropout.exact_generators(model)[0]}
     drawn = [(l.name, _drawn_as_large_batch(model, l, exact_ids)) for l in random_layers(model)]
-    exact = [name for name, large in drawn if large]
-    if exact and jit_requested == "measure":
-        notes.append(
-            f'accumulate_steps={steps} with jit_compile="measure": its measured '
-            "calls alternate with and without XLA, whose random numbers are not "
-            "TensorFlow's without it, so a window whose micro-batches ran both "
-            f"draws its Dropout masks ({listed(list(dict.fromkeys(exact)), 4)}) "
-            "partly from each: not the large-batch step's. The windows after "
-            "its choice draw the large batch's masks; jit_compile=True or "
-            "False draws them from the start."
-        )
     stateful = _stateful_rnns(model)
     if stateful:
         notes.append(

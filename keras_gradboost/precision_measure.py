@@ -15,9 +15,11 @@ measured order.
 The schedule is `jit_measure`'s: the first call of each candidate traces and
 is not timed; then `TIMED_CALLS` of each are timed, interleaved (float32,
 mixed, float32, ...), each synchronised with the host by reading one value
-of its logs. With `accumulate_steps > 1` a timed unit is as many calls as
-make whole accumulation windows (`calls_per_timing`), so each candidate
-times as many updates as the other. The mixed policy wins only with a lower
+of its logs. With `accumulate_steps > 1` a unit is whole accumulation
+windows (`measure_schedule`): at least `calls_per_timing` calls, and it
+ends only where a window closes (an epoch ending in a partial window
+carries its unit on into the next epoch), so each candidate times as many
+updates as the other and no window mixes policies. The mixed policy wins only with a lower
 median (a tie keeps float32). From then on only the winner runs, and the
 layers hold its policy (so `evaluate` and `predict` use it).
 
@@ -62,12 +64,11 @@ import statistics
 import time
 
 from keras_gradboost import jit_measure
+from keras_gradboost import measure_schedule
 from keras_gradboost import wrappers
 
-# Untimed first units of each candidate (tracing).
-WARMUP_CALLS = jit_measure.WARMUP_CALLS
-# Timed units of each candidate; the median decides.
-TIMED_CALLS = jit_measure.TIMED_CALLS
+WARMUP_CALLS = measure_schedule.WARMUP_CALLS
+TIMED_CALLS = measure_schedule.TIMED_CALLS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,14 +112,7 @@ class PrecisionMeasurement:
         return f'precision="{precision}": {self.policy}; {self.reason}{restored}.'
 
 
-def calls_per_timing(accumulate_steps, steps_per_execution):
-    """Train calls that hold whole accumulation windows: each call runs
-    `steps_per_execution` micro-batches, a window is `accumulate_steps`."""
-    cycle = math.lcm(accumulate_steps, steps_per_execution)
-    return cycle // steps_per_execution
-
-
-class Measurer:
+class Measurer(measure_schedule.Schedule):
     """The schedule and the decision of `precision="auto"`.
 
     Args:
@@ -127,8 +121,9 @@ class Measurer:
             `WARMUP_CALLS`.
         timed_calls: timed units of each candidate. Defaults to
             `TIMED_CALLS`.
-        calls_per_timing: train calls in one unit (see
-            `calls_per_timing`). Defaults to `1`.
+        calls_per_timing: the fewest train calls in one unit (see
+            `measure_schedule`: a unit is whole accumulation windows).
+            Defaults to `1`.
 
     Raises:
         ValueError: if a count is not an int >= 1, or `candidates` is not
@@ -142,16 +137,6 @@ class Measurer:
         timed_calls=TIMED_CALLS,
         calls_per_timing=1,
     ):
-        for name, value in (
-            ("warmup_calls", warmup_calls),
-            ("timed_calls", timed_calls),
-            ("calls_per_timing", calls_per_timing),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"Invalid value for argument `{name}`. Received: "
-                    f"{name}={value!r}. Expected an int >= 1."
-                )
         candidates = tuple(candidates)
         if len(candidates) != 2 or candidates[0] != "float32" or candidates[1] == "float32":
             raise ValueError(
@@ -159,55 +144,7 @@ class Measurer:
                 f"candidates={candidates!r}. Expected (\"float32\", a mixed "
                 "policy)."
             )
-        self.candidates = candidates
-        float32, mixed = candidates
-        self.units = [(float32, False), (mixed, False)] * warmup_calls + [
-            (float32, True),
-            (mixed, True),
-        ] * timed_calls
-        self.warmup_calls = warmup_calls
-        self.timed_calls = timed_calls
-        self.calls_per_timing = calls_per_timing
-        self.times = {float32: [], mixed: []}
-        # Timed units left out: a call of theirs traced (after a resume).
-        self.dropped = {float32: 0, mixed: 0}
-        self.result = None
-        self._total = len(self.units)
-        self._calls = 0  # calls of the current unit so far
-        self._seconds = 0.0  # and their time
-        self._traced = False  # whether one of them traced
-
-    def next_call(self):
-        """`(policy, timed)` of the next call."""
-        return self.units[0]
-
-    @property
-    def calls_done(self):
-        """Train calls recorded so far."""
-        return (self._total - len(self.units)) * self.calls_per_timing + self._calls
-
-    @property
-    def calls_total(self):
-        """Train calls of the whole schedule."""
-        return self._total * self.calls_per_timing
-
-    def record(self, seconds, traced=False):
-        """Records the duration of the call `next_call()` announced;
-        `traced`: the call traced its function (its timing says nothing of
-        the step's speed: a timed unit holding it is left out)."""
-        self._calls += 1
-        self._seconds += seconds
-        self._traced = self._traced or traced
-        if self._calls < self.calls_per_timing:
-            return
-        policy, timed = self.units.pop(0)
-        if timed and self._traced:
-            self.dropped[policy] += 1
-        elif timed:
-            self.times[policy].append(self._seconds * 1000 / self._calls)
-        self._calls, self._seconds, self._traced = 0, 0.0, False
-        if not self.units:
-            self.result = self._decide()
+        super().__init__(candidates, warmup_calls, timed_calls, calls_per_timing)
 
     def progress(self):
         """The measuring progress as plain values (for a checkpoint;
@@ -319,15 +256,22 @@ class MeasuringTrainFunction:
             module's `perf_counter`.
         measurer: the `Measurer`. Defaults to a new one over `functions`'
             policies with the default schedule.
+        window_closed: callable telling, after a call, whether no
+            micro-batch of an accumulation window is pending (a unit ends
+            only then). Defaults to `None`: always.
     """
 
-    def __init__(self, model, functions, set_policy, on_decided, clock=None, measurer=None):
+    def __init__(
+        self, model, functions, set_policy, on_decided, clock=None, measurer=None,
+        window_closed=None,
+    ):
         self.model = model
         self.functions = functions
         self.set_policy = set_policy
         self.on_decided = on_decided
         self.clock = clock
         self.measurer = measurer or Measurer(tuple(functions))
+        self.window_closed = window_closed or (lambda: True)
         self._called = set()  # the candidates called (so traced) already
         wrappers.runs_batches(self)
 
@@ -352,7 +296,9 @@ class MeasuringTrainFunction:
         jit_measure.sync_logs(logs)
         traced = policy not in self._called
         self._called.add(policy)
-        self.measurer.record(clock() - start, traced=traced)
+        self.measurer.record(
+            clock() - start, traced=traced, window_closed=self.window_closed()
+        )
         if self.result is not None:
             self.on_decided(self.result, self.functions[self.result.policy])
         return logs
@@ -375,7 +321,7 @@ def saved_state(candidates, measurement, measurer):
         decision = dataclasses.asdict(measurement)
         decision.pop("restored")
         return {**record, "decision": decision}
-    if measurer is None or measurer.calls_done == 0:
+    if measurer is None or not measurer.started:
         return None
     return {**record, "progress": measurer.progress()}
 

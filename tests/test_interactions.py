@@ -193,7 +193,7 @@ class Cell:
     optimizer: str = "sgd"
     accumulate_steps: int = 1
     steps_per_execution: int = 1
-    jit_compile: bool = False
+    jit_compile: object = False  # or "measure"
     scaling: str = "none"
     recompute: object = None
     callbacks: str = "none"
@@ -227,7 +227,7 @@ class Cell:
             {"sgd": "sgd", "momentum": "mom"}[self.optimizer],
             f"k{self.accumulate_steps}",
             f"spe{self.steps_per_execution}",
-            "xla" if self.jit_compile else "noxla",
+            {True: "xla", False: "noxla", "measure": "xlameasure"}[self.jit_compile],
             {"none": "f32", "fixed": "f32fixed", "dynamic16": "f16dyn"}[self.scaling],
             "rc-" + {"auto": "auto", "selective": "sel"}.get(
                 self.recompute, "nested" if len(self.recompute) > 1 else "list"
@@ -382,6 +382,12 @@ SPECIFIC = [
                steps_per_execution=3, jit_compile=True, watcher="skip", bad=4)),
     _cell(dict(model="dropout", accumulate_steps=K, optimizer="momentum",
                callbacks="all"), backup=True),
+    # jit_compile="measure" x accumulation: each timing is a whole window
+    # (4 calls; 16 calls: XLA, no XLA, XLA, no XLA, undecided), with a
+    # skipped micro-batch opening a window timed without XLA, and the three
+    # callbacks (two train functions traced, one per setting).
+    _cell(dict(accumulate_steps=K, jit_compile="measure", watcher="skip", bad=4,
+               callbacks="all")),
 ]
 
 # Cells that must refuse, with what the message must name.
@@ -990,7 +996,7 @@ def _measure_findings(cell, measurement):
     calls (16 batches; 8 units of `calls_per_timing` calls), for
     mixed_bfloat16 (the fake clock's faster), and kept it through a
     resume; undecided otherwise."""
-    from keras_gradboost.precision_measure import calls_per_timing
+    from keras_gradboost.measure_schedule import calls_per_timing
 
     spe = cell.steps_per_execution
     calls = EPOCHS * -(-BATCHES // spe)

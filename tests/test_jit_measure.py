@@ -68,7 +68,32 @@ def test_measurer_picks_the_lower_median_ignoring_warmup(xla_ms, plain_ms, expec
     )
 
 
-@pytest.mark.parametrize("name", ["warmup_calls", "timed_calls"])
+def test_a_unit_is_whole_windows_and_goes_on_until_one_closes():
+    # Windows of 2 micro-batches, one per call; 5 calls per epoch (the last
+    # a partial window, flushed at the epoch's end). Each variant times its
+    # calls that update as well as those that only add (one call per unit
+    # timed XLA on the adding calls only, no XLA on the updating ones).
+    measurer = jit_measure.Measurer(warmup_calls=1, timed_calls=2, calls_per_timing=2)
+    runs, call = [], 0
+    while measurer.result is None:
+        jit, timed = measurer.next_call()
+        in_epoch = call % 5
+        closed = in_epoch % 2 == 1  # the 2nd and 4th calls close a window
+        runs.append(jit)
+        # XLA: 1 ms per call; no XLA: 3 ms adding, 5 ms updating (4 ms a call).
+        measurer.record((1.0 if jit else (5.0 if closed else 3.0)) / 1000, window_closed=closed)
+        call += 1
+    # The 5th call (a partial window) stays in XLA's unit, which ends when
+    # the next epoch's first window closes: 3 calls.
+    assert runs == [True, True, False, False, True, True, True, False, False,
+                    True, True, True, False, False]
+    assert measurer.result.no_xla_ms == pytest.approx(4.0)
+    assert measurer.result.xla_ms == pytest.approx(1.0)
+    assert measurer.result.calls_per_timing == 2
+    assert "2 calls per timing, whole accumulation windows" in measurer.result.message()
+
+
+@pytest.mark.parametrize("name", ["warmup_calls", "timed_calls", "calls_per_timing"])
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])
 def test_measurer_rejects_bad_counts(name, value):
     with pytest.raises(ValueError, match=f"`{name}`. Received: {name}={value!r}"):
@@ -151,8 +176,9 @@ def test_measured_fit_equals_a_fit_without_xla(regression_data, compile_kwargs):
     x, y = regression_data
     measured = small_model(GradBoostModel)
     plain = small_model(GradBoostModel)
-    h_measured = _fit(measured, x, y, epochs=2, jit_compile="measure", **compile_kwargs)
-    h_plain = _fit(plain, x, y, epochs=2, jit_compile=False, **compile_kwargs)
+    # 4 epochs: with accumulation a unit is whole windows (up to 6 calls).
+    h_measured = _fit(measured, x, y, epochs=4, jit_compile="measure", **compile_kwargs)
+    h_plain = _fit(plain, x, y, epochs=4, jit_compile=False, **compile_kwargs)
     assert measured.jit_measurement.jit_compile in (True, False)
     assert bool(measured.jit_compile) is measured.jit_measurement.jit_compile
     # Every measured call was a real step: same updates, none lost or repeated.
@@ -200,7 +226,7 @@ def test_save_and_load_keep_measure(regression_data, tmp_path):
     assert loaded.get_compile_config()["jit_compile"] == "measure"
     assert loaded.gradboost_config.accumulate_steps == 2
     assert loaded.jit_measurement is None  # measured again on this machine
-    loaded.fit(x, y, batch_size=8, verbose=0)
+    loaded.fit(x, y, batch_size=8, epochs=2, verbose=0)  # units of 2 calls
     assert loaded.jit_measurement is not None
 
 

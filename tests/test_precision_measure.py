@@ -14,6 +14,7 @@ import keras
 from keras_gradboost import GradBoostModel
 from keras_gradboost import PrecisionMeasurement
 from keras_gradboost import precision_measure
+from keras_gradboost import measure_schedule
 from keras_gradboost import wrappers
 from keras_gradboost.callbacks import BackupAndRestore
 from keras_gradboost.callbacks import NaNWatcher
@@ -106,7 +107,7 @@ def test_measurer_rejects_bad_candidates(candidates):
     "accumulate, per_call, expected", [(1, 1, 1), (1, 4, 1), (2, 1, 2), (2, 3, 2), (4, 2, 2), (3, 3, 1)]
 )
 def test_calls_per_timing_holds_whole_windows(accumulate, per_call, expected):
-    calls = precision_measure.calls_per_timing(accumulate, per_call)
+    calls = measure_schedule.calls_per_timing(accumulate, per_call)
     assert calls == expected and (calls * per_call) % accumulate == 0
 
 
@@ -199,11 +200,12 @@ def _sequence(winner, calls, unit=1):
     return (measured + [winner] * calls)[:calls]
 
 
-def _replay(policies, x, y, accumulate_steps=1, batch=BATCH, replicas=1):
+def _replay(policies, x, y, accumulate_steps=1, batch=BATCH, replicas=1, epochs=1):
     """An independent computation: a plain Keras model (same initial
     weights), the hidden layer set to each step's policy (the output layer
     stays float32, as `apply_policy` keeps it), SGD by hand, the accumulated
-    gradient weighted by sample count, a short window applied at the end.
+    gradient weighted by sample count, a short window applied at each
+    epoch's end (`policies` holds `epochs` epochs of equally many steps).
     Each policy's gradient is one `tf.function` traced under it (bfloat16
     rounds differently eagerly, where no op is fused). With `replicas`,
     each batch is split as a MirroredStrategy splits it, and the parts'
@@ -220,7 +222,9 @@ def _replay(policies, x, y, accumulate_steps=1, batch=BATCH, replicas=1):
 
     functions = {}
     acc, count = None, 0
-    for step, policy in enumerate(policies):
+    per_epoch = len(policies) // epochs
+    for index, policy in enumerate(policies):
+        step = index % per_epoch
         xb, yb = x[step * batch : (step + 1) * batch], y[step * batch : (step + 1) * batch]
         hidden.dtype_policy = policy
         function = functions.setdefault(policy, tf.function(gradients))
@@ -233,7 +237,7 @@ def _replay(policies, x, y, accumulate_steps=1, batch=BATCH, replicas=1):
         n = len(xb)
         acc = [n * g for g in grads] if acc is None else [a + n * g for a, g in zip(acc, grads)]
         count += n
-        if (step + 1) % accumulate_steps == 0 or step == len(policies) - 1:
+        if (step + 1) % accumulate_steps == 0 or step == per_epoch - 1:
             for v, a in zip(variables, acc):
                 v.assign(v - LR * a / count)
             acc, count = None, 0
@@ -297,6 +301,29 @@ def test_accumulation_times_whole_windows_and_shares_them(regression_data, monke
     policies = _sequence(BF16, steps, unit=2)
     replay = _replay(policies, x, y, accumulate_steps=2, batch=4)
     assert _weights_diff(model, replay) < REPLAY_TOLERANCE
+
+
+def test_a_timing_that_ends_an_epoch_mid_window_goes_on_to_the_windows_end(
+    regression_data, monkeypatch
+):
+    # 13 batches of 8 per epoch, windows of 2: the 7th timing (float32)
+    # starts with the epoch's last batch, a partial window (flushed), and
+    # goes on into the next epoch until its first window closes. Before, a
+    # timing was 2 calls: that window ran its first batch in float32, its
+    # second in bfloat16.
+    x, y = regression_data
+    model = _measured_fit(
+        x, y, {F32: 9.0, BF16: 2.0}, monkeypatch, epochs=2, accumulate_steps=2
+    )
+    assert model.precision_measurement.policy == BF16
+    first = [F32, F32, BF16, BF16] * 3 + [F32]
+    second = [F32, F32] + [BF16] * 11
+    replay = _replay(first + second, x, y, accumulate_steps=2, epochs=2)
+    assert _weights_diff(model, replay) < REPLAY_TOLERANCE
+    unit_of_two = first + [F32] + [BF16] * 12
+    assert _weights_diff(model, _replay(unit_of_two, x, y, accumulate_steps=2, epochs=2)) > (
+        20 * REPLAY_TOLERANCE
+    )
 
 
 def test_steps_per_execution_and_a_short_last_chunk(regression_data, monkeypatch):
@@ -480,7 +507,7 @@ def test_progress_of_another_schedule_measures_again_and_says_so(regression_data
     with pytest.warns(UserWarning, match=r"measuring progress \(3 of 8 calls\).*another schedule.*\(1, 3, 1\).*\(1, 3, 2\).*"
                                          r"measures again from the start.*not an exact resume"):
         other.load_weights(path)
-    assert other._gradboost.precision_measurer.calls_done == 0
+    assert other._gradboost.precision_measurer.started is False
 
 
 def test_a_decision_among_other_candidates_is_not_adopted(regression_data, monkeypatch, tmp_path):

@@ -447,10 +447,71 @@ def test_a_dropout_not_over_the_samples_inside_a_layer_is_warned_about(jit_compi
         model.fit(unbatched, verbose=0)
 
 
-def test_jit_compile_measure_says_its_measured_windows_are_not_exact():
+def test_jit_compile_measure_runs_each_window_under_one_setting(monkeypatch):
+    # TensorFlow's random numbers under XLA are not its numbers without, so
+    # a window is the large-batch step only if all its micro-batches ran
+    # under one setting. Before, the measured calls alternated call by call:
+    # each window drew half its masks under XLA (and XLA timed only the
+    # calls that do not update). 20 samples, micro-batches of 4, windows of
+    # 2: per epoch windows of 8, 8 and 4 (partial, flushed). Units of 2
+    # calls that end only where a window closes: the partial window's unit
+    # goes on into the next epoch's first window.
+    from keras_gradboost import jit_measure
+
+    ticks = iter(range(10**6))  # every call takes 1 s: a tie keeps no XLA
+    monkeypatch.setattr(jit_measure, "perf_counter", lambda: float(next(ticks)))
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(20, 5)).astype("float32")
+    y = rng.normal(size=(20, 1)).astype("float32")
     model = _dropout_model(GradBoostModel)
-    with pytest.warns(UserWarning, match=r'jit_compile="measure".*\(\'drop\', \'per_sample\'\)'):
-        model.compile(optimizer="sgd", loss="mse", accumulate_steps=2, jit_compile="measure")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=2,
+            jit_compile="measure",
+        )
+        model.fit(x, y, batch_size=4, epochs=4, shuffle=False, verbose=0)
+    assert not [w for w in caught if "draw" in str(w.message)]
+    assert model.jit_measurement.jit_compile is False
+    assert model.jit_measurement.calls_per_timing == 2
+    # The windows' settings as the schedule says (X: XLA, N: without):
+    # XLA, no XLA, ... by unit; the choice (no XLA) after 8 units.
+    settings = [[True, False, True]] * 3 + [[True, False, False]]
+    ref = _dropout_model(keras.Model)
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    for epoch in settings:
+        for (start, stop), xla in zip([(0, 8), (8, 16), (16, 20)], epoch):
+            ref.jit_compile = xla
+            ref.train_function = None  # made again under this setting
+            ref.fit(
+                x[start:stop], y[start:stop], batch_size=stop - start, shuffle=False,
+                verbose=0,
+            )
+    assert max_weight_diff(model, ref) < 1e-5  # XLA's sums round otherwise
+    assert max_weight_diff(ref, _dropout_model(keras.Model)) > 0.5
+    assert _seed_states(model) == _seed_states(ref)
+
+
+@pytest.mark.parametrize("jit_compile, warned", [("measure", True), (False, False)])
+def test_measure_resuming_a_window_it_cannot_tell_is_warned_about(tmp_path, jit_compile, warned):
+    # Which setting drew the saved micro-batches' masks is not in the file.
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(12, 5)).astype("float32")
+    y = rng.normal(size=(12, 1)).astype("float32")
+    path = str(tmp_path / "mid.weights.h5")
+    saved = _dropout_model(GradBoostModel)
+    saved.compile(optimizer="sgd", loss="mse", accumulate_steps=3)
+    saved.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[SaveAfterBatch(4, path)])
+    loaded = _dropout_model(GradBoostModel)
+    loaded.compile(optimizer="sgd", loss="mse", accumulate_steps=3, jit_compile=jit_compile)
+    loaded.load_weights(path)  # 2 micro-batches pending
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded.fit(x[10:], y[10:], batch_size=2, shuffle=False, verbose=0)
+    said = [str(w.message) for w in caught if "restored accumulation window" in str(w.message)]
+    assert len(said) == int(warned)
+    if warned:
+        assert "starts with 2 micro-batch(es)" in said[0] and "('drop', 'per_sample')" in said[0]
 
 
 def test_a_loss_scales_own_overflow_adds_no_rows():

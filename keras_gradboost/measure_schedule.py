@@ -1,0 +1,114 @@
+"""The schedule `jit_compile="measure"` and `precision="auto"` share: units
+of two candidates, interleaved, the first ones untimed, a unit being whole
+accumulation windows.
+
+A unit runs one candidate for at least `calls_per_timing` train calls and
+ends only after a call that closed an accumulation window (no micro-batch
+pending). So a window never mixes candidates, also where an epoch ends in
+a partial window: its unit goes on into the next epoch until a window
+closes there. Two reasons: both candidates time as many updates (with one
+call per unit and 2 micro-batches per window, one candidate would time
+only the calls that update); and a window run half under XLA, half
+without, would draw its Dropout masks partly from each random number
+generator, so it would be no large-batch step (`window_dropout`).
+
+`Schedule` is pure (no TensorFlow): the caller says how long a call took
+and whether it closed a window.
+"""
+
+import math
+
+# Untimed first units of each candidate (tracing, XLA compilation).
+WARMUP_CALLS = 1
+# Timed units of each candidate; the median decides.
+TIMED_CALLS = 3
+
+
+def calls_per_timing(accumulate_steps, steps_per_execution):
+    """Train calls that hold whole accumulation windows: each call runs
+    `steps_per_execution` micro-batches, a window is `accumulate_steps`."""
+    cycle = math.lcm(accumulate_steps, steps_per_execution)
+    return cycle // steps_per_execution
+
+
+class Schedule:
+    """Units of two candidates: `warmup_calls` untimed units of each, then
+    `timed_calls` timed units of each, interleaved (first, second, first,
+    ...). Subclasses decide (`_decide`) when the last unit ends.
+
+    Args:
+        candidates: the two candidates, in the order they are run.
+        warmup_calls: untimed first units of each candidate.
+        timed_calls: timed units of each candidate.
+        calls_per_timing: the fewest train calls in one unit (see
+            `calls_per_timing`). Defaults to `1`.
+
+    Raises:
+        ValueError: if a count is not an int >= 1.
+    """
+
+    def __init__(self, candidates, warmup_calls, timed_calls, calls_per_timing=1):
+        for name, value in (
+            ("warmup_calls", warmup_calls),
+            ("timed_calls", timed_calls),
+            ("calls_per_timing", calls_per_timing),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"Invalid value for argument `{name}`. Received: "
+                    f"{name}={value!r}. Expected an int >= 1."
+                )
+        first, second = candidates
+        self.candidates = (first, second)
+        self.units = [(first, False), (second, False)] * warmup_calls + [
+            (first, True),
+            (second, True),
+        ] * timed_calls
+        self.warmup_calls = warmup_calls
+        self.timed_calls = timed_calls
+        self.calls_per_timing = calls_per_timing
+        self.times = {first: [], second: []}  # ms per call of each timed unit
+        # Timed units left out: a call of theirs traced (after a resume).
+        self.dropped = {first: 0, second: 0}
+        self.result = None
+        self._total = len(self.units)
+        self._calls = 0  # calls of the current unit so far
+        self._seconds = 0.0  # and their time
+        self._traced = False  # whether one of them traced
+
+    def next_call(self):
+        """`(candidate, timed)` of the next call."""
+        return self.units[0]
+
+    @property
+    def started(self):
+        """Whether a call was recorded."""
+        return len(self.units) < self._total or self._calls > 0
+
+    def record(self, seconds, traced=False, window_closed=True):
+        """Records the call `next_call()` announced.
+
+        Args:
+            seconds: how long it took.
+            traced: whether it traced its function (its timing says nothing
+                of the step's speed: a timed unit holding it is left out).
+            window_closed: whether no micro-batch is pending after it (an
+                accumulation window closed with it, or there is none). The
+                unit ends only after such a call.
+        """
+        self._calls += 1
+        self._seconds += seconds
+        self._traced = self._traced or traced
+        if self._calls < self.calls_per_timing or not window_closed:
+            return
+        candidate, timed = self.units.pop(0)
+        if timed and self._traced:
+            self.dropped[candidate] += 1
+        elif timed:
+            self.times[candidate].append(self._seconds * 1000 / self._calls)
+        self._calls, self._seconds, self._traced = 0, 0.0, False
+        if not self.units:
+            self.result = self._decide()
+
+    def _decide(self):
+        raise NotImplementedError
