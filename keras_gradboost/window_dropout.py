@@ -245,10 +245,34 @@ class WindowDraws:
         previous = getattr(_LOCAL, "window", None)
         self.first_sample, self.samples, self.samples_static = first_sample, samples, samples_static
         _LOCAL.window = self
+        self.routed = {id(g): 0 for g in self.generators}
         try:
-            yield
+            with _counting_draws(self.generators) as drawn:
+                yield
+            self._warn_other_draws(drawn)
         finally:
             _LOCAL.window = previous
+
+    def _warn_other_draws(self, drawn):
+        """Warns (once per layer) where a generator was drawn from in this
+        trace more often than its Dropout draws took from it: a draw of
+        another kind (`keras.random.*` given the Dropout's generator), which
+        starts every micro-batch from the window's state too, so repeats
+        its numbers in each micro-batch of a window."""
+        for g, name in zip(self.generators, self.names):
+            extra = drawn[id(g)] - self.routed[id(g)]
+            if extra > 0 and ("other", name) not in self.warned:
+                self.warned.add(("other", name))
+                warnings.warn(
+                    f"accumulate_steps: the seed generator of layer {name!r} was "
+                    f"drawn from {extra} time(s) in a micro-batch besides its "
+                    "Dropout draws (keras.random.* given that generator). Each "
+                    "micro-batch of a window starts it from the window's state, so "
+                    "those draws give the same numbers in every micro-batch of a "
+                    "window, not one draw for the large batch. Give those draws a "
+                    "SeedGenerator of their own.",
+                    stacklevel=3,
+                )
 
     def unexact_draws(self, strategy):
         """The draws since the last call that ran `own_dropout` because
@@ -294,6 +318,33 @@ class WindowDraws:
         )
 
 
+@contextlib.contextmanager
+def _counting_draws(generators):
+    """Counts, by generator id, the draws (`next()`, which every keras.random
+    draw with a SeedGenerator calls) from `generators` inside it: at trace
+    time, where the Python runs."""
+    counts = {id(g): 0 for g in generators}
+
+    def counting(g, original):
+        def next_seed(*args, **kwargs):
+            counts[id(g)] += 1
+            return original(*args, **kwargs)
+
+        return next_seed
+
+    before = [g.__dict__.get("next") for g in generators]  # a wrapper already
+    for g in generators:
+        g.next = counting(g, g.next)  # on this instance only
+    try:
+        yield counts
+    finally:
+        for g, method in zip(generators, before):
+            if method is None:
+                del g.next  # the class's own again
+            else:
+                g.next = method
+
+
 def drawing_now():
     """Whether a window's `drawing` is active in this thread."""
     return getattr(_LOCAL, "window", None) is not None
@@ -315,6 +366,7 @@ def _route(original, inputs, rate, noise_shape, seed):
     first = _first_noise_axis(inputs, noise_shape)
     shared = id(seed) in window.shared and first == 1
     reason = window.refusal(inputs, rate, first, shared)
+    window.routed[id(seed)] += 1
     drawn = hooks.keras_dropout_seed(seed)  # the generator moves on once, as in Keras
     if reason is not None:
         window.warn(reason)

@@ -514,6 +514,36 @@ def test_measure_resuming_a_window_it_cannot_tell_is_warned_about(tmp_path, jit_
         assert "starts with 2 micro-batch(es)" in said[0] and "('drop', 'per_sample')" in said[0]
 
 
+def test_other_draws_from_a_dropouts_generator_are_warned_about():
+    # A layer drawing keras.random.normal from a Dropout's generator that it
+    # does not hold (so `exact_generators` cannot see it): the generator
+    # starts each micro-batch from the window's state, so that noise would
+    # repeat in every micro-batch of a window, silently.
+    drop = keras.layers.Dropout(0.3, seed=5, name="drop")
+    borrowed = [drop.seed_generator]
+
+    class Jitter(keras.layers.Layer):
+        def call(self, x, training=False):
+            if not training:
+                return x
+            return x + 0.1 * keras.random.normal(keras.ops.shape(x), seed=borrowed[0])
+
+    def build(cls):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5,))
+        x = drop(keras.layers.Dense(8)(inputs))
+        return cls(inputs, keras.layers.Dense(1)(Jitter()(x)))
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 5)).astype("float32")
+    y = rng.normal(size=(8, 1)).astype("float32")
+    model = build(GradBoostModel)
+    model.compile(optimizer="sgd", loss="mse", accumulate_steps=2)
+    with pytest.warns(UserWarning, match=r"generator of layer 'drop' was drawn from 1 time"):
+        model.fit(x, y, batch_size=2, verbose=0)
+    assert "next" not in vars(drop.seed_generator)  # put back after the trace
+
+
 def test_a_loss_scales_own_overflow_adds_no_rows():
     # A dynamic loss scale's overflow drops the micro-batch without calling
     # it dropped (not a real non-finite step): its rows must not count.
