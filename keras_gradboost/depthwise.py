@@ -12,7 +12,7 @@ as long as with `tf.nn.depthwise_conv2d` computing the same convolution
 (`benchmarks/bench_depthwise.py`).
 
 With `compile(depthwise=None)` (the default) and recompute on, the plan
-runs "chunked" where it serves (float32, no XLA, a CPU:
+runs "chunked" where it serves (no XLA, a CPU:
 `plan._decide_depthwise`); `depthwise="keras"` keeps Keras' way.
 
 "native" runs `tf.nn.depthwise_conv2d`, which sums in another order: values
@@ -26,10 +26,12 @@ the next of `chunk_splits` is checked. A trace whose batch has no fixed
 size runs the slices at the batch sizes checked only. A layer whose
 checks all differ, or in a step XLA compiles, runs as Keras runs it, with
 a warning. Layers neither can serve (channels_first; for "native" unequal
-strides, a stride with a dilation; for "chunked" a depth multiplier or a
-computation in other than float32, where the weights were not bit for bit
-Keras'; a class with a `convolution_op` of its own) run as Keras runs
-them; `eligible` says why.
+strides, a stride with a dilation; for "chunked" a depth multiplier,
+where the weights were not bit for bit Keras'; a class with a
+`convolution_op` of its own) run as Keras runs them; `eligible` says why.
+Under a mixed policy the kernel variable is read as stored and each
+slice's part cast inside an XLA function, as Keras casts it inside its
+own (`_StoredKernel`).
 """
 
 import math
@@ -75,12 +77,11 @@ def check_setting(value):
     )
 
 
-def eligible(layer, setting="native", compute_dtype=None):
+def eligible(layer, setting="native"):
     """Whether `layer` is a depthwise convolution written as a grouped
     `Conv2D` that `setting` ("native" or "chunked") computes (for an
     unbuilt layer, whether its groups equal its input channels is checked
-    at each call). `compute_dtype`: the dtype the layer will compute in
-    (a policy compile sets), if not its own now.
+    at each call).
 
     Returns:
         `(True, None)`, or `(False, reason)`.
@@ -94,12 +95,6 @@ def eligible(layer, setting="native", compute_dtype=None):
     if layer.data_format != "channels_last":
         return False, "channels_first"
     if setting == "chunked":
-        dtype = compute_dtype or layer.compute_dtype
-        if dtype != "float32":
-            # Keras casts the kernel inside its XLA function, the slices
-            # outside: in bfloat16 the weights after 4 steps differed by
-            # rounding, though each convolution alone was equal.
-            return False, f"{dtype} computation (float32 only)"
         if layer.filters != layer.groups:
             return False, f"a depth multiplier of {layer.filters // layer.groups}"
         if layer.groups <= CHUNK_CHANNELS:
@@ -113,12 +108,9 @@ def eligible(layer, setting="native", compute_dtype=None):
     return True, None
 
 
-def candidates(model, setting="native", compute_dtype=None):
-    """The layers of `model` that `depthwise=setting` runs its way (see
-    `eligible` for `compute_dtype`)."""
-    return kernel_choice.eligible_layers(
-        model, lambda layer: eligible(layer, setting, compute_dtype)
-    )
+def candidates(model, setting="native"):
+    """The layers of `model` that `depthwise=setting` runs its way."""
+    return kernel_choice.eligible_layers(model, lambda layer: eligible(layer, setting))
 
 
 def chunk_sizes(channels):
@@ -203,13 +195,12 @@ class _Depthwise:
             # The check, run outside the step, would not vouch for what XLA
             # makes of the slices inside it.
             self._warn("xla", "XLA compiles the step (jit_compile or auto-clustering)")
-        elif _dtype(inputs) != "float32":  # see `eligible`
-            self._warn("dtype", f"it computes in {_dtype(inputs)}; slices run in float32 only")
         elif None in inputs.shape[1:]:
             self._warn("shape", f"its input's shape {tuple(inputs.shape)} is not fixed where "
                        "the step is traced, so the slices cannot be checked against Keras'")
         else:
             batches = (inputs.shape[0],) if inputs.shape[0] else (self.check_batches or (2,))
+            kernel = _kernel_as_stored(kernel, inputs)
             sizes, equal = self._split(original, inputs, kernel, splits, batches)
             if len(equal) < len(batches):
                 tried = " or ".join(str(split) for split in splits)
@@ -249,12 +240,14 @@ class _Depthwise:
         key = (
             batch, tuple(inputs.shape[1:]), tuple(kernel.shape), tuple(sizes),
             tuple(self.layer.strides), self.layer.padding, tuple(self.layer.dilation_rate),
+            _dtype(inputs), _dtype(kernel),
         )
         with _CHECKED_LOCK:
             if key not in _CHECKED:
                 with tf.init_scope():  # eager, also while a step is traced
                     _CHECKED[key] = _bitwise_equal(
-                        original, (batch,) + key[1], kernel.shape, sizes
+                        original, (batch,) + key[1], kernel.shape, sizes,
+                        _dtype(inputs), _dtype(kernel),
                     )
             return _CHECKED[key]
 
@@ -295,10 +288,44 @@ def _dtype(value):
     return keras.backend.standardize_dtype(value.dtype)
 
 
+class _StoredKernel:
+    """A layer's float kernel variable as stored (float32), where the layer
+    computes in another dtype (a mixed policy): Keras reads it cast inside
+    its XLA function, so the slices cast theirs inside theirs too (a cast
+    outside rounds the kernel's gradient to that dtype: the weights after 4
+    bfloat16 steps differed)."""
+
+    def __init__(self, value, compute_dtype):
+        self.value, self.compute_dtype = value, compute_dtype
+        self.shape, self.dtype = value.shape, value.dtype
+
+
+def _kernel_as_stored(kernel, inputs):
+    """`kernel` as `_sliced` takes it: a `_StoredKernel` for a Keras
+    variable stored in another dtype than the inputs' (read as stored; in
+    the layer's call its `dtype` says the dtype it is read cast to), else
+    `kernel` itself."""
+    if not isinstance(kernel, keras.Variable):
+        return kernel
+    with hooks.autocast(None):
+        stored = tf.convert_to_tensor(kernel)
+    if stored.dtype == inputs.dtype:
+        return kernel
+    return _StoredKernel(stored, inputs.dtype)
+
+
 def _sliced(original, inputs, kernel, sizes):
-    """Keras' convolution on each slice of the channels, concatenated."""
+    """Keras' convolution on each slice of the channels, concatenated (a
+    `_StoredKernel`'s slices cast to its compute dtype inside an XLA
+    function around Keras', as Keras' reads its variable)."""
+    if isinstance(kernel, _StoredKernel):
+        dtype = kernel.compute_dtype
+        run = tf.function(lambda x, k: original(x, tf.cast(k, dtype)), jit_compile=True)
+        kernel = kernel.value
+    else:
+        run = original
     outputs = [
-        original(part, part_kernel)
+        run(part, part_kernel)
         for part, part_kernel in zip(
             tf.split(inputs, sizes, axis=-1), tf.split(kernel, sizes, axis=-1)
         )
@@ -306,22 +333,33 @@ def _sliced(original, inputs, kernel, sizes):
     return tf.concat(outputs, axis=-1)
 
 
-def _bitwise_equal(original, input_shape, kernel_shape, sizes):
+def _bitwise_equal(original, input_shape, kernel_shape, sizes, dtype="float32",
+                   kernel_dtype=None):
     """Whether the slices give Keras' forward and both gradients bit for bit
-    (the same bits: -0.0 is not 0.0) on random float32 values of these
-    shapes. Drawn with NumPy's own generator: TensorFlow's random state is
-    left as it was."""
+    (the same bits: -0.0 is not 0.0) on random values of these shapes, the
+    inputs in `dtype`. With a `kernel_dtype` other than `dtype` (a mixed
+    policy), the kernel is a Keras variable stored in it that Keras' own
+    convolution reads cast, as in a layer's call, and the slices take as a
+    `_StoredKernel`; the kernel's gradient is the variable's. Drawn with
+    NumPy's own generator: TensorFlow's random state is left as it was."""
     rng = np.random.default_rng(0)
-    x = tf.constant(rng.standard_normal(tuple(input_shape)), "float32")
-    weights = tf.constant(0.1 * rng.standard_normal(tuple(kernel_shape)), "float32")
+    x = tf.constant(rng.standard_normal(tuple(input_shape)), dtype)
+    weights = 0.1 * rng.standard_normal(tuple(kernel_shape))
+    stored = kernel_dtype not in (None, dtype)
+    variable = keras.Variable(weights, dtype=kernel_dtype) if stored else None
+    weights = tf.constant(weights, dtype)
 
     def result(run):
         # Graph gradients, not a tape: `tf.init_scope` pauses every tape.
         @tf.function(autograph=False)
         def step(x, weights):
+            if stored:
+                with hooks.autocast(None):
+                    weights = variable.value  # the tf.Variable: its gradient
             y = run(x, weights)
             # Every output weighted differently, so each gradient element
             # sums distinct terms.
+            y = tf.cast(y, "float32")
             loss = tf.reduce_sum(y * tf.sin(y))
             return [y] + tf.gradients(loss, [x, weights])
 
@@ -330,11 +368,27 @@ def _bitwise_equal(original, input_shape, kernel_shape, sizes):
         traced = step.get_concrete_function(
             tf.TensorSpec(x.shape, x.dtype), tf.TensorSpec(weights.shape, weights.dtype)
         )
-        return [t.numpy().view(np.uint32) for t in traced(x, weights)]
+        return [_bits(t) for t in traced(x, weights)]
 
-    whole = result(original)
-    sliced = result(lambda x, weights: _sliced(original, x, weights, sizes))
-    return all(np.array_equal(a, b) for a, b in zip(whole, sliced))
+    def keras_own(x, weights):
+        if not stored:
+            return original(x, weights)
+        with hooks.autocast(dtype):  # as in the layer's call: read cast
+            return original(x, variable)
+
+    def slices(x, weights):
+        if stored:
+            with hooks.autocast(None):
+                weights = _StoredKernel(tf.convert_to_tensor(variable), x.dtype)
+        return _sliced(original, x, weights, sizes)
+
+    return all(np.array_equal(a, b) for a, b in zip(result(keras_own), result(slices)))
+
+
+def _bits(tensor):
+    """A tensor's values as unsigned integers of the same width."""
+    array = tensor.numpy()
+    return array.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[array.dtype.itemsize])
 
 
 def apply(layers, setting="native", chosen_by=None, owner=None):

@@ -200,8 +200,7 @@ class TrainPlan:
             notes.extend(inexact_accumulation_warnings(model, config, kwargs.get("loss")))
         depthwise_setting, depthwise_layers = _decide_depthwise(
             config, model, recomputes=recompute is not None, jit_requested=requested,
-            jit=jit, xla_blocked=xla_blocked, policy=policy,
-            policies=(policy,) + tuple(measured), on_gpu=devices.on_gpu, notes=notes,
+            jit=jit, xla_blocked=xla_blocked, on_gpu=devices.on_gpu, notes=notes,
         )
         pointwise_layers = ()
         if config.pointwise == "matmul":
@@ -577,7 +576,7 @@ def inexact_accumulation_warnings(model, config, loss):
 
 
 def _decide_depthwise(config, model, *, recomputes, jit_requested, jit, xla_blocked,
-                      policy, policies, on_gpu, notes):
+                      on_gpu, notes):
     """`(setting, layers)`: how the model's depthwise convolutions written
     as grouped `Conv2D`s run (`TrainPlan.depthwise_setting`,
     `depthwise_layers`), with the notes to give.
@@ -585,10 +584,10 @@ def _decide_depthwise(config, model, *, recomputes, jit_requested, jit, xla_bloc
     `depthwise=None` with recompute on runs `"chunked"` where it serves:
     on a CPU, without XLA (auto-clustering and `jit_compile="measure"`'s
     XLA candidate included: the slices are checked outside the step, which
-    cannot vouch for what XLA makes of them) and in float32 only (`policy`
-    and every policy the plan may train in, `policies`), so that the
-    layers it chooses run in slices bit for bit as Keras runs them
-    (ConvNeXtTiny "auto": 0.11x the training memory instead of 0.56x).
+    cannot vouch for what XLA makes of them), in any precision (checked in
+    the dtype each layer computes in at its trace), so that the layers it
+    chooses run in slices bit for bit as Keras runs them (ConvNeXtTiny
+    "auto": 0.11x the training memory instead of 0.56x).
     Its values are Keras' own, so recompute stays exact; `"keras"` keeps
     Keras' way."""
     if config.depthwise == "native":
@@ -605,25 +604,20 @@ def _decide_depthwise(config, model, *, recomputes, jit_requested, jit, xla_bloc
             notes,
             "no Conv2D whose groups equal its input channels and filters, "
             f"with over {depthwise.CHUNK_CHANNELS} channels (channels_last, "
-            "float32 computation, Keras' own convolution_op).",
+            "Keras' own convolution_op).",
         )
     if config.depthwise is not None or not recomputes or on_gpu:
         return None, ()
-    # The policy compile sets decides the layers' dtype (None: as built).
-    chunkable = depthwise.candidates(
-        model, "chunked", compute_dtype="float32" if policy == "float32" else None
-    )
+    chunkable = depthwise.candidates(model, "chunked")
     serves = (
         not jit
         and (jit_requested != "measure" or xla_blocked)
         and not depthwise.xla_clusters()
-        and all(p in (None, "float32") for p in policies)
     )
     if serves and chunkable:
         return "chunked", tuple(chunkable)
-    # The note names "chunked" for the layers it would slice in float32.
-    in_float32 = depthwise.candidates(model, "chunked", compute_dtype="float32")
-    notes.extend(depthwise_notes(config.recompute, model, in_float32))
+    # The note names "chunked" for the layers it would slice without XLA.
+    notes.extend(depthwise_notes(config.recompute, model, chunkable))
     return None, ()
 
 
@@ -640,7 +634,7 @@ def depthwise_notes(recompute, model, chunkable):
     chunked = (
         'depthwise="chunked" would run those of over '
         f"{depthwise.CHUNK_CHANNELS} channels on slices of their channels, "
-        "bit for bit Keras' values, but in float32 without XLA only; "
+        "bit for bit Keras' values, but without XLA only; "
     ) if chunkable else ""
     return [
         f"recompute={recompute!r} cannot remove the largest "

@@ -74,14 +74,21 @@ def compile_model(model, **kwargs):
     reason="~20 s of CI on the AVX2 CPUs (oneDNN off) where CI has the least "
            "room; there the small models of tests/test_depthwise_chunked.py "
            "run, and each layer's check at its first trace")
-def test_convnext_chunked_depthwise_is_keras_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_convnext_chunked_depthwise_is_keras_bit_for_bit(monkeypatch, policy):
     """ConvNeXtTiny's 15 depthwise Conv2Ds of over 96 channels (stages 1-3)
     in slices (`depthwise="chunked"`): one training step's gradients equal
     those of Keras' grouped convolutions in the model given to `boost()`,
-    bit for bit, and every one of the 15 ran in slices."""
+    bit for bit, and every one of the 15 ran in slices. In mixed_bfloat16
+    too, where Keras reads each float32 kernel cast inside its XLA function
+    (a slice cast outside rounded the kernels' gradients)."""
     from test_depthwise_chunked import recording_slices
 
-    plain = application("ConvNeXtTiny")
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        plain = application("ConvNeXtTiny")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
     boosted = compile_model(kgb.boost(plain), depthwise="chunked")
     chosen = {layer.name for layer in boosted.train_plan.depthwise_layers}
     assert len(chosen) == 15

@@ -333,5 +333,6 @@ def test_the_training_peak_estimate_counts_xla_depthwise_temporaries(
                        recompute={"budget_mb": 20, "batch_size": 16}, depthwise="keras")
         budget.recompute_plan()
     said = " ".join(str(w.message) for w in caught if "cannot be brought" in str(w.message))
-    # "chunked" runs float32 computations only: named where it would serve.
-    assert ('compile(depthwise="chunked") makes them' in said) == (policy == "float32")
+    # "chunked" would serve in either precision (a mixed policy's slices
+    # cast their kernels as Keras does): named.
+    assert 'compile(depthwise="chunked") makes them' in said

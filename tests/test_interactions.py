@@ -369,6 +369,12 @@ SPECIFIC = [
     _cell(dict(model="depthwise", recompute=("block_*",), accumulate_steps=K,
                steps_per_execution=3, devices="mirrored", watcher="skip", bad=2),
           backup=True),
+    # ... x precision="measure": float32 and mixed_bfloat16 both run the
+    # slices (in bfloat16 each casts its part of the float32 kernel inside
+    # its XLA function, as Keras does), and the fit equals the same cell
+    # without recompute (Keras' unsliced convolution) bit for bit.
+    _cell(dict(model="depthwise", recompute="auto", accumulate_steps=K, watcher="skip"),
+          measure=True),
     # Dropout under accumulation (each micro-batch draws its rows of the
     # window's masks, `window_dropout`) x recompute's replay, XLA, chunks of
     # 3 and a skipped micro-batch (window (4-7) is 5, 6 and 7, drawn from
@@ -950,8 +956,8 @@ def _other_findings(cell, got, ref):
                                   f"{alone}, its peak_bytes {peak} (gradients pile up: "
                                   f"{pile_up})"))
     # Recompute runs a depthwise Conv2D of over 96 channels in slices where
-    # they serve: float32 without XLA.
-    chunked = cell.model == "depthwise" and bool(cell.recompute) and cell.precision == "float32"
+    # they serve: without XLA (in either measured precision too).
+    chunked = cell.model == "depthwise" and bool(cell.recompute) and cell.precision != "xla"
     want = ("chunked", {"inner_1a"}) if chunked else (None, set())
     if got["depthwise"] != want:
         found.append(("other", f"depthwise (setting, layers sliced): {got['depthwise']}, "
