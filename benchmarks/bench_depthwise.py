@@ -4,7 +4,8 @@ memory. `--setting depthwise=native` (the default): `compile(depthwise=
 convolutions are grouped `Conv2D`s (keras.applications ConvNeXt);
 `--setting depthwise=chunked` the same for `compile(depthwise="chunked")`.
 `--setting pointwise=matmul`: `compile(pointwise="matmul")` against the
-1x1 convolutions (MobileNetV2, EfficientNetB0, ResNet50).
+1x1 convolutions (MobileNetV2, EfficientNetB0, ResNet50). `--precision P`
+compiles both sides with `precision=P`.
 
 Step time: in one process per model, pairs of back-to-back `fit`s of
 `--steps` steps (Keras' path, then native, in alternating order;
@@ -58,7 +59,7 @@ def time_worker(args):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
-                          **{option: setting})
+                          precision=args.precision, **{option: setting})
         return model
 
     rng = np.random.default_rng(0)
@@ -92,7 +93,8 @@ def memory(name, setting, args):
     command = [sys.executable, os.path.join(HERE, "bench_recompute.py"), "--worker", "baseline",
                "--app", name, "--batch", str(args.batch), "--pixels", str(args.pixels),
                "--steps", "2", "--reps", "2"] + (
-                   [f"--{args.setting.split('=')[0]}", setting] if setting else [])
+                   [f"--{args.setting.split('=')[0]}", setting] if setting else []) + (
+                   ["--precision", args.precision] if args.precision else [])
     out = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     for line in reversed(out.stdout.splitlines()):
         if line.startswith("{"):
@@ -131,6 +133,8 @@ def main():
     parser.add_argument("--pixels", type=int, default=64)
     parser.add_argument("--setting", default="depthwise=native",
                         choices=["depthwise=native", "depthwise=chunked", "pointwise=matmul"])
+    parser.add_argument("--precision", choices=["mixed_bfloat16", "mixed_float16"],
+                        help="compile(precision=P) on both sides")
     parser.add_argument("--splits", help="channel counts: check the splits, no timing")
     parser.add_argument("--time-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -141,13 +145,14 @@ def main():
     mib = 2**20
     option, value = args.setting.split("=")
     print(f"{option}=\"{value}\" against Keras' own kernels: keras.applications, "
-          f"weights=None, {args.pixels}x{args.pixels}, batch {args.batch}, Adam, float32, "
-          f"no XLA; {os.cpu_count()} CPUs.")
+          f"weights=None, {args.pixels}x{args.pixels}, batch {args.batch}, Adam, "
+          f"{args.precision or 'float32'}, no XLA; {os.cpu_count()} CPUs.")
     for name in args.models.split(","):
         print(f"{name}: step time, {args.rounds} paired rounds of {args.steps}-step fits")
         command = [sys.executable, __file__, "--time-worker", name, "--rounds", str(args.rounds),
                    "--steps", str(args.steps), "--batch", str(args.batch),
-                   "--pixels", str(args.pixels), "--setting", args.setting]
+                   "--pixels", str(args.pixels), "--setting", args.setting] + (
+                       ["--precision", args.precision] if args.precision else [])
         out = subprocess.run(command, capture_output=True, text=True, timeout=3600, cwd=HERE)
         lines = [line for line in out.stdout.splitlines() if line.startswith("  ")]
         print("\n".join(lines) or f"  fails: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
