@@ -200,8 +200,8 @@ class _Depthwise:
                        "the step is traced, so the slices cannot be checked against Keras'")
         else:
             batches = (inputs.shape[0],) if inputs.shape[0] else (self.check_batches or (2,))
-            kernel = _kernel_as_stored(kernel, inputs)
-            sizes, equal = self._split(original, inputs, kernel, splits, batches)
+            stored = _kernel_as_stored(kernel, inputs)
+            sizes, equal = self._split(original, inputs, stored, splits, batches)
             if len(equal) < len(batches):
                 tried = " or ".join(str(split) for split in splits)
                 ran = f"; at batch sizes {equal} it runs the slices {sizes}" if equal else ""
@@ -212,13 +212,13 @@ class _Depthwise:
             if equal:
                 self.sliced, self.sizes = True, sizes
                 if inputs.shape[0]:
-                    return _sliced(original, inputs, kernel, sizes)
+                    return _sliced(original, inputs, stored, sizes)
                 # A batch of no fixed size: the slices at the sizes checked,
                 # Keras' convolution at any other (one branch runs).
                 checked = tf.reduce_any(tf.equal(tf.shape(inputs)[0], equal))
                 return tf.cond(
                     checked,
-                    lambda: _sliced(original, inputs, kernel, sizes),
+                    lambda: _sliced(original, inputs, stored, sizes),
                     lambda: original(inputs, kernel),
                 )
         return original(inputs, kernel)
@@ -288,48 +288,45 @@ def _dtype(value):
     return keras.backend.standardize_dtype(value.dtype)
 
 
-class _StoredKernel:
-    """A layer's float kernel variable as stored (float32), where the layer
-    computes in another dtype (a mixed policy): Keras reads it cast inside
-    its XLA function, so the slices cast theirs inside theirs too (a cast
-    outside rounds the kernel's gradient to that dtype: the weights after 4
-    bfloat16 steps differed)."""
+class _CastOnRead:
+    """A float32 kernel (or a slice of it) that becomes a tensor cast to
+    `dtype` where it is read, as a Keras variable does under a mixed policy:
+    Keras' convolution reads it inside its XLA function, so the cast is
+    there and the kernel's gradient is never rounded to `dtype` (a slice
+    cast before the call, as first written, gave weights that differed by
+    rounding after 4 bfloat16 steps)."""
 
-    def __init__(self, value, compute_dtype):
-        self.value, self.compute_dtype = value, compute_dtype
-        self.shape, self.dtype = value.shape, value.dtype
+    def __init__(self, value, dtype):
+        self.value, self.cast_to = value, dtype
+        self.shape, self.dtype = value.shape, value.dtype  # as stored
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        return tf.cast(self.value, self.cast_to, name=name)
 
 
 def _kernel_as_stored(kernel, inputs):
-    """`kernel` as `_sliced` takes it: a `_StoredKernel` for a Keras
-    variable stored in another dtype than the inputs' (read as stored; in
-    the layer's call its `dtype` says the dtype it is read cast to), else
-    `kernel` itself."""
+    """`kernel` as the check and `_sliced` take it: a `_CastOnRead` of a
+    Keras variable stored in another dtype than the inputs' (read as
+    stored; in the layer's call its `dtype` says the dtype it is read cast
+    to), else `kernel` itself."""
     if not isinstance(kernel, keras.Variable):
         return kernel
     with hooks.autocast(None):
         stored = tf.convert_to_tensor(kernel)
     if stored.dtype == inputs.dtype:
         return kernel
-    return _StoredKernel(stored, inputs.dtype)
+    return _CastOnRead(stored, inputs.dtype)
 
 
 def _sliced(original, inputs, kernel, sizes):
     """Keras' convolution on each slice of the channels, concatenated (a
-    `_StoredKernel`'s slices cast to its compute dtype inside an XLA
-    function around Keras', as Keras' reads its variable)."""
-    if isinstance(kernel, _StoredKernel):
-        dtype = kernel.compute_dtype
-        run = tf.function(lambda x, k: original(x, tf.cast(k, dtype)), jit_compile=True)
-        kernel = kernel.value
+    `_CastOnRead`'s slices cast where Keras' convolution reads them)."""
+    if isinstance(kernel, _CastOnRead):
+        parts = [_CastOnRead(part, kernel.cast_to) for part in tf.split(kernel.value, sizes, -1)]
     else:
-        run = original
-    outputs = [
-        run(part, part_kernel)
-        for part, part_kernel in zip(
-            tf.split(inputs, sizes, axis=-1), tf.split(kernel, sizes, axis=-1)
-        )
-    ]
+        parts = tf.split(kernel, sizes, axis=-1)
+    outputs = [original(part, part_kernel) for part, part_kernel in zip(
+        tf.split(inputs, sizes, axis=-1), parts)]
     return tf.concat(outputs, axis=-1)
 
 
@@ -338,25 +335,24 @@ def _bitwise_equal(original, input_shape, kernel_shape, sizes, dtype="float32",
     """Whether the slices give Keras' forward and both gradients bit for bit
     (the same bits: -0.0 is not 0.0) on random values of these shapes, the
     inputs in `dtype`. With a `kernel_dtype` other than `dtype` (a mixed
-    policy), the kernel is a Keras variable stored in it that Keras' own
-    convolution reads cast, as in a layer's call, and the slices take as a
-    `_StoredKernel`; the kernel's gradient is the variable's. Drawn with
-    NumPy's own generator: TensorFlow's random state is left as it was."""
+    policy) the kernel is stored in `kernel_dtype` and read cast, whole by
+    Keras' convolution and in slices by theirs (`_CastOnRead`, as a Keras
+    variable is read; no variable is made here: replicas trace in threads).
+    Drawn with NumPy's own generator: TensorFlow's random state is left as
+    it was."""
     rng = np.random.default_rng(0)
     x = tf.constant(rng.standard_normal(tuple(input_shape)), dtype)
-    weights = 0.1 * rng.standard_normal(tuple(kernel_shape))
     stored = kernel_dtype not in (None, dtype)
-    variable = keras.Variable(weights, dtype=kernel_dtype) if stored else None
-    weights = tf.constant(weights, dtype)
+    weights = tf.constant(
+        0.1 * rng.standard_normal(tuple(kernel_shape)), kernel_dtype if stored else dtype
+    )
 
     def result(run):
         # Graph gradients, not a tape: `tf.init_scope` pauses every tape.
         @tf.function(autograph=False)
         def step(x, weights):
-            if stored:
-                with hooks.autocast(None):
-                    weights = variable.value  # the tf.Variable: its gradient
-            y = run(x, weights)
+            kernel = _CastOnRead(weights, x.dtype) if stored else weights
+            y = run(x, kernel)
             # Every output weighted differently, so each gradient element
             # sums distinct terms.
             y = tf.cast(y, "float32")
@@ -370,19 +366,9 @@ def _bitwise_equal(original, input_shape, kernel_shape, sizes, dtype="float32",
         )
         return [_bits(t) for t in traced(x, weights)]
 
-    def keras_own(x, weights):
-        if not stored:
-            return original(x, weights)
-        with hooks.autocast(dtype):  # as in the layer's call: read cast
-            return original(x, variable)
-
-    def slices(x, weights):
-        if stored:
-            with hooks.autocast(None):
-                weights = _StoredKernel(tf.convert_to_tensor(variable), x.dtype)
-        return _sliced(original, x, weights, sizes)
-
-    return all(np.array_equal(a, b) for a, b in zip(result(keras_own), result(slices)))
+    whole = result(original)
+    sliced = result(lambda x, kernel: _sliced(original, x, kernel, sizes))
+    return all(np.array_equal(a, b) for a, b in zip(whole, sliced))
 
 
 def _bits(tensor):

@@ -96,11 +96,7 @@ class Measurer(measure_schedule.Schedule):
         xla = statistics.median(self.times[True])
         plain = statistics.median(self.times[False])
         faster = xla < plain
-        unit = (
-            f", {self.calls_per_timing} calls per timing, whole accumulation windows"
-            if self.calls_per_timing > 1
-            else ""
-        )
+        unit = "; " + self.unit_note() if self.calls_per_timing > 1 else ""
         return JitMeasurement(
             jit_compile=faster,
             xla_ms=xla,
@@ -228,7 +224,11 @@ class MeasuringTrainFunction:
         batches = wrappers.draw_batches(self.model, iterator)
         if not batches:
             raise StopIteration
-        if self.result is not None:  # a stale reference: run the choice
+        if self.result is None and self.measurer.due() and self.window_closed():
+            self.measurer.end_unit()  # an epoch's end flushed its window
+            if self.result is not None:
+                self.on_decided(self.result, self.functions[self.result.jit_compile])
+        if self.result is not None:  # decided, or a stale reference: the choice
             chosen = self.functions[self.result.jit_compile]
             return wrappers.run_batches(self.model, chosen, batches)
         if not self.measurer.started and self.on_open_window and not self.window_closed():

@@ -3,17 +3,18 @@ of two candidates, interleaved, the first ones untimed, a unit being whole
 accumulation windows.
 
 A unit runs one candidate for at least `calls_per_timing` train calls and
-ends only after a call that closed an accumulation window (no micro-batch
-pending). So a window never mixes candidates, also where an epoch ends in
-a partial window: its unit goes on into the next epoch until a window
-closes there. Two reasons: both candidates time as many updates (with one
+ends only where no micro-batch of an accumulation window is pending: after
+a call that closed a window, or before the next call where an epoch's end
+flushed a partial one (an epoch shorter than a window closes none in its
+calls). So a window never mixes candidates; a unit short of
+`calls_per_timing` calls at an epoch's end goes on into the next epoch. Two reasons: both candidates time as many updates (with one
 call per unit and 2 micro-batches per window, one candidate would time
 only the calls that update); and a window run half under XLA, half
 without, would draw its Dropout masks partly from each random number
 generator, so it would be no large-batch step (`window_dropout`).
 
 `Schedule` is pure (no TensorFlow): the caller says how long a call took
-and whether it closed a window.
+and whether a window is pending after it and before the next.
 """
 
 import math
@@ -94,13 +95,23 @@ class Schedule:
                 of the step's speed: a timed unit holding it is left out).
             window_closed: whether no micro-batch is pending after it (an
                 accumulation window closed with it, or there is none). The
-                unit ends only after such a call.
+                unit ends there if `due()`.
         """
         self._calls += 1
         self._seconds += seconds
         self._traced = self._traced or traced
-        if self._calls < self.calls_per_timing or not window_closed:
-            return
+        if window_closed and self.due():
+            self.end_unit()
+
+    def due(self):
+        """Whether the current unit has its calls and ends where no window is
+        pending (`end_unit`)."""
+        return self._calls >= self.calls_per_timing
+
+    def end_unit(self):
+        """Ends the current unit (call where `due()` and no micro-batch is
+        pending: after its last call, or before the next call where an
+        epoch's end flushed a window); the decision after the last."""
         candidate, timed = self.units.pop(0)
         if timed and self._traced:
             self.dropped[candidate] += 1
@@ -109,6 +120,12 @@ class Schedule:
         self._calls, self._seconds, self._traced = 0, 0.0, False
         if not self.units:
             self.result = self._decide()
+
+    def unit_note(self):
+        """How long a unit is, for the decision's reason ("" for one call)."""
+        if self.calls_per_timing == 1:
+            return ""
+        return f"{self.calls_per_timing} calls per timing, whole accumulation windows"
 
     def _decide(self):
         raise NotImplementedError

@@ -797,9 +797,16 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         )
 
     def _window_closed(self):
-        """Whether no micro-batch of an accumulation window is pending (read
-        on the host; the measuring functions read it after each call)."""
-        return checkpoint.pending_micro_batches(self) == 0
+        """Whether no micro-batch of an accumulation window is pending: the
+        model's own, or one `minimize()` keeps for another optimizer (read
+        on the host; the measuring functions read it around their calls)."""
+        if checkpoint.pending_micro_batches(self):
+            return False
+        strategy = self.distribute_strategy
+        return not any(
+            acc is not None and acc.pending(strategy)
+            for acc, _ in self._gradboost.other_states.values()
+        )
 
     def _keep_choice(self, measuring, function):
         """Puts the chosen `function` in the place of the `measuring` one, so

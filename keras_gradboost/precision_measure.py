@@ -12,13 +12,14 @@ same variables, optimizer state, loss scale and accumulation window: a
 measured fit equals one whose calls take the candidates' policies in the
 measured order.
 
-The schedule is `jit_measure`'s: the first call of each candidate traces and
-is not timed; then `TIMED_CALLS` of each are timed, interleaved (float32,
-mixed, float32, ...), each synchronised with the host by reading one value
-of its logs. With `accumulate_steps > 1` a unit is whole accumulation
-windows (`measure_schedule`): at least `calls_per_timing` calls, and it
-ends only where a window closes (an epoch ending in a partial window
-carries its unit on into the next epoch), so each candidate times as many
+The schedule is `measure_schedule`'s, shared with `jit_measure`: the first
+unit of each candidate traces and is not timed; then `TIMED_CALLS` of each
+are timed, interleaved (float32, mixed, float32, ...), each call
+synchronised with the host by reading one value of its logs. With
+`accumulate_steps > 1` a unit is whole accumulation windows: at least
+`calls_per_timing` calls, ending only where no window is pending (a unit
+short of its calls at an epoch's end goes on into the next epoch), so each
+candidate times as many
 updates as the other and no window mixes policies. The mixed policy wins only with a lower
 median (a tie keeps float32). From then on only the winner runs, and the
 layers hold its policy (so `evaluate` and `predict` use it).
@@ -193,11 +194,7 @@ class Measurer(measure_schedule.Schedule):
         if any(self.dropped.values()):
             counts = " and ".join(f"{n} {p}" for p, n in self.dropped.items() if n)
             left_out = f"; {counts} timing(s) left out: they traced after a restore"
-        unit = (
-            f"; {self.calls_per_timing} calls per timing, whole accumulation windows"
-            if self.calls_per_timing > 1
-            else ""
-        )
+        unit = "; " + self.unit_note() if self.calls_per_timing > 1 else ""
         missing = [p for p in self.candidates if not self.times[p]]
         if missing:
             plain = statistics.median(self.times[float32]) if self.times[float32] else None
@@ -283,7 +280,11 @@ class MeasuringTrainFunction:
         batches = wrappers.draw_batches(self.model, iterator)
         if not batches:
             raise StopIteration
-        if self.result is not None:  # a stale reference: run the choice
+        if self.result is None and self.measurer.due() and self.window_closed():
+            self.measurer.end_unit()  # an epoch's end flushed its window
+            if self.result is not None:
+                self.on_decided(self.result, self.functions[self.result.policy])
+        if self.result is not None:  # decided, or a stale reference: the choice
             chosen = self.functions[self.result.policy]
             return wrappers.run_batches(self.model, chosen, batches)
         policy, _ = self.measurer.next_call()
@@ -350,8 +351,8 @@ def describe(record):
     if "decision" in record:
         return f'a measured precision decision ({record["decision"]["policy"]})'
     progress = record["progress"]
-    calls = (
-        progress["units_done"] * progress["calls_per_timing"] + progress["calls"]
+    total = 2 * (progress["warmup_calls"] + progress["timed_calls"])
+    return (
+        f'precision measuring progress ({progress["units_done"]} of {total} timings '
+        f'done, {progress["calls"]} call(s) into the next)'
     )
-    total = 2 * (progress["warmup_calls"] + progress["timed_calls"]) * progress["calls_per_timing"]
-    return f'precision measuring progress ({calls} of {total} calls)'

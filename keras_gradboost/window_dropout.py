@@ -247,7 +247,7 @@ class WindowDraws:
         _LOCAL.window = self
         self.routed = {id(g): 0 for g in self.generators}
         try:
-            with _counting_draws(self.generators) as drawn:
+            with _counting_draws(self.generators, self) as drawn:
                 yield
             self._warn_other_draws(drawn)
         finally:
@@ -319,15 +319,17 @@ class WindowDraws:
 
 
 @contextlib.contextmanager
-def _counting_draws(generators):
+def _counting_draws(generators, window):
     """Counts, by generator id, the draws (`next()`, which every keras.random
-    draw with a SeedGenerator calls) from `generators` inside it: at trace
-    time, where the Python runs."""
+    draw with a SeedGenerator calls) from `generators` inside it, in the
+    thread whose `drawing` is `window` (the un-boosted model shares the
+    layers): at trace time, where the Python runs."""
     counts = {id(g): 0 for g in generators}
 
     def counting(g, original):
         def next_seed(*args, **kwargs):
-            counts[id(g)] += 1
+            if getattr(_LOCAL, "window", None) is window:
+                counts[id(g)] += 1
             return original(*args, **kwargs)
 
         return next_seed

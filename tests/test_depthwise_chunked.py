@@ -180,6 +180,28 @@ def test_chunked_with_other_features_trains_like_keras(extra, monkeypatch):
         assert model.recompute_plan().recomputed
 
 
+@pytest.mark.parametrize("check", ["machine", "planted_to_differ"])
+def test_mixed_bfloat16_at_batches_of_no_fixed_size_trains_like_keras(check, monkeypatch):
+    """mixed_bfloat16, 19 samples in batches of 4: the step is traced again
+    with no fixed batch for the last 3, so both branches are built (the
+    slices at the sizes checked, Keras' convolution at any other); and with
+    every check planted to differ (Keras' way, with a warning per layer).
+    The weights are bit for bit those of Keras' way. (Keras' branch once got
+    the kernel as the slices take it, and crashed.)"""
+    monkeypatch.setattr(depthwise, "_CHECKED", {})
+    if check == "planted_to_differ":
+        monkeypatch.setattr(depthwise, "_bitwise_equal", lambda *args: False)
+    _, want = _fit_weights("keras", samples=19, precision="mixed_bfloat16")
+    sliced = recording_slices(monkeypatch)
+    model, got = _fit_weights("chunked", samples=19, precision="mixed_bfloat16")
+    for a, b in zip(got, want):
+        assert_same_bits(a, b)
+    if check == "machine":
+        assert sliced == CHUNKED and not model.chunked_warnings
+    else:
+        assert not sliced and len(model.chunked_warnings) == len(CHUNKED)
+
+
 def test_chunked_under_measured_xla_trains_like_keras(monkeypatch):
     """jit_compile="measure" with depthwise="chunked": the XLA candidate
     runs Keras' way with a warning, the other runs the slices, and the

@@ -957,7 +957,7 @@ def _other_findings(cell, got, ref):
                                   f"{pile_up})"))
     # Recompute runs a depthwise Conv2D of over 96 channels in slices where
     # they serve: without XLA (in either measured precision too).
-    chunked = cell.model == "depthwise" and bool(cell.recompute) and cell.precision != "xla"
+    chunked = cell.model == "depthwise" and bool(cell.recompute) and not cell.jit_compile
     want = ("chunked", {"inner_1a"}) if chunked else (None, set())
     if got["depthwise"] != want:
         found.append(("other", f"depthwise (setting, layers sliced): {got['depthwise']}, "

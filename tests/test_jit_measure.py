@@ -189,6 +189,39 @@ def test_measured_fit_equals_a_fit_without_xla(regression_data, compile_kwargs):
     )
 
 
+def test_epochs_shorter_than_a_window_still_decide(regression_data):
+    # 2 calls per epoch, windows of 4 micro-batches: no call closes a window
+    # (each epoch's end flushes a partial one), so a unit of 4 calls ends
+    # before the next epoch's first call, every second epoch. Before, no
+    # unit ever ended: no decision, and a host read per call for good.
+    x, y = regression_data
+    measured = small_model(GradBoostModel)
+    plain = small_model(GradBoostModel)
+    _fit(measured, x[:16], y[:16], epochs=17, jit_compile="measure", accumulate_steps=4)
+    _fit(plain, x[:16], y[:16], epochs=17, jit_compile=False, accumulate_steps=4)
+    assert measured.jit_measurement is not None
+    assert measured.jit_measurement.calls_per_timing == 4
+    assert max_weight_diff(measured, plain) < XLA_TOLERANCE
+
+
+def test_windows_of_other_optimizers_hold_a_unit_open():
+    # minimize() keeps the windows of a second optimizer (and of a subset
+    # of the variables) apart from the model's own accumulator, which
+    # never ticks here. 5 calls per epoch, windows of 2: a unit ends only
+    # where those windows close. Before, every call read as closing one:
+    # units of 2 calls, so the next epoch's first window mixed variants.
+    from test_minimize import data
+    from test_minimize import two
+
+    model = two(accumulate_steps=2, jit_compile="measure")
+    x, y = data(40)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    measuring = wrappers.base_train_function(model)
+    # Units: calls 1-2, 3-4, 5 + the next epoch's 1-2, 3-4; its 5th open.
+    assert len(measuring.measurer.units) == 8 - 4
+    assert measuring.measurer.due() is False  # 1 call into the 5th unit
+
+
 def test_measure_with_a_callback_that_wraps_the_train_function(regression_data):
     x, y = regression_data
     measured = small_model(GradBoostModel)

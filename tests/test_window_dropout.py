@@ -476,20 +476,26 @@ def test_jit_compile_measure_runs_each_window_under_one_setting(monkeypatch):
     assert model.jit_measurement.calls_per_timing == 2
     # The windows' settings as the schedule says (X: XLA, N: without):
     # XLA, no XLA, ... by unit; the choice (no XLA) after 8 units.
-    settings = [[True, False, True]] * 3 + [[True, False, False]]
-    ref = _dropout_model(keras.Model)
-    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    for epoch in settings:
-        for (start, stop), xla in zip([(0, 8), (8, 16), (16, 20)], epoch):
-            ref.jit_compile = xla
-            ref.train_function = None  # made again under this setting
-            ref.fit(
-                x[start:stop], y[start:stop], batch_size=stop - start, shuffle=False,
-                verbose=0,
-            )
+    def keras_windows(settings):
+        ref = _dropout_model(keras.Model)
+        ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        for epoch in settings:
+            for (start, stop), xla in zip([(0, 8), (8, 16), (16, 20)], epoch):
+                ref.jit_compile = xla
+                ref.train_function = None  # made again under this setting
+                ref.fit(
+                    x[start:stop], y[start:stop], batch_size=stop - start, shuffle=False,
+                    verbose=0,
+                )
+        return ref
+
+    ref = keras_windows([[True, False, True]] * 3 + [[True, False, False]])
     assert max_weight_diff(model, ref) < 1e-5  # XLA's sums round otherwise
     assert max_weight_diff(ref, _dropout_model(keras.Model)) > 0.5
     assert _seed_states(model) == _seed_states(ref)
+    # The control: XLA's masks are not the others here, so the settings
+    # matter (every window without XLA ends far from the measured fit).
+    assert max_weight_diff(model, keras_windows([[False] * 3] * 4)) > 0.05
 
 
 @pytest.mark.parametrize("jit_compile, warned", [("measure", True), (False, False)])
