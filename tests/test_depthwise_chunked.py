@@ -321,12 +321,16 @@ def test_a_slice_chosen_by_recompute_says_so_when_it_runs_keras_way(monkeypatch)
     assert all("(recompute='auto' chose it; depthwise=\"keras\" turns it off)" in m for m in said)
 
 
-def test_chunked_under_mirrored_strategy_trains_like_keras(monkeypatch):
+@pytest.mark.parametrize("precision", [None, "mixed_bfloat16"])
+def test_chunked_under_mirrored_strategy_trains_like_keras(monkeypatch, precision):
     """Replicas trace in threads of their own (the check's cache is shared
     under a lock): with recompute, the weights after 4 steps equal Keras'
     path under the same strategy, bit for bit, and both layers ran in
-    slices with no warning."""
+    slices with no warning; in mixed_bfloat16 too (its check makes no
+    variable)."""
     from conftest import shared_mirrored_strategy
+
+    monkeypatch.setattr(depthwise, "_CHECKED", {})  # checked in the replicas' threads
 
     def weights(setting):
         with shared_mirrored_strategy().scope():
@@ -335,7 +339,7 @@ def test_chunked_under_mirrored_strategy_trains_like_keras(monkeypatch):
                 warnings.simplefilter("ignore")  # compile's depthwise advice
                 model.compile(optimizer=keras.optimizers.SGD(0.1),
                               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                              depthwise=setting, recompute="auto")
+                              depthwise=setting, recompute="auto", precision=precision)
         x, y = data(16)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
