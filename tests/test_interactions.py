@@ -388,6 +388,15 @@ SPECIFIC = [
                steps_per_execution=3, jit_compile=True, watcher="skip", bad=4)),
     _cell(dict(model="dropout", accumulate_steps=K, optimizer="momentum",
                callbacks="all"), backup=True),
+    # A recompute block whose call returns None beside its output (T5's
+    # attention; it raised "None values not supported"): named blocks with
+    # accumulation, momentum, a restore and chunks of 3; with a dynamic
+    # float16 loss scale and a skip on MirroredStrategy. ("auto" and
+    # selective recompute the layer that drops the None, here.)
+    _cell(dict(model="cache", recompute=("block_*",), accumulate_steps=K,
+               steps_per_execution=3, optimizer="momentum", watcher="restore")),
+    _cell(dict(model="cache", recompute=("block_*",), scaling="dynamic16", watcher="skip",
+               devices="mirrored")),
     # jit_compile="measure" x accumulation: each timing is a whole window
     # (4 calls; 16 calls: XLA, no XLA, XLA, no XLA, undecided), with a
     # skipped micro-batch opening a window timed without XLA, and the three
@@ -502,6 +511,34 @@ def test_epoch_schedule_by_hand():
     assert epoch_schedule(4, 3, "restore", 2) == [("restore",), ("update", [6, 7])]
 
 
+class CacheBlock(keras.layers.Layer):
+    """A residual block returning `(output, None)`, as keras-hub's
+    `T5MultiHeadAttention` returns `(output, cache)` without a cache."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        i = self.name[-1]
+        self.a = keras.layers.Dense(16, activation="tanh", name=f"inner_{i}a")
+        self.b = keras.layers.Dense(
+            8, kernel_initializer=keras.initializers.RandomNormal(stddev=0.1), name=f"inner_{i}b")
+
+    def call(self, x):
+        return x + self.b(self.a(x)), None
+
+
+class Unpacks(keras.layers.Layer):
+    """Calls `block` and passes on its output, dropping the None."""
+
+    def __init__(self, block, **kwargs):
+        super().__init__(**kwargs)
+        self.block = block
+
+    def call(self, x):
+        output, cache = self.block(x)
+        assert cache is None
+        return output
+
+
 def build(kind, cls, seed=0):
     """Dense(8, tanh) [-> two residual blocks (with a Dropout inside each:
     "dropout") | -> repeated 64 times, a
@@ -536,6 +573,12 @@ def build(kind, cls, seed=0):
                 name=f"block_{i}",
             )
             h = keras.layers.Add(name=f"add_{i}")([h, block(h)])
+    if kind == "cache":
+        # keras-hub T5's attention returns its cache as None beside its
+        # output: a recompute block whose call returns None, called by a
+        # layer of its own that drops the None.
+        for i in (1, 2):
+            h = Unpacks(CacheBlock(name=f"block_{i}"), name=f"pair_{i}")(h)
     if kind == "depthwise":
         # ConvNeXt's pattern in small: a depthwise Conv2D of 128 channels
         # in a residual block. Over 96: recompute in float32 without XLA
