@@ -30,8 +30,8 @@ strides, a stride with a dilation; for "chunked" a depth multiplier,
 where the weights were not bit for bit Keras'; a class with a
 `convolution_op` of its own) run as Keras runs them; `eligible` says why.
 Under a mixed policy the kernel variable is read as stored and each
-slice's part cast inside an XLA function, as Keras casts it inside its
-own (`_StoredKernel`).
+slice's part cast where Keras' convolution reads it, inside its XLA
+function, as Keras' variable is (`_CastOnRead`).
 """
 
 import math
@@ -240,14 +240,14 @@ class _Depthwise:
         key = (
             batch, tuple(inputs.shape[1:]), tuple(kernel.shape), tuple(sizes),
             tuple(self.layer.strides), self.layer.padding, tuple(self.layer.dilation_rate),
-            _dtype(inputs), _dtype(kernel),
+            _dtype(inputs), _stored_dtype(kernel),
         )
         with _CHECKED_LOCK:
             if key not in _CHECKED:
                 with tf.init_scope():  # eager, also while a step is traced
                     _CHECKED[key] = _bitwise_equal(
                         original, (batch,) + key[1], kernel.shape, sizes,
-                        _dtype(inputs), _dtype(kernel),
+                        _dtype(inputs), _stored_dtype(kernel),
                     )
             return _CHECKED[key]
 
@@ -288,6 +288,11 @@ def _dtype(value):
     return keras.backend.standardize_dtype(value.dtype)
 
 
+def _stored_dtype(kernel):
+    """The dtype name `kernel` is stored in (a `_CastOnRead`'s stored one)."""
+    return keras.backend.standardize_dtype(getattr(kernel, "stored_dtype", kernel.dtype))
+
+
 class _CastOnRead:
     """A float32 kernel (or a slice of it) that becomes a tensor cast to
     `dtype` where it is read, as a Keras variable does under a mixed policy:
@@ -297,10 +302,17 @@ class _CastOnRead:
     rounding after 4 bfloat16 steps)."""
 
     def __init__(self, value, dtype):
-        self.value, self.cast_to = value, dtype
-        self.shape, self.dtype = value.shape, value.dtype  # as stored
+        self.value, self.cast_to = value, tf.as_dtype(dtype)
+        self.stored_dtype = value.dtype
+        # As a Keras variable in a layer's call: its dtype, the cast one.
+        self.shape, self.dtype = value.shape, self.cast_to
 
     def __tf_tensor__(self, dtype=None, name=None):
+        if dtype is not None and tf.as_dtype(dtype) != self.cast_to:
+            raise ValueError(
+                f"A kernel read as {self.cast_to.name} was asked for as "
+                f"{tf.as_dtype(dtype).name}."
+            )
         return tf.cast(self.value, self.cast_to, name=name)
 
 
@@ -335,24 +347,22 @@ def _bitwise_equal(original, input_shape, kernel_shape, sizes, dtype="float32",
     """Whether the slices give Keras' forward and both gradients bit for bit
     (the same bits: -0.0 is not 0.0) on random values of these shapes, the
     inputs in `dtype`. With a `kernel_dtype` other than `dtype` (a mixed
-    policy) the kernel is stored in `kernel_dtype` and read cast, whole by
-    Keras' convolution and in slices by theirs (`_CastOnRead`, as a Keras
-    variable is read; no variable is made here: replicas trace in threads).
-    Drawn with NumPy's own generator: TensorFlow's random state is left as
-    it was."""
+    policy), see `_stored_bitwise_equal`. Drawn with NumPy's own generator:
+    TensorFlow's random state is left as it was."""
+    if kernel_dtype not in (None, dtype):
+        return _in_own_thread(
+            _stored_bitwise_equal, original, input_shape, kernel_shape, sizes, dtype,
+            kernel_dtype,
+        )
     rng = np.random.default_rng(0)
     x = tf.constant(rng.standard_normal(tuple(input_shape)), dtype)
-    stored = kernel_dtype not in (None, dtype)
-    weights = tf.constant(
-        0.1 * rng.standard_normal(tuple(kernel_shape)), kernel_dtype if stored else dtype
-    )
+    weights = tf.constant(0.1 * rng.standard_normal(tuple(kernel_shape)), dtype)
 
     def result(run):
         # Graph gradients, not a tape: `tf.init_scope` pauses every tape.
         @tf.function(autograph=False)
         def step(x, weights):
-            kernel = _CastOnRead(weights, x.dtype) if stored else weights
-            y = run(x, kernel)
+            y = run(x, weights)
             # Every output weighted differently, so each gradient element
             # sums distinct terms.
             y = tf.cast(y, "float32")
@@ -367,8 +377,54 @@ def _bitwise_equal(original, input_shape, kernel_shape, sizes, dtype="float32",
         return [_bits(t) for t in traced(x, weights)]
 
     whole = result(original)
-    sliced = result(lambda x, kernel: _sliced(original, x, kernel, sizes))
+    sliced = result(lambda x, weights: _sliced(original, x, weights, sizes))
     return all(np.array_equal(a, b) for a, b in zip(whole, sliced))
+
+
+def _stored_bitwise_equal(original, input_shape, kernel_shape, sizes, dtype, kernel_dtype):
+    """`_bitwise_equal` under a mixed policy, as a layer's call runs: Keras'
+    convolution reads a Keras variable stored in `kernel_dtype` under the
+    autocast to `dtype` the call sets, the slices take it as
+    `_kernel_as_stored` gives it; the kernel's gradient is the variable's."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal(tuple(input_shape)), dtype)
+    variable = keras.Variable(0.1 * rng.standard_normal(tuple(kernel_shape)), dtype=kernel_dtype)
+    with hooks.autocast(None):
+        stored = variable.value  # the variable itself: the gradient's target
+
+    def result(run):
+        @tf.function(autograph=False)
+        def step(x):
+            with hooks.autocast(dtype):
+                y = tf.cast(run(x), "float32")
+            loss = tf.reduce_sum(y * tf.sin(y))
+            return [y] + tf.gradients(loss, [x, stored])
+
+        return [_bits(t) for t in step.get_concrete_function(tf.TensorSpec(x.shape, x.dtype))(x)]
+
+    whole = result(lambda x: original(x, variable))
+    sliced = result(lambda x: _sliced(original, x, _kernel_as_stored(variable, x), sizes))
+    return all(np.array_equal(a, b) for a, b in zip(whole, sliced))
+
+
+def _in_own_thread(function, *args):
+    """`function(*args)` in a new thread: outside any distribution strategy
+    or trace of the caller's (replicas trace in threads of their own), so
+    it can make a Keras variable and run eagerly."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = function(*args)
+        except BaseException as error:  # raised in the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="keras_gradboost_depthwise_check")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _bits(tensor):

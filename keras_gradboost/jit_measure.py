@@ -179,9 +179,9 @@ def sync_logs(logs):
         values[0].numpy()
 
 
-class MeasuringTrainFunction:
-    """A train function that runs the XLA or the non-XLA one, call by call,
-    as a `Measurer` says, until it decides.
+class MeasuringTrainFunction(measure_schedule.EndsUnits):
+    """A train function that runs the XLA or the non-XLA one, unit by unit
+    (`measure_schedule`), as a `Measurer` says, until it decides.
 
     Args:
         model: the compiled model.
@@ -193,9 +193,10 @@ class MeasuringTrainFunction:
             module's `perf_counter`.
         measurer: the `Measurer`. Defaults to a new one with the default
             schedule.
-        window_closed: callable telling, after a call, whether no
-            micro-batch of an accumulation window is pending (a unit ends
-            only then). Defaults to `None`: always.
+        window_closed: callable telling whether no micro-batch of an
+            accumulation window is pending (a host read, after each
+            measured call and where a unit has its calls: a unit ends only
+            then). Defaults to `None`: always.
         on_open_window: callable called once when the first call finds
             micro-batches of a window pending (restored with the weights:
             which variant ran them is not saved). Defaults to `None`.
@@ -218,19 +219,19 @@ class MeasuringTrainFunction:
     def result(self):
         return self.measurer.result
 
+    def chosen(self):
+        """The chosen candidate's train function (once decided)."""
+        return self.functions[self.result.jit_compile]
+
     def __call__(self, iterator):
         # The batches are drawn here, so a failed XLA compilation can run
         # the very same batches without XLA.
         batches = wrappers.draw_batches(self.model, iterator)
         if not batches:
             raise StopIteration
-        if self.result is None and self.measurer.due() and self.window_closed():
-            self.measurer.end_unit()  # an epoch's end flushed its window
-            if self.result is not None:
-                self.on_decided(self.result, self.functions[self.result.jit_compile])
+        self.end_unit_if_due()  # where an epoch's end flushed its window
         if self.result is not None:  # decided, or a stale reference: the choice
-            chosen = self.functions[self.result.jit_compile]
-            return wrappers.run_batches(self.model, chosen, batches)
+            return wrappers.run_batches(self.model, self.chosen(), batches)
         if not self.measurer.started and self.on_open_window and not self.window_closed():
             self.on_open_window()
         jit, _ = self.measurer.next_call()
@@ -248,5 +249,5 @@ class MeasuringTrainFunction:
         else:
             self.measurer.record(clock() - start, window_closed=self.window_closed())
         if self.result is not None:
-            self.on_decided(self.result, self.functions[self.result.jit_compile])
+            self.on_decided(self.result, self.chosen())
         return logs

@@ -4,9 +4,9 @@ accumulation windows.
 
 A unit runs one candidate for at least `calls_per_timing` train calls and
 ends only where no micro-batch of an accumulation window is pending: after
-a call that closed a window, or before the next call where an epoch's end
-flushed a partial one (an epoch shorter than a window closes none in its
-calls). So a window never mixes candidates; a unit short of
+a call that closed a window, or where an epoch's end flushed a partial one
+(`EndsUnits`: at the epoch's end, after the flush, or before the next
+call; an epoch shorter than a window closes none in its calls). So a window never mixes candidates; a unit short of
 `calls_per_timing` calls at an epoch's end goes on into the next epoch. Two reasons: both candidates time as many updates (with one
 call per unit and 2 micro-batches per window, one candidate would time
 only the calls that update); and a window run half under XLA, half
@@ -129,3 +129,19 @@ class Schedule:
 
     def _decide(self):
         raise NotImplementedError
+
+
+class EndsUnits:
+    """What a measuring train function (with `measurer`, `window_closed`,
+    `on_decided` and `chosen()`, the chosen candidate's function) does
+    where a window may have closed between calls."""
+
+    def end_unit_if_due(self):
+        """Ends the current unit where it has its calls and no window is
+        pending (before a call, or at an epoch's end after its flush), and
+        calls `on_decided` if that decides."""
+        measurer = self.measurer
+        if measurer.result is None and measurer.due() and self.window_closed():
+            measurer.end_unit()
+            if measurer.result is not None:
+                self.on_decided(measurer.result, self.chosen())

@@ -1663,6 +1663,11 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
     def _epoch_end(self):
         rt = self._gradboost
         self.flush_accumulated_gradients()
+        # A measured unit with its calls ends here, its window flushed (an
+        # epoch shorter than a window closes none in its calls).
+        measuring = wrappers.base_train_function(self)
+        if isinstance(measuring, measure_schedule.EndsUnits):
+            measuring.end_unit_if_due()
         self._check_even_split()
         self._warn_unexact_draws()
         if rt.scaler is None:

@@ -236,9 +236,9 @@ def perf_counter():
     return time.perf_counter()
 
 
-class MeasuringTrainFunction:
-    """A train function that runs the float32 or the mixed one, call by
-    call, as a `Measurer` says, until it decides.
+class MeasuringTrainFunction(measure_schedule.EndsUnits):
+    """A train function that runs the float32 or the mixed one, unit by
+    unit (`measure_schedule`), as a `Measurer` says, until it decides.
 
     Args:
         model: the compiled model.
@@ -253,9 +253,10 @@ class MeasuringTrainFunction:
             module's `perf_counter`.
         measurer: the `Measurer`. Defaults to a new one over `functions`'
             policies with the default schedule.
-        window_closed: callable telling, after a call, whether no
-            micro-batch of an accumulation window is pending (a unit ends
-            only then). Defaults to `None`: always.
+        window_closed: callable telling whether no micro-batch of an
+            accumulation window is pending (a host read, after each
+            measured call and where a unit has its calls: a unit ends only
+            then). Defaults to `None`: always.
     """
 
     def __init__(
@@ -276,17 +277,17 @@ class MeasuringTrainFunction:
     def result(self):
         return self.measurer.result
 
+    def chosen(self):
+        """The chosen candidate's train function (once decided)."""
+        return self.functions[self.result.policy]
+
     def __call__(self, iterator):
         batches = wrappers.draw_batches(self.model, iterator)
         if not batches:
             raise StopIteration
-        if self.result is None and self.measurer.due() and self.window_closed():
-            self.measurer.end_unit()  # an epoch's end flushed its window
-            if self.result is not None:
-                self.on_decided(self.result, self.functions[self.result.policy])
+        self.end_unit_if_due()  # where an epoch's end flushed its window
         if self.result is not None:  # decided, or a stale reference: the choice
-            chosen = self.functions[self.result.policy]
-            return wrappers.run_batches(self.model, chosen, batches)
+            return wrappers.run_batches(self.model, self.chosen(), batches)
         policy, _ = self.measurer.next_call()
         # Read when the candidate's function traces (its first call, or a
         # retrace for a new chunk length): the layers must hold its policy.
@@ -301,7 +302,7 @@ class MeasuringTrainFunction:
             clock() - start, traced=traced, window_closed=self.window_closed()
         )
         if self.result is not None:
-            self.on_decided(self.result, self.functions[self.result.policy])
+            self.on_decided(self.result, self.chosen())
         return logs
 
 

@@ -247,7 +247,7 @@ class WindowDraws:
         _LOCAL.window = self
         self.routed = {id(g): 0 for g in self.generators}
         try:
-            with _counting_draws(self.generators, self) as drawn:
+            with _counting_draws(self.generators) as drawn:
                 yield
             self._warn_other_draws(drawn)
         finally:
@@ -318,33 +318,43 @@ class WindowDraws:
         )
 
 
+_COUNTING_LOCK = threading.Lock()
+_COUNTING_USERS = {}  # id(generator): the drawings counting its draws now
+
+
 @contextlib.contextmanager
-def _counting_draws(generators, window):
+def _counting_draws(generators):
     """Counts, by generator id, the draws (`next()`, which every keras.random
-    draw with a SeedGenerator calls) from `generators` inside it, in the
-    thread whose `drawing` is `window` (the un-boosted model shares the
-    layers): at trace time, where the Python runs."""
+    draw with a SeedGenerator calls) from `generators` inside it, in this
+    thread only (the un-boosted model shares the layers; two boosted models
+    may trace at once): at trace time, where the Python runs. One wrapper
+    per generator, on the instance while any drawing counts it."""
     counts = {id(g): 0 for g in generators}
-
-    def counting(g, original):
-        def next_seed(*args, **kwargs):
-            if getattr(_LOCAL, "window", None) is window:
-                counts[id(g)] += 1
-            return original(*args, **kwargs)
-
-        return next_seed
-
-    before = [g.__dict__.get("next") for g in generators]  # a wrapper already
-    for g in generators:
-        g.next = counting(g, g.next)  # on this instance only
+    with _COUNTING_LOCK:
+        for g in generators:
+            if not _COUNTING_USERS.get(id(g)):
+                g.next = functools.partial(_counted_next, g)
+            _COUNTING_USERS[id(g)] = _COUNTING_USERS.get(id(g), 0) + 1
+    previous = getattr(_LOCAL, "counts", None)
+    _LOCAL.counts = counts
     try:
         yield counts
     finally:
-        for g, method in zip(generators, before):
-            if method is None:
-                del g.next  # the class's own again
-            else:
-                g.next = method
+        _LOCAL.counts = previous
+        with _COUNTING_LOCK:
+            for g in generators:
+                _COUNTING_USERS[id(g)] -= 1
+                if not _COUNTING_USERS[id(g)]:
+                    del _COUNTING_USERS[id(g)]
+                    vars(g).pop("next", None)  # the class's own again
+
+
+def _counted_next(generator, *args, **kwargs):
+    """`generator.next(...)`, counted in this thread's drawing."""
+    counts = getattr(_LOCAL, "counts", None)
+    if counts is not None and id(generator) in counts:
+        counts[id(generator)] += 1
+    return type(generator).next(generator, *args, **kwargs)
 
 
 def drawing_now():

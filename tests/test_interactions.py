@@ -581,8 +581,8 @@ def build(kind, cls, seed=0):
             h = Unpacks(CacheBlock(name=f"block_{i}"), name=f"pair_{i}")(h)
     if kind == "depthwise":
         # ConvNeXt's pattern in small: a depthwise Conv2D of 128 channels
-        # in a residual block. Over 96: recompute in float32 without XLA
-        # runs it in 2 slices of 64 (depthwise="chunked" chosen by
+        # in a residual block. Over 96: recompute without XLA runs it in 2
+        # slices of 64 (depthwise="chunked" chosen by
         # recompute, Keras' values bit for bit; 98 channels in slices of 49
         # failed the check here, in the filter's gradient, and ran Keras'
         # way with a warning).

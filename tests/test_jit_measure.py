@@ -191,14 +191,14 @@ def test_measured_fit_equals_a_fit_without_xla(regression_data, compile_kwargs):
 
 def test_epochs_shorter_than_a_window_still_decide(regression_data):
     # 2 calls per epoch, windows of 4 micro-batches: no call closes a window
-    # (each epoch's end flushes a partial one), so a unit of 4 calls ends
-    # before the next epoch's first call, every second epoch. Before, no
+    # (each epoch's end flushes a partial one), so a unit of 4 calls ends at
+    # every second epoch's end: 8 units, decided at the 16th. Before, no
     # unit ever ended: no decision, and a host read per call for good.
     x, y = regression_data
     measured = small_model(GradBoostModel)
     plain = small_model(GradBoostModel)
-    _fit(measured, x[:16], y[:16], epochs=17, jit_compile="measure", accumulate_steps=4)
-    _fit(plain, x[:16], y[:16], epochs=17, jit_compile=False, accumulate_steps=4)
+    _fit(measured, x[:16], y[:16], epochs=16, jit_compile="measure", accumulate_steps=4)
+    _fit(plain, x[:16], y[:16], epochs=16, jit_compile=False, accumulate_steps=4)
     assert measured.jit_measurement is not None
     assert measured.jit_measurement.calls_per_timing == 4
     assert max_weight_diff(measured, plain) < XLA_TOLERANCE

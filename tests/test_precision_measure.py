@@ -326,6 +326,22 @@ def test_a_timing_that_ends_an_epoch_mid_window_goes_on_to_the_windows_end(
     )
 
 
+def test_epochs_shorter_than_a_window_time_whole_flushed_windows(regression_data, monkeypatch):
+    # 2 batches of 8 per epoch, windows of 4: no call closes a window, each
+    # epoch's end flushes a partial one. A timing (4 calls) ends at every
+    # second epoch's end: 8 timings in 16 epochs, decided at the last one's
+    # end, each epoch's window in one policy. (A timing that ended only
+    # after a call closing a window never ended here.)
+    x, y = regression_data
+    model = _measured_fit(
+        x[:16], y[:16], {F32: 9.0, BF16: 2.0}, monkeypatch, epochs=17, accumulate_steps=4
+    )
+    assert model.precision_measurement.policy == BF16
+    policies = [F32] * 4 + [BF16] * 4
+    replay = _replay(policies * 4 + [BF16] * 2, x, y, accumulate_steps=4, epochs=17)
+    assert _weights_diff(model, replay) < REPLAY_TOLERANCE
+
+
 def test_steps_per_execution_and_a_short_last_chunk(regression_data, monkeypatch):
     # steps_per_execution=2, accumulate_steps=3: a timing is 3 calls (6
     # micro-batches, two whole windows). 13 batches make 7 calls: 3 in
