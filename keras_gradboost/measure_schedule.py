@@ -6,12 +6,14 @@ A unit runs one candidate for at least `calls_per_timing` train calls and
 ends only where no micro-batch of an accumulation window is pending: after
 a call that closed a window, or where an epoch's end flushed a partial one
 (`EndsUnits`: at the epoch's end, after the flush, or before the next
-call; an epoch shorter than a window closes none in its calls). So a window never mixes candidates; a unit short of
-`calls_per_timing` calls at an epoch's end goes on into the next epoch. Two reasons: both candidates time as many updates (with one
-call per unit and 2 micro-batches per window, one candidate would time
-only the calls that update); and a window run half under XLA, half
-without, would draw its Dropout masks partly from each random number
-generator, so it would be no large-batch step (`window_dropout`).
+call; an epoch shorter than a window closes none in its calls). So a
+window never mixes candidates; a unit short of `calls_per_timing` calls at
+an epoch's end goes on into the next epoch. Two reasons: both candidates
+time as many updates (with one call per unit and 2 micro-batches per
+window, one candidate would time only the calls that update); and a window
+run half under XLA, half without, would draw its Dropout masks partly from
+each random number generator, so it would be no large-batch step
+(`window_dropout`).
 
 `Schedule` is pure (no TensorFlow): the caller says how long a call took
 and whether a window is pending after it and before the next.

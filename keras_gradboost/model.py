@@ -351,8 +351,9 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 strides, a stride with a dilation) run as Keras runs them;
                 with none to serve, a warning. `None` runs Keras' way, but
                 with `recompute` on, on a CPU and without XLA (in any
-                precision: under a mixed policy each slice casts its part of
-                the float32 kernel inside, as Keras casts the whole), it
+                precision: under a mixed policy each slice's part of the
+                float32 kernel is cast inside Keras' XLA function, where
+                Keras casts the whole), it
                 runs `"chunked"` (bit for bit, so recompute stays exact;
                 ConvNeXtTiny "auto": 0.11x the training memory of no
                 recompute instead of 0.56x); `"keras"` keeps Keras' way

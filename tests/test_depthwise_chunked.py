@@ -160,8 +160,8 @@ FEATURES = {
 def test_chunked_with_other_features_trains_like_keras(extra, monkeypatch):
     """Each feature with depthwise="chunked" against the same feature with
     Keras' grouped convolution: the same weights after 4 steps, bit for
-    bit. In bfloat16 too: each slice casts its part of the float32 kernel
-    inside an XLA function, as Keras casts the whole (a cast outside
+    bit. In bfloat16 too: each slice's part of the float32 kernel is cast
+    inside Keras' XLA function, where Keras casts the whole (a cast outside
     differed by rounding). Under XLA (the whole step compiled) no layer
     runs in slices, and a warning says so."""
     _, want = _fit_weights("keras", **extra)
