@@ -788,7 +788,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         warnings.warn(
             f'jit_compile="measure" starts with {pending} micro-batch(es) of a '
             "restored accumulation window pending. They drew their Dropout masks "
-            f"({listed(list(dict.fromkeys(rt.window_draws.names)), 4)}) under XLA "
+            f"({listed(rt.window_draws.layer_names, 4)}) under XLA "
             "or without, which the file does not say, and the rest of the window "
             "runs under XLA (the first measured setting): where the two differ, "
             "the window's masks are not one large-batch step's (TensorFlow's "
@@ -1196,7 +1196,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 "fixed size), so each drew a mask of its own for its micro-batch, "
                 "not its rows of the large batch's: the weights differ from one "
                 f"large-batch step with the same seed by that randomness. Dropout "
-                f"layers: {listed(list(dict.fromkeys(rt.window_draws.names)), 4)}.",
+                f"layers: {listed(rt.window_draws.layer_names, 4)}.",
                 stacklevel=2,
             )
 
@@ -1214,11 +1214,10 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         ):
             return
         rt.warned_own_step_draws = True
-        names = list(dict.fromkeys(draws.names))
         warnings.warn(
             f"accumulate_steps={rt.config.accumulate_steps}: this model's own "
             f"train_step runs the forward pass, so its Dropout layers "
-            f"({listed(names, 4)}) draw masks of their own in each micro-batch "
+            f"({listed(draws.layer_names, 4)}) draw masks of their own in each micro-batch "
             "(every sample gets a draw of its own, as in a large batch, but not "
             "the one a large-batch step would draw). GradBoostModel's train_step "
             "(super().train_step(data)) draws each micro-batch's rows of the "

@@ -220,6 +220,12 @@ class WindowDraws:
         self.warned = set()
         self.first_sample = self.samples = self.samples_static = None
 
+    @property
+    def layer_names(self):
+        """The names of the layers holding the generators, each once (for
+        messages)."""
+        return list(dict.fromkeys(self.names))
+
     @classmethod
     def for_model(cls, model):
         """The model's `WindowDraws`, or None when no layer draws exactly
