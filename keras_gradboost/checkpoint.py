@@ -11,8 +11,11 @@ under its own path (`_gradboost_training_state`), with:
 * the step facts' skip counters (the loss-scale health warnings read them);
 * the accumulation window: the gradient sums of the micro-batches added
   since the last update (for a variable with `overwrite_with_gradient`, the
-  maximum of its values), their sample count, the position in the window
-  and which variables get a gradient;
+  maximum of its values), their sample count, the position in the window,
+  which variables get a gradient, and whether its micro-batches ran under
+  XLA (`jit_compile="measure"` finishes a loaded window under the same
+  setting, so its Dropout masks stay the large batch's; a model with a
+  fixed other setting warns);
 * `precision="auto"`'s (or `"measure"`'s) decision, or, saved before it
   was made, its measuring progress (`precision_measure.saved_state`): a loaded model
   compiled with `precision="auto"` trains on in the saved run's policy,
@@ -52,6 +55,7 @@ _SUM = "window_sum_"
 _REPLICAS = "window_replicas"
 _ROWS = "window_rows"  # samples added, where the next Dropout rows start
 _SEED = "window_seed_"  # each window_dropout generator's state at the window's start
+_WINDOW_JIT = "window_jit"  # 1: the pending micro-batches ran under XLA
 _PRECISION = "precision_measure"  # JSON, as uint8 (precision_measure.encode_state)
 
 
@@ -72,7 +76,12 @@ class TrainingState(hooks.leaf_saveable_class()):
         model = self._model()
         for key, value in collect(model._gradboost, model.distribute_strategy).items():
             store[key] = value
-        record = model._precision_state() if model._gradboost.plan else None
+        if model._gradboost.plan is None:
+            return
+        jit = model._pending_window_jit()
+        if jit is not None:
+            store[_WINDOW_JIT] = np.asarray(int(jit), np.int8)
+        record = model._precision_state()
         if record is not None:
             store[_PRECISION] = precision_measure.encode_state(record)
 
@@ -281,6 +290,10 @@ def _restore_window(model, state, strategy):
     _assign_all(acc.micro_step, pending, strategy)
     lost = _restore_window_draws(rt, state, pending, strategy)
     rt.loaded_window = rt.loaded_window or pending > 0
+    rt.restored_window_jit = (
+        bool(state[_WINDOW_JIT]) if pending and _WINDOW_JIT in state else None
+    )
+    model._check_restored_window_jit()
     saved_replicas = int(state.get(_REPLICAS, strategy.num_replicas_in_sync))
     if saved_replicas != strategy.num_replicas_in_sync and pending:
         warnings.warn(

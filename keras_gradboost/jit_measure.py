@@ -10,7 +10,9 @@ call, or with `accumulate_steps > 1` whole accumulation windows
 (`measure_schedule`): each variant times as many updates, and a window's
 Dropout masks come from one random number generator (TensorFlow's under
 XLA are not its numbers without), so each window is the large-batch step
-under its variant. The variant with the lower median
+under its variant. A window restored with the weights (`checkpoint`:
+the file says whether its micro-batches ran under XLA) first runs its
+rest under that setting, untimed. The variant with the lower median
 wins, and from then on Keras runs only that one: nothing is timed or read
 any more. (The untimed first calls are synchronised too, so their tail does
 not spill into the first timed call.)
@@ -32,6 +34,8 @@ from keras_gradboost import wrappers
 
 WARMUP_CALLS = measure_schedule.WARMUP_CALLS
 TIMED_CALLS = measure_schedule.TIMED_CALLS
+
+_NOT_ASKED = object()
 
 _UNSUPPORTED = re.compile(
     r"Detected unsupported operations when trying to compile graph \S+ on "
@@ -197,14 +201,22 @@ class MeasuringTrainFunction(measure_schedule.EndsUnits):
             accumulation window is pending (a host read, after each
             measured call and where a unit has its calls: a unit ends only
             then). Defaults to `None`: always.
-        on_open_window: callable called once when the first call finds
-            micro-batches of a window pending (restored with the weights:
-            which variant ran them is not saved). Defaults to `None`.
+        open_window_setting: callable called once when the first call
+            finds micro-batches of a window pending (restored with the
+            weights), returning the setting they ran under (True: XLA), or
+            None where that is not known (it warns). The rest of that window
+            then runs under it, untimed, before the first measured call.
+            Defaults to `None`: not asked, the window goes on measured.
+
+    Attributes:
+        window_jit: the setting the pending window's micro-batches ran
+            under (saved with them), or None where not known: a restored
+            window of unknown setting, until it closes.
     """
 
     def __init__(
         self, model, functions, on_decided, clock=None, measurer=None, window_closed=None,
-        on_open_window=None,
+        open_window_setting=None,
     ):
         self.model = model
         self.functions = functions
@@ -212,12 +224,20 @@ class MeasuringTrainFunction(measure_schedule.EndsUnits):
         self.clock = clock
         self.measurer = measurer or Measurer()
         self.window_closed = window_closed or (lambda: True)
-        self.on_open_window = on_open_window
+        self.open_window_setting = open_window_setting
+        self.window_jit = None
+        self._mixed = False  # the pending window ran under both, or unknown
+        self._resumed = _NOT_ASKED  # the restored window's setting, once asked
         wrappers.runs_batches(self)
 
     @property
     def result(self):
         return self.measurer.result
+
+    @property
+    def ran(self):
+        """Whether a call ran through this function (or it decided)."""
+        return self.measurer.started or self.result is not None or self._resumed is not _NOT_ASKED
 
     def chosen(self):
         """The chosen candidate's train function (once decided)."""
@@ -232,9 +252,8 @@ class MeasuringTrainFunction(measure_schedule.EndsUnits):
         self.end_unit_if_due()  # where an epoch's end flushed its window
         if self.result is not None:  # decided, or a stale reference: the choice
             return wrappers.run_batches(self.model, self.chosen(), batches)
-        if not self.measurer.started and self.on_open_window and not self.window_closed():
-            self.on_open_window()
-        jit, _ = self.measurer.next_call()
+        resumed = self._resumed_window_setting()
+        jit = self.measurer.next_call()[0] if resumed is None else resumed
         clock = self.clock or perf_counter
         start = clock()
         try:
@@ -246,8 +265,38 @@ class MeasuringTrainFunction(measure_schedule.EndsUnits):
                 raise
             self.measurer.fail_xla(f"XLA cannot compile the step: {found}")
             logs = wrappers.run_batches(self.model, self.functions[False], batches)
+            # A restored window that began under XLA goes on without: of no
+            # one setting. (Measured units begin where no window is pending.)
+            self._note_window(False, self.window_closed(), mixed=resumed is True)
         else:
-            self.measurer.record(clock() - start, window_closed=self.window_closed())
+            closed = self.window_closed()
+            if resumed is None:
+                self.measurer.record(clock() - start, window_closed=closed)
+            self._note_window(jit, closed)
         if self.result is not None:
             self.on_decided(self.result, self.chosen())
         return logs
+
+    def _resumed_window_setting(self):
+        """The setting of a restored window's micro-batches while that
+        window is pending before the first measured call (its rest runs
+        under it, untimed), else None: measure."""
+        if self.measurer.started or self.open_window_setting is None:
+            return None
+        if self._resumed is _NOT_ASKED:
+            if self.window_closed():
+                return None
+            self._resumed = self.open_window_setting()
+            self.window_jit = self._resumed
+            self._mixed = self._resumed is None
+            return self._resumed
+        if self._resumed is None or self.window_closed():
+            return None
+        return self._resumed
+
+    def _note_window(self, jit, closed, mixed=False):
+        """Keeps which setting the pending window ran under: None once a
+        window mixes settings (or began under an unknown one), until it
+        closes."""
+        self._mixed = False if closed else (self._mixed or mixed)
+        self.window_jit = None if self._mixed else jit

@@ -110,6 +110,9 @@ class _Runtime:
         # it; a window loaded from a checkpoint waits in it.
         self.main_window_used = False
         self.loaded_window = False
+        # Whether the loaded window's micro-batches ran under XLA (saved with
+        # them; None: not known), until jit_compile="measure" finishes it.
+        self.restored_window_jit = None
         self.warned_inexact_mask = False
         self.warned_sparse_repeats = False
         self.warned_layer_losses = False
@@ -774,27 +777,72 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         )
         return jit_measure.MeasuringTrainFunction(
             self, functions, self._jit_decided, measurer=measurer,
-            window_closed=self._window_closed, on_open_window=self._warn_measure_open_window,
+            window_closed=self._window_closed,
+            open_window_setting=self._restored_window_setting,
         )
 
-    def _warn_measure_open_window(self):
-        """Warns when `jit_compile="measure"` starts inside a window restored
-        with the weights, whose micro-batches drew their Dropout masks under
-        a setting not saved with them."""
+    def _restored_window_setting(self):
+        """For `jit_compile="measure"`, finding a window pending at its first
+        call: whether the window's micro-batches ran under XLA (saved with
+        them), so the rest of the window runs under the same setting. None
+        where the file does not say (saved before this was saved): warned
+        where Dropout draws."""
         rt = self._gradboost
-        if rt.window_draws is None:
+        setting, rt.restored_window_jit = rt.restored_window_jit, None
+        if setting is None and rt.window_draws is not None:
+            pending = checkpoint.pending_micro_batches(self)
+            warnings.warn(
+                f'jit_compile="measure" starts with {pending} micro-batch(es) of '
+                "a restored accumulation window pending. They drew their Dropout "
+                f"masks ({listed(rt.window_draws.layer_names, 4)}) under XLA or "
+                "without, which the file does not say (saved by an earlier "
+                "version), and the rest of the window runs under XLA (the first "
+                "measured setting): where the two differ, the window's masks are "
+                "not one large-batch step's (TensorFlow's random numbers under "
+                "XLA are not its numbers without). jit_compile=True or False, as "
+                "the saved run trained, resumes such a window exactly.",
+                stacklevel=2,
+            )
+        return setting
+
+    def _pending_window_jit(self):
+        """Whether the pending window's micro-batches ran under XLA, saved
+        with them (`checkpoint`); None where no window is pending, or where
+        that is not known."""
+        if self._window_closed():
+            return None
+        rt = self._gradboost
+        measuring = wrappers.base_train_function(self)
+        if isinstance(measuring, jit_measure.MeasuringTrainFunction) and measuring.ran:
+            return measuring.window_jit
+        if self._measuring_jit():  # restored, and no call since
+            return rt.restored_window_jit
+        return bool(self.jit_compile)
+
+    def _check_restored_window_jit(self):
+        """At a load: warns where the loaded window's micro-batches drew their
+        Dropout masks under another XLA setting than this model's fixed one
+        (`jit_compile="measure"` finishes the window under the saved
+        setting instead)."""
+        rt = self._gradboost
+        saved = rt.restored_window_jit
+        if saved is None or self._measuring_jit():
+            return
+        rt.restored_window_jit = None  # the rest of the window runs as this model's
+        if rt.window_draws is None or saved == bool(self.jit_compile):
             return
         pending = checkpoint.pending_micro_batches(self)
         warnings.warn(
-            f'jit_compile="measure" starts with {pending} micro-batch(es) of a '
-            "restored accumulation window pending. They drew their Dropout masks "
-            f"({listed(rt.window_draws.layer_names, 4)}) under XLA "
-            "or without, which the file does not say, and the rest of the window "
-            "runs under XLA (the first measured setting): where the two differ, "
-            "the window's masks are not one large-batch step's (TensorFlow's "
-            "random numbers under XLA are not its numbers without). jit_compile="
-            "True or False resumes such a window exactly.",
-            stacklevel=2,
+            f"The loaded accumulation window's {pending} micro-batch(es) drew their "
+            f"Dropout masks ({listed(rt.window_draws.layer_names, 4)}) "
+            f"{'under' if saved else 'without'} XLA; this model runs jit_compile="
+            f"{bool(self.jit_compile)}, so the rest of the window draws its masks "
+            f"{'without' if saved else 'under'} XLA and the window is not one "
+            "large-batch step (TensorFlow's random numbers under XLA are not its "
+            f"numbers without). Compile with jit_compile={saved} (or "
+            '"measure", which finishes a restored window under its setting) to '
+            "resume it exactly.",
+            stacklevel=5,
         )
 
     def _window_closed(self):

@@ -12,6 +12,7 @@ from conftest import SaveAfterBatch
 from conftest import max_weight_diff
 from keras_gradboost import GradBoostModel
 from keras_gradboost import window_dropout
+from keras_gradboost import wrappers
 from keras_gradboost.accumulate import held_generators
 
 TOL = 2e-6  # float32 round-off of the window's sums
@@ -498,26 +499,94 @@ def test_jit_compile_measure_runs_each_window_under_one_setting(monkeypatch):
     assert max_weight_diff(model, keras_windows([[False] * 3] * 4)) > 0.05
 
 
-@pytest.mark.parametrize("jit_compile, warned", [("measure", True), (False, False)])
-def test_measure_resuming_a_window_it_cannot_tell_is_warned_about(tmp_path, jit_compile, warned):
-    # Which setting drew the saved micro-batches' masks is not in the file.
+def _saved_mid_window(path, jit_compile, unsaved_setting=False):
+    """A Dropout model trained with `accumulate_steps=3` on 12 samples in
+    micro-batches of 2, saved after the 5th (2 of the second window's 3
+    micro-batches pending) and trained on to the end; with
+    `unsaved_setting`, as a file saved before the setting was saved."""
     rng = np.random.default_rng(3)
     x = rng.normal(size=(12, 5)).astype("float32")
     y = rng.normal(size=(12, 1)).astype("float32")
-    path = str(tmp_path / "mid.weights.h5")
     saved = _dropout_model(GradBoostModel)
-    saved.compile(optimizer="sgd", loss="mse", accumulate_steps=3)
+    saved.compile(
+        optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=3,
+        jit_compile=jit_compile,
+    )
+    if unsaved_setting:
+        object.__setattr__(saved, "_pending_window_jit", lambda: None)
     saved.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[SaveAfterBatch(4, path)])
+    return saved, x, y
+
+
+def _resume(path, x, y, jit_compile):
     loaded = _dropout_model(GradBoostModel)
-    loaded.compile(optimizer="sgd", loss="mse", accumulate_steps=3, jit_compile=jit_compile)
-    loaded.load_weights(path)  # 2 micro-batches pending
+    loaded.compile(
+        optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=3,
+        jit_compile=jit_compile,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        loaded.load_weights(path)  # 2 micro-batches pending
+        assert int(loaded._gradboost.accumulator.micro_step.numpy()) == 2
         loaded.fit(x[10:], y[10:], batch_size=2, shuffle=False, verbose=0)
-    said = [str(w.message) for w in caught if "restored accumulation window" in str(w.message)]
+    said = [str(w.message) for w in caught if "accumulation window" in str(w.message)]
+    return loaded, said
+
+
+@pytest.mark.parametrize("saved_jit", [False, True, "measure"])
+def test_a_restored_window_goes_on_under_the_setting_it_began_in(tmp_path, saved_jit):
+    # TensorFlow's random numbers under XLA are not its numbers without, so
+    # a window resumed under another setting draws other masks. The file
+    # says which setting ran the window's micro-batches; jit_compile=
+    # "measure" runs the rest of the window under it, untimed, and then
+    # measures. The saving "measure" run's second window is its second
+    # unit, without XLA. Before, the rest ran under XLA, the first measured
+    # setting (with a warning): 0.15 (the file's False) and 0.09 ("measure")
+    # away, of 0.37-0.40 that training moved the weights.
+    path = str(tmp_path / "mid.weights.h5")
+    never_stopped, x, y = _saved_mid_window(path, saved_jit)
+    loaded, said = _resume(path, x, y, "measure")
+    assert not said
+    assert max_weight_diff(loaded, never_stopped) < TOL
+    assert max_weight_diff(never_stopped, _dropout_model(keras.Model)) > 0.2  # trained
+    measuring = wrappers.base_train_function(loaded)
+    assert not measuring.measurer.started  # the resumed calls are not measured
+    # The control: a model with the other setting fixed is warned, and ends
+    # elsewhere (the settings matter here).
+    other = saved_jit is False or saved_jit == "measure"
+    loaded, said = _resume(path, x, y, other)
+    assert len(said) == 1 and "draws its masks" in said[0], said
+    assert f"drew their Dropout masks ('drop', 'per_sample') {'under' if not other else 'without'} XLA" in said[0]
+    assert max_weight_diff(loaded, never_stopped) > 1e-3
+
+
+@pytest.mark.parametrize("jit_compile, warned", [("measure", True), (False, False)])
+def test_measure_resuming_a_window_it_cannot_tell_is_warned_about(tmp_path, jit_compile, warned):
+    # A file saved before the window's setting was saved.
+    path = str(tmp_path / "mid.weights.h5")
+    _, x, y = _saved_mid_window(path, False, unsaved_setting=True)
+    loaded, said = _resume(path, x, y, jit_compile)
     assert len(said) == int(warned)
     if warned:
         assert "starts with 2 micro-batch(es)" in said[0] and "('drop', 'per_sample')" in said[0]
+
+
+def test_a_window_saved_while_resuming_keeps_its_setting(tmp_path):
+    # Saved, loaded into "measure" and saved again before the window closes:
+    # the second file says what the first said (the restored setting, not
+    # this process's first measured one).
+    first, second = str(tmp_path / "first.weights.h5"), str(tmp_path / "second.weights.h5")
+    never_stopped, x, y = _saved_mid_window(first, False)
+    loaded = _dropout_model(GradBoostModel)
+    loaded.compile(
+        optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=3,
+        jit_compile="measure",
+    )
+    loaded.load_weights(first)
+    loaded.save_weights(second)  # no call since the load
+    again, said = _resume(second, x, y, "measure")
+    assert not said
+    assert max_weight_diff(again, never_stopped) < TOL
 
 
 def test_other_draws_from_a_dropouts_generator_are_warned_about():
