@@ -15,7 +15,7 @@ under its own path (`_gradboost_training_state`), with:
   which variables get a gradient, and whether its micro-batches ran under
   XLA (`jit_compile="measure"` finishes a loaded window under the same
   setting, so its Dropout masks stay the large batch's; a model with a
-  fixed other setting warns);
+  fixed other setting warns; `jit_measure.WindowSetting`);
 * `precision="auto"`'s (or `"measure"`'s) decision, or, saved before it
   was made, its measuring progress (`precision_measure.saved_state`): a loaded model
   compiled with `precision="auto"` trains on in the saved run's policy,
@@ -290,10 +290,7 @@ def _restore_window(model, state, strategy):
     _assign_all(acc.micro_step, pending, strategy)
     lost = _restore_window_draws(rt, state, pending, strategy)
     rt.loaded_window = rt.loaded_window or pending > 0
-    rt.restored_window_jit = (
-        bool(state[_WINDOW_JIT]) if pending and _WINDOW_JIT in state else None
-    )
-    model._check_restored_window_jit()
+    model._loaded_window(bool(state[_WINDOW_JIT]) if _WINDOW_JIT in state else None, pending)
     saved_replicas = int(state.get(_REPLICAS, strategy.num_replicas_in_sync))
     if saved_replicas != strategy.num_replicas_in_sync and pending:
         warnings.warn(

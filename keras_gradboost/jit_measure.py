@@ -35,8 +35,6 @@ from keras_gradboost import wrappers
 WARMUP_CALLS = measure_schedule.WARMUP_CALLS
 TIMED_CALLS = measure_schedule.TIMED_CALLS
 
-_NOT_ASKED = object()
-
 _UNSUPPORTED = re.compile(
     r"Detected unsupported operations when trying to compile graph \S+ on "
     r"\S+?: (?P<op>[\w.>-]+).*?\{\{node (?P<node>[^}]+)\}\}",
@@ -183,6 +181,43 @@ def sync_logs(logs):
         values[0].numpy()
 
 
+class WindowSetting:
+    """Which setting the pending accumulation window's micro-batches ran
+    under: kept by a model's measuring train functions (one object for all
+    of them, a NaNWatcher's guarded one too), saved with the window and
+    set again when one is loaded (`checkpoint`).
+
+    Attributes:
+        jit: True (XLA) or False; None where no window is pending, or where
+            it mixes settings or began under one not known.
+        resume: the setting the rest of a loaded window runs under, untimed,
+            before the measuring goes on; None when there is none.
+        mixed: whether the pending window ran under both settings, or
+            began under one not known.
+    """
+
+    def __init__(self):
+        self.jit = None
+        self.resume = None
+        self.mixed = False
+
+    def loaded(self, jit, pending):
+        """A window loaded with the weights: `pending` micro-batches, run
+        under `jit` (None: not known)."""
+        self.jit = jit if pending else None
+        self.resume = self.jit
+        self.mixed = bool(pending) and jit is None
+
+    def ran(self, jit, closed, mixed=False):
+        """After a call under `jit`: `closed`, whether no window is pending
+        now; `mixed`, whether it went on with a window begun under the other
+        setting."""
+        if closed:
+            self.resume = None
+        self.mixed = not closed and (self.mixed or mixed)
+        self.jit = None if closed or self.mixed else jit
+
+
 class MeasuringTrainFunction(measure_schedule.EndsUnits):
     """A train function that runs the XLA or the non-XLA one, unit by unit
     (`measure_schedule`), as a `Measurer` says, until it decides.
@@ -201,22 +236,18 @@ class MeasuringTrainFunction(measure_schedule.EndsUnits):
             accumulation window is pending (a host read, after each
             measured call and where a unit has its calls: a unit ends only
             then). Defaults to `None`: always.
-        open_window_setting: callable called once when the first call
-            finds micro-batches of a window pending (restored with the
-            weights), returning the setting they ran under (True: XLA), or
-            None where that is not known (it warns). The rest of that window
-            then runs under it, untimed, before the first measured call.
-            Defaults to `None`: not asked, the window goes on measured.
-
-    Attributes:
-        window_jit: the setting the pending window's micro-batches ran
-            under (saved with them), or None where not known: a restored
-            window of unknown setting, until it closes.
+        window: the model's `WindowSetting`: a window loaded with the
+            weights runs its rest under the setting saved with it
+            (`resume`), untimed, wherever the measuring is; each call says
+            what it ran. Defaults to `None`: one of its own.
+        on_mixed_window: callable called when a loaded window that ran under
+            XLA goes on without, XLA failing to compile here. Defaults to
+            `None`.
     """
 
     def __init__(
         self, model, functions, on_decided, clock=None, measurer=None, window_closed=None,
-        open_window_setting=None,
+        window=None, on_mixed_window=None,
     ):
         self.model = model
         self.functions = functions
@@ -224,20 +255,13 @@ class MeasuringTrainFunction(measure_schedule.EndsUnits):
         self.clock = clock
         self.measurer = measurer or Measurer()
         self.window_closed = window_closed or (lambda: True)
-        self.open_window_setting = open_window_setting
-        self.window_jit = None
-        self._mixed = False  # the pending window ran under both, or unknown
-        self._resumed = _NOT_ASKED  # the restored window's setting, once asked
+        self.window = window or WindowSetting()
+        self.on_mixed_window = on_mixed_window
         wrappers.runs_batches(self)
 
     @property
     def result(self):
         return self.measurer.result
-
-    @property
-    def ran(self):
-        """Whether a call ran through this function (or it decided)."""
-        return self.measurer.started or self.result is not None or self._resumed is not _NOT_ASKED
 
     def chosen(self):
         """The chosen candidate's train function (once decided)."""
@@ -252,8 +276,8 @@ class MeasuringTrainFunction(measure_schedule.EndsUnits):
         self.end_unit_if_due()  # where an epoch's end flushed its window
         if self.result is not None:  # decided, or a stale reference: the choice
             return wrappers.run_batches(self.model, self.chosen(), batches)
-        resumed = self._resumed_window_setting()
-        jit = self.measurer.next_call()[0] if resumed is None else resumed
+        resume = self._resume()
+        jit = self.measurer.next_call()[0] if resume is None else resume
         clock = self.clock or perf_counter
         start = clock()
         try:
@@ -265,38 +289,22 @@ class MeasuringTrainFunction(measure_schedule.EndsUnits):
                 raise
             self.measurer.fail_xla(f"XLA cannot compile the step: {found}")
             logs = wrappers.run_batches(self.model, self.functions[False], batches)
-            # A restored window that began under XLA goes on without: of no
-            # one setting. (Measured units begin where no window is pending.)
-            self._note_window(False, self.window_closed(), mixed=resumed is True)
+            # A loaded window that ran under XLA goes on without.
+            self.window.ran(False, self.window_closed(), mixed=resume is True)
+            if resume is True and self.on_mixed_window:
+                self.on_mixed_window()
         else:
             closed = self.window_closed()
-            if resumed is None:
+            if resume is None:
                 self.measurer.record(clock() - start, window_closed=closed)
-            self._note_window(jit, closed)
+            self.window.ran(jit, closed)
         if self.result is not None:
             self.on_decided(self.result, self.chosen())
         return logs
 
-    def _resumed_window_setting(self):
-        """The setting of a restored window's micro-batches while that
-        window is pending before the first measured call (its rest runs
-        under it, untimed), else None: measure."""
-        if self.measurer.started or self.open_window_setting is None:
-            return None
-        if self._resumed is _NOT_ASKED:
-            if self.window_closed():
-                return None
-            self._resumed = self.open_window_setting()
-            self.window_jit = self._resumed
-            self._mixed = self._resumed is None
-            return self._resumed
-        if self._resumed is None or self.window_closed():
-            return None
-        return self._resumed
-
-    def _note_window(self, jit, closed, mixed=False):
-        """Keeps which setting the pending window ran under: None once a
-        window mixes settings (or began under an unknown one), until it
-        closes."""
-        self._mixed = False if closed else (self._mixed or mixed)
-        self.window_jit = None if self._mixed else jit
+    def _resume(self):
+        """The setting of a loaded window's micro-batches while that window
+        is pending (its rest runs under it, untimed), else None: measure."""
+        if self.window.resume is not None and self.window_closed():
+            self.window.resume = None  # closed by an epoch's end
+        return self.window.resume

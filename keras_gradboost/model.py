@@ -110,9 +110,9 @@ class _Runtime:
         # it; a window loaded from a checkpoint waits in it.
         self.main_window_used = False
         self.loaded_window = False
-        # Whether the loaded window's micro-batches ran under XLA (saved with
-        # them; None: not known), until jit_compile="measure" finishes it.
-        self.restored_window_jit = None
+        # Which XLA setting the pending window's micro-batches ran under
+        # (jit_compile="measure" keeps it; saved with the window).
+        self.jit_window = jit_measure.WindowSetting()
         self.warned_inexact_mask = False
         self.warned_sparse_repeats = False
         self.warned_layer_losses = False
@@ -778,71 +778,78 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         return jit_measure.MeasuringTrainFunction(
             self, functions, self._jit_decided, measurer=measurer,
             window_closed=self._window_closed,
-            open_window_setting=self._restored_window_setting,
+            window=rt.jit_window, on_mixed_window=self._warn_xla_failed_on_window,
         )
-
-    def _restored_window_setting(self):
-        """For `jit_compile="measure"`, finding a window pending at its first
-        call: whether the window's micro-batches ran under XLA (saved with
-        them), so the rest of the window runs under the same setting. None
-        where the file does not say (saved before this was saved): warned
-        where Dropout draws."""
-        rt = self._gradboost
-        setting, rt.restored_window_jit = rt.restored_window_jit, None
-        if setting is None and rt.window_draws is not None:
-            pending = checkpoint.pending_micro_batches(self)
-            warnings.warn(
-                f'jit_compile="measure" starts with {pending} micro-batch(es) of '
-                "a restored accumulation window pending. They drew their Dropout "
-                f"masks ({listed(rt.window_draws.layer_names, 4)}) under XLA or "
-                "without, which the file does not say (saved by an earlier "
-                "version), and the rest of the window runs under XLA (the first "
-                "measured setting): where the two differ, the window's masks are "
-                "not one large-batch step's (TensorFlow's random numbers under "
-                "XLA are not its numbers without). jit_compile=True or False, as "
-                "the saved run trained, resumes such a window exactly.",
-                stacklevel=2,
-            )
-        return setting
 
     def _pending_window_jit(self):
         """Whether the pending window's micro-batches ran under XLA, saved
         with them (`checkpoint`); None where no window is pending, or where
         that is not known."""
-        if self._window_closed():
-            return None
         rt = self._gradboost
-        measuring = wrappers.base_train_function(self)
-        if isinstance(measuring, jit_measure.MeasuringTrainFunction) and measuring.ran:
-            return measuring.window_jit
-        if self._measuring_jit():  # restored, and no call since
-            return rt.restored_window_jit
+        if rt.jit_window.mixed or self._window_closed():
+            return None
+        if self._measuring_jit():
+            return rt.jit_window.jit
         return bool(self.jit_compile)
 
-    def _check_restored_window_jit(self):
-        """At a load: warns where the loaded window's micro-batches drew their
-        Dropout masks under another XLA setting than this model's fixed one
-        (`jit_compile="measure"` finishes the window under the saved
-        setting instead)."""
+    def _loaded_window(self, saved, pending):
+        """At a load: `pending` micro-batches of a window that ran under XLA
+        (`saved` True), without (False), or either (None: a file saved
+        before this was saved). `jit_compile="measure"` runs the rest under
+        `saved`; where it cannot, and where this model's fixed setting is
+        the other, a warning where Dropout draws."""
         rt = self._gradboost
-        saved = rt.restored_window_jit
-        if saved is None or self._measuring_jit():
+        measuring = self._measuring_jit()
+        if measuring:  # else the rest runs under this model's setting
+            rt.jit_window.loaded(saved, pending)
+        if not pending or rt.window_draws is None:
             return
-        rt.restored_window_jit = None  # the rest of the window runs as this model's
-        if rt.window_draws is None or saved == bool(self.jit_compile):
+        if measuring:
+            if saved is None:
+                self._warn_mixed_window(
+                    "under XLA or without, which the file does not say (saved by an "
+                    "earlier version), and the rest of the window runs under the "
+                    "setting the measuring is at",
+                    "Compile with jit_compile=True or False, as the saved run "
+                    "trained, to resume such a window exactly.",
+                )
             return
+        if saved is None or saved == bool(self.jit_compile):
+            return
+        remedy = (
+            f"XLA is off here ({rt.xla_blocked}): this model cannot resume such "
+            "a window exactly."
+            if saved and rt.xla_blocked
+            else f'Compile with jit_compile={saved} (or "measure", which '
+            "finishes a loaded window under its setting) to resume it exactly."
+        )
+        self._warn_mixed_window(
+            f"{'under' if saved else 'without'} XLA, and this model runs the rest "
+            f"of the window {'without' if saved else 'under'} XLA (jit_compile="
+            f"{bool(self.jit_compile)})",
+            remedy,
+        )
+
+    def _warn_xla_failed_on_window(self):
+        if self._gradboost.window_draws is not None:
+            self._warn_mixed_window(
+                "under XLA, and XLA cannot compile the step here: the rest of the "
+                "window runs without",
+                "Train the saved run without XLA to resume its windows exactly.",
+            )
+
+    def _warn_mixed_window(self, how, remedy):
+        """Warns that the pending window's micro-batches drew their Dropout
+        masks under two settings: `how`, and what to do (`remedy`)."""
+        rt = self._gradboost
         pending = checkpoint.pending_micro_batches(self)
         warnings.warn(
             f"The loaded accumulation window's {pending} micro-batch(es) drew their "
-            f"Dropout masks ({listed(rt.window_draws.layer_names, 4)}) "
-            f"{'under' if saved else 'without'} XLA; this model runs jit_compile="
-            f"{bool(self.jit_compile)}, so the rest of the window draws its masks "
-            f"{'without' if saved else 'under'} XLA and the window is not one "
-            "large-batch step (TensorFlow's random numbers under XLA are not its "
-            f"numbers without). Compile with jit_compile={saved} (or "
-            '"measure", which finishes a restored window under its setting) to '
-            "resume it exactly.",
-            stacklevel=5,
+            f"Dropout masks ({listed(rt.window_draws.layer_names, 4)}) {how}: the "
+            "window is not one large-batch step where the two differ "
+            "(TensorFlow's random numbers under XLA are not its numbers without). "
+            + remedy,
+            stacklevel=2,
         )
 
     def _window_closed(self):

@@ -403,12 +403,14 @@ SPECIFIC = [
     # callbacks (two train functions traced, one per setting).
     _cell(dict(accumulate_steps=K, jit_compile="measure", watcher="skip", bad=4,
                callbacks="all")),
-    # ... x Dropout, resumed from a backup mid-window: the interrupted fit
-    # ran window 4-7 without XLA (its second unit), so the resumed one runs
-    # its pending rest without XLA (untimed) and then measures from the
-    # start again: the windows run XLA, no XLA, XLA, no XLA. (Before, the
-    # rest ran under XLA with a warning.)
-    _cell(dict(model="dropout", accumulate_steps=K, jit_compile="measure"), backup=True),
+    # ... x Dropout, with a skipped micro-batch (5), resumed from a backup
+    # mid-window: the interrupted fit ran epoch 1's window 4-7 without XLA
+    # (its fourth unit), so the resumed fit runs the pending rest without
+    # XLA (untimed; NaNWatcher's guarded measuring function) and then
+    # measures from the start again. The windows ran XLA, no XLA, XLA, no
+    # XLA. (Before, the rest ran under XLA with a warning.)
+    _cell(dict(model="dropout", accumulate_steps=K, jit_compile="measure", watcher="skip",
+               bad=5), backup=True),
 ]
 
 # Cells that must refuse, with what the message must name.

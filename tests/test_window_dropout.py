@@ -555,8 +555,9 @@ def test_a_restored_window_goes_on_under_the_setting_it_began_in(tmp_path, saved
     # elsewhere (the settings matter here).
     other = saved_jit is False or saved_jit == "measure"
     loaded, said = _resume(path, x, y, other)
-    assert len(said) == 1 and "draws its masks" in said[0], said
+    assert len(said) == 1 and "runs the rest of the window" in said[0], said
     assert f"drew their Dropout masks ('drop', 'per_sample') {'under' if not other else 'without'} XLA" in said[0]
+    assert f"Compile with jit_compile={not other}" in said[0]
     assert max_weight_diff(loaded, never_stopped) > 1e-3
 
 
@@ -568,7 +569,34 @@ def test_measure_resuming_a_window_it_cannot_tell_is_warned_about(tmp_path, jit_
     loaded, said = _resume(path, x, y, jit_compile)
     assert len(said) == int(warned)
     if warned:
-        assert "starts with 2 micro-batch(es)" in said[0] and "('drop', 'per_sample')" in said[0]
+        assert "window's 2 micro-batch(es)" in said[0] and "('drop', 'per_sample')" in said[0]
+        assert "which the file does not say" in said[0]
+
+
+def test_a_window_loaded_into_a_model_that_measured_goes_on_under_its_setting(tmp_path):
+    # Loads into a measuring model whose schedule has begun (as a second
+    # fit with a backup does): the file's setting wins over the schedule's.
+    # First a fit of 4 calls (a window under XLA; then a partial one,
+    # flushed, in the no-XLA unit), then a file saved under XLA: its rest
+    # runs under XLA, not the unit's no XLA. Then a second file, saved
+    # without XLA: not the first file's setting.
+    xla_file, plain_file = str(tmp_path / "xla.weights.h5"), str(tmp_path / "plain.weights.h5")
+    under_xla, x, y = _saved_mid_window(xla_file, True)
+    without, _, _ = _saved_mid_window(plain_file, False)
+    model = _dropout_model(GradBoostModel)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=3,
+        jit_compile="measure",
+    )
+    model.fit(x[:8], y[:8], batch_size=2, shuffle=False, verbose=0)
+    assert wrappers.base_train_function(model).measurer.started
+    for path, never_stopped in ((xla_file, under_xla), (plain_file, without)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.load_weights(path)
+            model.fit(x[10:], y[10:], batch_size=2, shuffle=False, verbose=0)
+        assert not [w for w in caught if "accumulation window" in str(w.message)]
+        assert max_weight_diff(model, never_stopped) < TOL, path
 
 
 def test_a_window_saved_while_resuming_keeps_its_setting(tmp_path):
