@@ -19,7 +19,8 @@ under its own path (`_gradboost_training_state`), with:
 * `precision="auto"`'s (or `"measure"`'s) decision, or, saved before it
   was made, its measuring progress (`precision_measure.saved_state`): a loaded model
   compiled with `precision="auto"` trains on in the saved run's policy,
-  or goes on with its schedule, instead of measuring again.
+  or goes on with its schedule, instead of measuring again; the same of
+  `jit_compile="measure"` (`jit_measure.saved_state`).
 
 So a model saved mid-window and loaded again goes on as if it had never
 been saved. A plain Keras model loading the same file does not visit that
@@ -56,7 +57,8 @@ _REPLICAS = "window_replicas"
 _ROWS = "window_rows"  # samples added, where the next Dropout rows start
 _SEED = "window_seed_"  # each window_dropout generator's state at the window's start
 _WINDOW_JIT = "window_jit"  # 1: the pending micro-batches ran under XLA
-_PRECISION = "precision_measure"  # JSON, as uint8 (precision_measure.encode_state)
+_PRECISION = "precision_measure"  # JSON, as uint8 (measure_schedule.encode_state)
+_JIT = "jit_measure"  # the same, of jit_compile="measure"
 
 
 class TrainingState(hooks.leaf_saveable_class()):
@@ -84,6 +86,9 @@ class TrainingState(hooks.leaf_saveable_class()):
         record = model._precision_state()
         if record is not None:
             store[_PRECISION] = precision_measure.encode_state(record)
+        record = model._jit_state()
+        if record is not None:
+            store[_JIT] = precision_measure.encode_state(record)
 
     def load_own_variables(self, store):
         state = {key: np.asarray(store[key]) for key in store.keys()}
@@ -210,6 +215,8 @@ def restore(model, state):
         )
     if _SCALE in state:
         ignored.extend(_restore_scale(rt.scaler, state, strategy))
+    if _JIT in state:  # first: whether a loaded window's unit goes on
+        ignored.extend(model._restore_jit(precision_measure.decode_state(state[_JIT])))
     if _MICRO in state:
         ignored.extend(_restore_window(model, state, strategy))
     if _PRECISION in state:

@@ -17,11 +17,22 @@ wins, and from then on Keras runs only that one: nothing is timed or read
 any more. (The untimed first calls are synchronised too, so their tail does
 not spill into the first timed call.)
 
+The choice is saved with the weights (`saved_state`, in the model's
+training state: `keras_gradboost.checkpoint`), or, while undecided, the
+measuring progress, as `precision_measure` saves its own: a loaded model, or
+a BackupAndRestore resume, trains on in the choice
+(`JitMeasurement.restored`) or goes on with the schedule, call for call, as
+the saved run would have (with Dropout, its masks too). A timed call that
+traces in the new process is left out of the medians. A record made on
+another device kind (CPU or GPU) is not adopted: a warning, and the model
+measures again.
+
 `Measurer` is the pure part (schedule, medians, decision) with an injectable
 clock; `MeasuringTrainFunction` adapts it to Keras' train function.
 """
 
 import dataclasses
+import math
 import re
 import statistics
 import time
@@ -56,6 +67,8 @@ class JitMeasurement:
         calls_per_timing: the fewest train calls in one timed unit (whole
             accumulation windows); the medians are per call.
         reason: one line saying why this choice was made.
+        restored: whether it was loaded with the weights (measured by the
+            run that saved them).
     """
 
     jit_compile: bool
@@ -64,11 +77,13 @@ class JitMeasurement:
     timed_calls: int = 0
     calls_per_timing: int = 1
     reason: str = ""
+    restored: bool = False
 
     def message(self):
         """The one-line report printed when the choice is made."""
         choice = "XLA" if self.jit_compile else "no XLA"
-        return f'jit_compile="measure": {choice}; {self.reason}.'
+        restored = " (restored with the weights, not measured again)" if self.restored else ""
+        return f'jit_compile="measure": {choice}; {self.reason}{restored}.'
 
 
 class XLAUnsupportedOpError(RuntimeError):
@@ -95,10 +110,27 @@ class Measurer(measure_schedule.Schedule):
         super().__init__((True, False), warmup_calls, timed_calls, calls_per_timing)
 
     def _decide(self):
+        left_out = ""
+        if any(self.dropped.values()):
+            counts = " and ".join(
+                f"{n} {'XLA' if jit else 'no-XLA'}" for jit, n in self.dropped.items() if n
+            )
+            left_out = f"; {counts} timing(s) left out: they traced after a restore"
+        unit = "; " + self.unit_note() if self.calls_per_timing > 1 else ""
+        if not (self.times[True] and self.times[False]):
+            return JitMeasurement(
+                jit_compile=False,
+                xla_ms=statistics.median(self.times[True]) if self.times[True] else None,
+                no_xla_ms=statistics.median(self.times[False]) if self.times[False] else math.nan,
+                timed_calls=self.timed_calls,
+                calls_per_timing=self.calls_per_timing,
+                reason="no timing of one setting is left (every timed call of it "
+                f"traced after a restore): no XLA kept{left_out}",
+            )
         xla = statistics.median(self.times[True])
         plain = statistics.median(self.times[False])
         faster = xla < plain
-        unit = "; " + self.unit_note() if self.calls_per_timing > 1 else ""
+        unit += left_out
         return JitMeasurement(
             jit_compile=faster,
             xla_ms=xla,
@@ -257,6 +289,7 @@ class MeasuringTrainFunction(measure_schedule.EndsUnits):
         self.window_closed = window_closed or (lambda: True)
         self.window = window or WindowSetting()
         self.on_mixed_window = on_mixed_window
+        self._called = set()  # the settings this function has run (traced)
         wrappers.runs_batches(self)
 
     @property
@@ -295,8 +328,10 @@ class MeasuringTrainFunction(measure_schedule.EndsUnits):
                 self.on_mixed_window()
         else:
             closed = self.window_closed()
+            traced = jit not in self._called
+            self._called.add(jit)
             if resume is None:
-                self.measurer.record(clock() - start, window_closed=closed)
+                self.measurer.record(clock() - start, traced=traced, window_closed=closed)
             self.window.ran(jit, closed)
         if self.result is not None:
             self.on_decided(self.result, self.chosen())
@@ -308,3 +343,43 @@ class MeasuringTrainFunction(measure_schedule.EndsUnits):
         if self.window.resume is not None and self.window_closed():
             self.window.resume = None  # closed by an epoch's end
         return self.window.resume
+
+
+# ------------------------------------------------------------ checkpoints
+
+STATE_FORMAT = 1
+
+
+def saved_state(measurement, measurer, device):
+    """What a checkpoint keeps of `jit_compile="measure"`, as plain values:
+    the device kind ("CPU" or "GPU") and either the decision (when
+    measured) or the measuring progress (`Schedule.progress`); None when
+    there is neither (not started, or XLA off from the start)."""
+    record = {"format": STATE_FORMAT, "device": device}
+    if measurement is not None:
+        if measurement.xla_ms is None and measurement.no_xla_ms is None:
+            return None  # not measured: XLA was off, or failed to compile
+        decision = dataclasses.asdict(measurement)
+        decision.pop("restored")
+        return {**record, "decision": decision}
+    if measurer is None or not measurer.started:
+        return None
+    return {**record, "progress": measurer.progress()}
+
+
+def restored_measurement(decision):
+    """The `JitMeasurement` of a saved decision, marked restored."""
+    return JitMeasurement(**decision, restored=True)
+
+
+def describe(record):
+    """A saved record in a few words, for warnings."""
+    if "decision" in record:
+        choice = "XLA" if record["decision"]["jit_compile"] else "no XLA"
+        return f"a measured jit_compile decision ({choice})"
+    progress = record["progress"]
+    total = 2 * (progress["warmup_calls"] + progress["timed_calls"])
+    return (
+        f'jit_compile measuring progress ({progress["units_done"]} of {total} timings '
+        f'done, {progress["calls"]} call(s) into the next)'
+    )

@@ -19,6 +19,7 @@ each random number generator, so it would be no large-batch step
 and whether a window is pending after it and before the next.
 """
 
+import json
 import math
 
 # Untimed first units of each candidate (tracing, XLA compilation).
@@ -79,6 +80,53 @@ class Schedule:
         self._seconds = 0.0  # and their time
         self._traced = False  # whether one of them traced
 
+    def progress(self):
+        """The measuring progress as plain values (for a checkpoint, as
+        JSON: candidates that are not strings are keyed by their JSON;
+        `resume` puts it back)."""
+        return {
+            "warmup_calls": self.warmup_calls,
+            "timed_calls": self.timed_calls,
+            "calls_per_timing": self.calls_per_timing,
+            "units_done": self._total - len(self.units),
+            "calls": self._calls,
+            "seconds": self._seconds,
+            "traced": self._traced,
+            "times": {_key(c): list(ms) for c, ms in self.times.items()},
+            "dropped": {_key(c): n for c, n in self.dropped.items()},
+        }
+
+    def resume(self, progress):
+        """Goes on from `progress` (from `progress()`): the schedule's
+        position, the timings and the current unit.
+
+        Returns:
+            None, or why it cannot (another schedule), with nothing changed.
+        """
+        theirs = tuple(progress[k] for k in ("warmup_calls", "timed_calls", "calls_per_timing"))
+        ours = (self.warmup_calls, self.timed_calls, self.calls_per_timing)
+        if theirs != ours:
+            return (
+                "it was saved with another schedule ((warm-up units, timed units, "
+                f"calls per timing) {theirs}; this model's {ours}: other "
+                "accumulate_steps or steps_per_execution)"
+            )
+        fresh = Schedule(self.candidates, *ours)
+        done = int(progress["units_done"])
+        self.units = fresh.units[done:]
+        self.times = {c: [float(t) for t in progress["times"][_key(c)]] for c in self.candidates}
+        self.dropped = {c: int(progress["dropped"][_key(c)]) for c in self.candidates}
+        self._calls = int(progress["calls"])
+        self._seconds = float(progress["seconds"])
+        self._traced = bool(progress["traced"])
+        self.result = None
+        return None
+
+    def in_unit(self, candidate):
+        """Whether a unit of `candidate` has begun and not ended (its calls
+        so far hold the pending window)."""
+        return self.result is None and self._calls > 0 and self.units[0][0] == candidate
+
     def next_call(self):
         """`(candidate, timed)` of the next call."""
         return self.units[0]
@@ -131,6 +179,26 @@ class Schedule:
 
     def _decide(self):
         raise NotImplementedError
+
+
+def _key(candidate):
+    """A candidate as a JSON object key."""
+    return candidate if isinstance(candidate, str) else json.dumps(candidate)
+
+
+def encode_state(record):
+    """`record` (plain values) as a uint8 array (JSON), storable in a Keras
+    weights file."""
+    import numpy as np
+
+    return np.frombuffer(json.dumps(record).encode("utf-8"), dtype=np.uint8)
+
+
+def decode_state(array):
+    """The record `encode_state` stored."""
+    import numpy as np
+
+    return json.loads(np.asarray(array, dtype=np.uint8).tobytes().decode("utf-8"))
 
 
 class EndsUnits:

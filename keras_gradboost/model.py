@@ -86,6 +86,8 @@ class _Runtime:
         # measuring function of this compile (a NaNWatcher's guarded one
         # too), saved with the weights while undecided.
         self.precision_measurer = None  # precision_measure.Measurer
+        # jit_compile="measure"'s schedule and timings, the same way.
+        self.jit_measurer = None  # jit_measure.Measurer
         # The dtype policy the layers hold now (precision="auto" switches
         # it while it measures, then keeps the winner's).
         self.layers_policy = plan.policy if plan else None
@@ -225,7 +227,8 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 `accumulate_steps` each timing is whole accumulation windows,
                 so a window and its Dropout masks are one variant's), and the
                 variant with the lower median is kept from then on (see
-                `jit_measurement`; a one-line report is printed). A step XLA
+                `jit_measurement`; a one-line report is printed; saved with
+                the weights, or the measuring progress before it). A step XLA
                 cannot compile (an op without an XLA kernel) makes it choose
                 no XLA. When a layer has `supports_jit=False` (or TensorFlow
                 op determinism is on), True and `"measure"` turn XLA off
@@ -769,17 +772,84 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             self.jit_compile = jit  # Keras reads it when it makes the function
             super().make_train_function(force=True)
             functions[jit] = self.train_function
-        rt = self._gradboost
-        measurer = jit_measure.Measurer(
-            calls_per_timing=measure_schedule.calls_per_timing(
-                rt.config.accumulate_steps, self.steps_per_execution
-            )
-        )
         return jit_measure.MeasuringTrainFunction(
-            self, functions, self._jit_decided, measurer=measurer,
+            self, functions, self._jit_decided, measurer=self._jit_measurer(),
             window_closed=self._window_closed,
-            window=rt.jit_window, on_mixed_window=self._warn_xla_failed_on_window,
+            window=self._gradboost.jit_window, on_mixed_window=self._warn_xla_failed_on_window,
         )
+
+    def _jit_measurer(self):
+        """`jit_compile="measure"`'s schedule, shared by every measuring
+        function of this compile and saved with the weights while
+        undecided."""
+        rt = self._gradboost
+        if rt.jit_measurer is None:
+            rt.jit_measurer = jit_measure.Measurer(
+                calls_per_timing=measure_schedule.calls_per_timing(
+                    rt.config.accumulate_steps, self.steps_per_execution
+                )
+            )
+        return rt.jit_measurer
+
+    def _jit_state(self):
+        """What the weights file keeps of `jit_compile="measure"` (see
+        `jit_measure.saved_state`), or None."""
+        rt = self._gradboost
+        if rt.jit_requested != "measure":
+            return None
+        device = "GPU" if precision_lib.gpu_available() else "CPU"
+        return jit_measure.saved_state(rt.jit_measurement, rt.jit_measurer, device)
+
+    def _restore_jit(self, record):
+        """Adopts a saved `jit_compile="measure"` record: a decision is kept
+        without measuring; progress is gone on from, call for call, so the
+        calls after a resume run under the settings the saved run's would
+        have. Warns, naming both, where it cannot be (another device kind
+        or schedule, a decision made since); returns what this model cannot
+        take at all (compiled with another jit_compile), for the caller's
+        warning."""
+        rt = self._gradboost
+        what = jit_measure.describe(record)
+        if rt.jit_requested != "measure":
+            decision = record.get("decision")
+            if decision is not None and decision["jit_compile"] == bool(self.jit_compile):
+                return []  # compiled with the setting it chose
+            return [f"{what} (this model is compiled with jit_compile={rt.jit_requested!r})"]
+        device = "GPU" if precision_lib.gpu_available() else "CPU"
+        if record["device"] != device:
+            warnings.warn(
+                f"The loaded weights hold {what} made on a {record['device']}; this "
+                f"model trains on a {device}: not adopted, it measures again. "
+                "Compile with the chosen jit_compile to train on as saved.",
+                stacklevel=4,
+            )
+            return []
+        decided = rt.jit_measurement
+        if decided is not None:
+            kept = "a loaded decision" if decided.restored else "its own decision"
+            if "decision" in record and record["decision"]["jit_compile"] == decided.jit_compile:
+                return []
+            warnings.warn(
+                f"The loaded weights hold {what}, but this model has {kept} "
+                f"({'XLA' if decided.jit_compile else 'no XLA'}) already and keeps "
+                "it: its next steps are not the ones the saved run would have taken "
+                "(not an exact resume). Load into a newly compiled model to go on "
+                "as saved.",
+                stacklevel=4,
+            )
+            return []
+        if "decision" in record:
+            self._jit_decided(jit_measure.restored_measurement(record["decision"]), None)
+            return []
+        problem = self._jit_measurer().resume(record["progress"])
+        if problem is not None:
+            warnings.warn(
+                f"The loaded weights hold {what}, but {problem}: this model "
+                "measures again from the start (its first steps are not the "
+                "ones the saved run would have taken: not an exact resume).",
+                stacklevel=4,
+            )
+        return []
 
     def _pending_window_jit(self):
         """Whether the pending window's micro-batches ran under XLA, saved
@@ -802,6 +872,10 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         measuring = self._measuring_jit()
         if measuring:  # else the rest runs under this model's setting
             rt.jit_window.loaded(saved, pending)
+            measurer = rt.jit_measurer
+            if measurer is not None and measurer.in_unit(saved):
+                # Loaded progress: the saved unit goes on with its window.
+                rt.jit_window.resume = None
         if not pending or rt.window_draws is None:
             return
         if measuring:
@@ -882,7 +956,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             self.predict_function = None
         measuring = wrappers.base_train_function(self)
         if isinstance(measuring, jit_measure.MeasuringTrainFunction):
-            self._keep_choice(measuring, function)
+            self._keep_choice(measuring, function or measuring.functions[measurement.jit_compile])
         hooks.print_msg(measurement.message())
 
     def _measuring_precision(self):

@@ -59,7 +59,6 @@ clock; `MeasuringTrainFunction` adapts it to Keras' train function.
 """
 
 import dataclasses
-import json
 import math
 import statistics
 import time
@@ -146,47 +145,6 @@ class Measurer(measure_schedule.Schedule):
                 "policy)."
             )
         super().__init__(candidates, warmup_calls, timed_calls, calls_per_timing)
-
-    def progress(self):
-        """The measuring progress as plain values (for a checkpoint;
-        `resume` puts it back)."""
-        return {
-            "warmup_calls": self.warmup_calls,
-            "timed_calls": self.timed_calls,
-            "calls_per_timing": self.calls_per_timing,
-            "units_done": self._total - len(self.units),
-            "calls": self._calls,
-            "seconds": self._seconds,
-            "traced": self._traced,
-            "times": {policy: list(ms) for policy, ms in self.times.items()},
-            "dropped": dict(self.dropped),
-        }
-
-    def resume(self, progress):
-        """Goes on from `progress` (from `progress()`): the schedule's
-        position, the timings and the current unit.
-
-        Returns:
-            None, or why it cannot (another schedule), with nothing changed.
-        """
-        theirs = tuple(progress[k] for k in ("warmup_calls", "timed_calls", "calls_per_timing"))
-        ours = (self.warmup_calls, self.timed_calls, self.calls_per_timing)
-        if theirs != ours:
-            return (
-                "it was saved with another schedule ((warm-up units, timed units, "
-                f"calls per timing) {theirs}; this model's {ours}: other "
-                "accumulate_steps or steps_per_execution)"
-            )
-        fresh = Measurer(self.candidates, *ours)
-        done = int(progress["units_done"])
-        self.units = fresh.units[done:]
-        self.times = {p: [float(t) for t in progress["times"][p]] for p in self.candidates}
-        self.dropped = {p: int(progress["dropped"][p]) for p in self.candidates}
-        self._calls = int(progress["calls"])
-        self._seconds = float(progress["seconds"])
-        self._traced = bool(progress["traced"])
-        self.result = None
-        return None
 
     def _decide(self):
         float32, mixed = self.candidates
@@ -328,18 +286,8 @@ def saved_state(candidates, measurement, measurer):
     return {**record, "progress": measurer.progress()}
 
 
-def encode_state(record):
-    """`record` as a uint8 array (JSON), storable in a Keras weights file."""
-    import numpy as np
-
-    return np.frombuffer(json.dumps(record).encode("utf-8"), dtype=np.uint8)
-
-
-def decode_state(array):
-    """The record `encode_state` stored."""
-    import numpy as np
-
-    return json.loads(np.asarray(array, dtype=np.uint8).tobytes().decode("utf-8"))
+encode_state = measure_schedule.encode_state
+decode_state = measure_schedule.decode_state
 
 
 def restored_measurement(decision):

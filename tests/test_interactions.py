@@ -405,10 +405,10 @@ SPECIFIC = [
                callbacks="all")),
     # ... x Dropout, with a skipped micro-batch (5), resumed from a backup
     # mid-window: the interrupted fit ran epoch 1's window 4-7 without XLA
-    # (its fourth unit), so the resumed fit runs the pending rest without
-    # XLA (untimed; NaNWatcher's guarded measuring function) and then
-    # measures from the start again. The windows ran XLA, no XLA, XLA, no
-    # XLA. (Before, the rest ran under XLA with a warning.)
+    # (its fourth unit), and the resumed fit goes on with the saved
+    # schedule (NaNWatcher's guarded measuring function): the rest of that
+    # unit's window without XLA. The windows ran XLA, no XLA, XLA, no XLA.
+    # (Before, the rest ran under XLA with a warning.)
     _cell(dict(model="dropout", accumulate_steps=K, jit_compile="measure", watcher="skip",
                bad=5), backup=True),
 ]

@@ -258,9 +258,63 @@ def test_save_and_load_keep_measure(regression_data, tmp_path):
     loaded = keras.saving.load_model(path)
     assert loaded.get_compile_config()["jit_compile"] == "measure"
     assert loaded.gradboost_config.accumulate_steps == 2
-    assert loaded.jit_measurement is None  # measured again on this machine
-    loaded.fit(x, y, batch_size=8, epochs=2, verbose=0)  # units of 2 calls
-    assert loaded.jit_measurement is not None
+    assert loaded.jit_measurement is None  # 13 calls of 16: its progress goes on
+    # The 7th unit's second and third calls (its window), the 8th's two.
+    loaded.fit(x[:32], y[:32], batch_size=8, verbose=0)
+    assert loaded.jit_measurement is not None and not loaded.jit_measurement.restored
+
+
+def _decided_file(regression_data, tmp_path, monkeypatch):
+    """Weights saved by a fit that measured and chose XLA (2 vs 9 ms)."""
+    x, y = regression_data
+    model = small_model(GradBoostModel)
+    monkeypatch.setattr(jit_measure, "perf_counter", FakeClock(model, 2.0, 9.0))
+    _fit(model, x, y, jit_compile="measure")
+    assert model.jit_measurement.jit_compile is True
+    path = str(tmp_path / "decided.weights.h5")
+    model.save_weights(path)
+    return path
+
+
+def _load(path, **compile_kwargs):
+    loaded = small_model(GradBoostModel)
+    loaded.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **compile_kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded.load_weights(path)
+    return loaded, [str(w.message) for w in caught]
+
+
+def test_a_saved_decision_is_kept_without_measuring(regression_data, tmp_path, monkeypatch, capsys):
+    # Before, a loaded model measured again: its first calls alternated XLA
+    # and no XLA where the saved run ran its choice (with Dropout, other
+    # masks than the run never stopped).
+    path = _decided_file(regression_data, tmp_path, monkeypatch)
+    capsys.readouterr()
+    loaded, said = _load(path, jit_compile="measure")
+    assert not said
+    assert loaded.jit_measurement.restored and loaded.jit_measurement.jit_compile is True
+    assert loaded.jit_measurement.xla_ms == pytest.approx(2.0)
+    assert "restored with the weights" in capsys.readouterr().out
+    x, y = regression_data
+    loaded.fit(x[:16], y[:16], batch_size=8, verbose=0)
+    assert loaded.jit_compile is True
+    assert not isinstance(wrappers.base_train_function(loaded), jit_measure.MeasuringTrainFunction)
+
+
+def test_a_saved_decision_another_device_or_setting_cannot_take_is_named(
+    regression_data, tmp_path, monkeypatch
+):
+    path = _decided_file(regression_data, tmp_path, monkeypatch)
+    from keras_gradboost import precision
+
+    loaded, said = _load(path, jit_compile=False)  # a fixed setting: not adopted
+    assert len(said) == 1 and "a measured jit_compile decision (XLA)" in said[0], said
+    assert "jit_compile=False" in said[0] and loaded.jit_measurement is None
+    monkeypatch.setattr(precision, "gpu_available", lambda: True)
+    loaded, said = _load(path, jit_compile="measure")
+    assert len(said) == 1 and "made on a CPU; this model trains on a GPU" in said[0], said
+    assert loaded.jit_measurement is None  # measures again
 
 
 # ------------------------------------------------------- XLA that is blocked

@@ -550,7 +550,9 @@ def test_a_restored_window_goes_on_under_the_setting_it_began_in(tmp_path, saved
     assert max_weight_diff(loaded, never_stopped) < TOL
     assert max_weight_diff(never_stopped, _dropout_model(keras.Model)) > 0.2  # trained
     measuring = wrappers.base_train_function(loaded)
-    assert not measuring.measurer.started  # the resumed calls are not measured
+    # The resumed calls are not measured; a measuring run's file holds its
+    # progress, and the unit holding the window goes on with it.
+    assert measuring.measurer.started is (saved_jit == "measure")
     # The control: a model with the other setting fixed is warned, and ends
     # elsewhere (the settings matter here).
     other = saved_jit is False or saved_jit == "measure"
@@ -597,6 +599,58 @@ def test_a_window_loaded_into_a_model_that_measured_goes_on_under_its_setting(tm
             model.fit(x[10:], y[10:], batch_size=2, shuffle=False, verbose=0)
         assert not [w for w in caught if "accumulation window" in str(w.message)]
         assert max_weight_diff(model, never_stopped) < TOL, path
+
+
+class SaveOnceAt(keras.callbacks.Callback):
+    def __init__(self, epoch, batch, path):
+        super().__init__()
+        self.at, self.path, self.epoch = (epoch, batch), path, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            self.model.save_weights(self.path)
+
+
+@pytest.mark.parametrize("progress_saved", [True, False])
+def test_measure_resumed_goes_on_with_the_saved_schedule(tmp_path, progress_saved):
+    # 12 samples, micro-batches of 2, windows of 3, 2 epochs: 4 windows, one
+    # unit each (XLA, no XLA, XLA, no XLA; undecided). Saved in the third
+    # window (2 of its micro-batches pending), loaded, trained on: the
+    # fourth window runs without XLA, as in the run never stopped. Without
+    # the saved progress (as before) the loaded model measures again from
+    # the start, XLA: other masks, 0.10 away.
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(12, 5)).astype("float32")
+    y = rng.normal(size=(12, 1)).astype("float32")
+    path = str(tmp_path / "mid.weights.h5")
+
+    def measuring():
+        model = _dropout_model(GradBoostModel)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=3,
+            jit_compile="measure",
+        )
+        return model
+
+    never_stopped = measuring()
+    if not progress_saved:
+        object.__setattr__(never_stopped, "_jit_state", lambda: None)
+    never_stopped.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0,
+                      callbacks=[SaveOnceAt(1, 1, path)])
+    loaded = measuring()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded.load_weights(path)
+        loaded.fit(x[4:], y[4:], batch_size=2, shuffle=False, verbose=0)
+    assert not [w for w in caught if "accumulation window" in str(w.message)]
+    difference = max_weight_diff(loaded, never_stopped)
+    if progress_saved:
+        assert difference < TOL
+    else:
+        assert difference > 1e-2  # the control: the schedule matters here
 
 
 def test_a_window_saved_while_resuming_keeps_its_setting(tmp_path):
