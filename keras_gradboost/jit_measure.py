@@ -355,16 +355,13 @@ def saved_state(measurement, measurer, device):
     the device kind ("CPU" or "GPU") and either the decision (when
     measured) or the measuring progress (`Schedule.progress`); None when
     there is neither (not started, or XLA off from the start)."""
-    record = {"format": STATE_FORMAT, "device": device}
-    if measurement is not None:
-        if measurement.xla_ms is None and measurement.no_xla_ms is None:
-            return None  # not measured: XLA was off, or failed to compile
-        decision = dataclasses.asdict(measurement)
-        decision.pop("restored")
-        return {**record, "decision": decision}
-    if measurer is None or not measurer.started:
-        return None
-    return {**record, "progress": measurer.progress()}
+    # Not measured: XLA was off, or failed to compile.
+    measured = measurement is not None and not (
+        measurement.xla_ms is None and measurement.no_xla_ms is None
+    )
+    return measure_schedule.saved_record(
+        {"format": STATE_FORMAT, "device": device}, measurement, measured, measurer
+    )
 
 
 def restored_measurement(decision):

@@ -19,6 +19,7 @@ each random number generator, so it would be no large-batch step
 and whether a window is pending after it and before the next.
 """
 
+import dataclasses
 import json
 import math
 
@@ -184,6 +185,22 @@ class Schedule:
 def _key(candidate):
     """A candidate as a JSON object key."""
     return candidate if isinstance(candidate, str) else json.dumps(candidate)
+
+
+def saved_record(record, measurement, measured, measurer):
+    """`record` (plain values) with the decision or the measuring progress,
+    for a checkpoint: the decision `measurement` (a dataclass with a
+    `restored` field) where it was `measured`; else the progress of
+    `measurer` once started; None when there is neither."""
+    if measurement is not None:
+        if not measured:
+            return None
+        decision = dataclasses.asdict(measurement)
+        decision.pop("restored")
+        return {**record, "decision": decision}
+    if measurer is None or not measurer.started:
+        return None
+    return {**record, "progress": measurer.progress()}
 
 
 def encode_state(record):

@@ -40,6 +40,20 @@ from keras_gradboost.step import CrossReplicaStep
 from keras_gradboost.step import flush_window
 
 
+def _resumed(measurer, record, what):
+    """Puts a saved record's measuring progress into `measurer`; warns where
+    it cannot (another schedule). Returns no ignored entries."""
+    problem = measurer.resume(record["progress"])
+    if problem is not None:
+        warnings.warn(
+            f"The loaded weights hold {what}, but {problem}: this model "
+            "measures again from the start (its first steps are not the "
+            "ones the saved run would have taken: not an exact resume).",
+            stacklevel=5,
+        )
+    return []
+
+
 class _Runtime:
     """Per-model gradboost state: the `TrainPlan` of the last `compile()`,
     and the runtime state the plan does not fix. A plain object, so Keras
@@ -841,15 +855,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         if "decision" in record:
             self._jit_decided(jit_measure.restored_measurement(record["decision"]), None)
             return []
-        problem = self._jit_measurer().resume(record["progress"])
-        if problem is not None:
-            warnings.warn(
-                f"The loaded weights hold {what}, but {problem}: this model "
-                "measures again from the start (its first steps are not the "
-                "ones the saved run would have taken: not an exact resume).",
-                stacklevel=4,
-            )
-        return []
+        return _resumed(self._jit_measurer(), record, what)
 
     def _pending_window_jit(self):
         """Whether the pending window's micro-batches ran under XLA, saved
@@ -1071,15 +1077,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 stacklevel=4,
             )
             return []
-        problem = self._precision_measurer().resume(record["progress"])
-        if problem is not None:
-            warnings.warn(
-                f"The loaded weights hold {what}, but {problem}: this model "
-                "measures again from the start (its first steps are not the "
-                "ones the saved run would have taken: not an exact resume).",
-                stacklevel=4,
-            )
-        return []
+        return _resumed(self._precision_measurer(), record, what)
 
     def _check(self, batches):
         """Runs the first-step checks before the call of `batches` (the

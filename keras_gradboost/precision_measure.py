@@ -274,16 +274,12 @@ def saved_state(candidates, measurement, measurer):
     the candidates and either the decision (when measured) or the measuring
     progress (`Measurer.progress`); None when there is neither (not
     started, or the static rule's pick: nothing was measured)."""
-    record = {"format": STATE_FORMAT, "candidates": list(candidates)}
-    if measurement is not None:
-        if not measurement.measured:
-            return None
-        decision = dataclasses.asdict(measurement)
-        decision.pop("restored")
-        return {**record, "decision": decision}
-    if measurer is None or not measurer.started:
-        return None
-    return {**record, "progress": measurer.progress()}
+    return measure_schedule.saved_record(
+        {"format": STATE_FORMAT, "candidates": list(candidates)},
+        measurement,
+        measurement is not None and measurement.measured,
+        measurer,
+    )
 
 
 encode_state = measure_schedule.encode_state
