@@ -215,13 +215,13 @@ def restore(model, state):
         )
     if _SCALE in state:
         ignored.extend(_restore_scale(rt.scaler, state, strategy))
-    if _JIT in state:  # first: whether a loaded window's unit goes on
-        ignored.extend(model._restore_jit(precision_measure.decode_state(state[_JIT])))
+    # First: whether a loaded window's unit goes on.
+    jit = precision_measure.decode_state(state[_JIT]) if _JIT in state else None
+    ignored.extend(model._restore_jit(jit))
     if _MICRO in state:
         ignored.extend(_restore_window(model, state, strategy))
-    if _PRECISION in state:
-        record = precision_measure.decode_state(state[_PRECISION])
-        ignored.extend(model._restore_precision(record))
+    record = precision_measure.decode_state(state[_PRECISION]) if _PRECISION in state else None
+    ignored.extend(model._restore_precision(record))
     if ignored:
         warnings.warn(
             "The loaded weights hold gradboost training state this model "

@@ -115,17 +115,19 @@ class Measurer(measure_schedule.Schedule):
             counts = " and ".join(
                 f"{n} {'XLA' if jit else 'no-XLA'}" for jit, n in self.dropped.items() if n
             )
-            left_out = f"; {counts} timing(s) left out: they traced after a restore"
+            left_out = f"; {counts} timing(s) left out: {measure_schedule.TRACED_NOTE}"
         unit = "; " + self.unit_note() if self.calls_per_timing > 1 else ""
-        if not (self.times[True] and self.times[False]):
+        missing = [name for jit, name in ((True, "XLA"), (False, "no XLA")) if not self.times[jit]]
+        if missing:
+            # NaN, not None: XLA was not blocked (`_jit_decided` reads None so).
             return JitMeasurement(
                 jit_compile=False,
-                xla_ms=statistics.median(self.times[True]) if self.times[True] else None,
+                xla_ms=statistics.median(self.times[True]) if self.times[True] else math.nan,
                 no_xla_ms=statistics.median(self.times[False]) if self.times[False] else math.nan,
                 timed_calls=self.timed_calls,
                 calls_per_timing=self.calls_per_timing,
-                reason="no timing of one setting is left (every timed call of it "
-                f"traced after a restore): no XLA kept{left_out}",
+                reason=f"no timing of {' and '.join(missing)} is left (every timed call "
+                f"of it traced: {measure_schedule.TRACED_NOTE}): no XLA kept{left_out}",
             )
         xla = statistics.median(self.times[True])
         plain = statistics.median(self.times[False])
@@ -310,6 +312,7 @@ class MeasuringTrainFunction(measure_schedule.EndsUnits):
         if self.result is not None:  # decided, or a stale reference: the choice
             return wrappers.run_batches(self.model, self.chosen(), batches)
         resume = self._resume()
+        began_under_xla = self.window.jit is True  # the pending window's
         jit = self.measurer.next_call()[0] if resume is None else resume
         clock = self.clock or perf_counter
         start = clock()
@@ -322,9 +325,9 @@ class MeasuringTrainFunction(measure_schedule.EndsUnits):
                 raise
             self.measurer.fail_xla(f"XLA cannot compile the step: {found}")
             logs = wrappers.run_batches(self.model, self.functions[False], batches)
-            # A loaded window that ran under XLA goes on without.
-            self.window.ran(False, self.window_closed(), mixed=resume is True)
-            if resume is True and self.on_mixed_window:
+            # A (loaded) window begun under XLA goes on without.
+            self.window.ran(False, self.window_closed(), mixed=began_under_xla)
+            if began_under_xla and self.on_mixed_window:
                 self.on_mixed_window()
         else:
             closed = self.window_closed()

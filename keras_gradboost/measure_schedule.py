@@ -27,6 +27,8 @@ import math
 WARMUP_CALLS = 1
 # Timed units of each candidate; the median decides.
 TIMED_CALLS = 3
+# Why a timed unit is left out of the medians: a call of it traced.
+TRACED_NOTE = "they traced in a function made anew (after a load, or a callback's)"
 
 
 def calls_per_timing(accumulate_steps, steps_per_execution):
@@ -122,6 +124,12 @@ class Schedule:
         self._traced = bool(progress["traced"])
         self.result = None
         return None
+
+    def restart(self):
+        """Starts the schedule again from its first unit (a load of a file
+        saved before any measuring)."""
+        fresh = Schedule(self.candidates, self.warmup_calls, self.timed_calls, self.calls_per_timing)
+        self.resume(fresh.progress())
 
     def in_unit(self, candidate):
         """Whether a unit of `candidate` has begun and not ended (its calls

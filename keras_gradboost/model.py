@@ -818,17 +818,47 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         """Adopts a saved `jit_compile="measure"` record: a decision is kept
         without measuring; progress is gone on from, call for call, so the
         calls after a resume run under the settings the saved run's would
-        have. Warns, naming both, where it cannot be (another device kind
-        or schedule, a decision made since); returns what this model cannot
-        take at all (compiled with another jit_compile), for the caller's
-        warning."""
+        have; no record (saved before any measuring) starts the schedule
+        again, as a new model would. Warns, naming both, where it cannot be
+        (another device kind or schedule, a decision made since, XLA off
+        here); returns what this model cannot take at all (compiled with
+        another jit_compile), for the caller's warning."""
         rt = self._gradboost
-        what = jit_measure.describe(record)
         if rt.jit_requested != "measure":
+            if record is None:
+                return []
             decision = record.get("decision")
             if decision is not None and decision["jit_compile"] == bool(self.jit_compile):
                 return []  # compiled with the setting it chose
+            what = jit_measure.describe(record)
             return [f"{what} (this model is compiled with jit_compile={rt.jit_requested!r})"]
+        decided = rt.jit_measurement
+        blocked = decided is not None and decided.xla_ms is None and decided.no_xla_ms is None
+        if record is None:
+            if decided is None:
+                if rt.jit_measurer is not None and rt.jit_measurer.started:
+                    rt.jit_measurer.restart()
+            elif not blocked:
+                warnings.warn(
+                    "The loaded weights were saved before jit_compile=\"measure\" "
+                    f"had measured, but this model has decided ({decided.message()}) "
+                    "and keeps it: its next steps are not the ones the saved run "
+                    "would have taken (not an exact resume). Load into a newly "
+                    "compiled model to measure as saved.",
+                    stacklevel=4,
+                )
+            return []
+        what = jit_measure.describe(record)
+        if blocked:
+            if record.get("decision", {}).get("jit_compile") is False:
+                return []  # no XLA, as here
+            warnings.warn(
+                f"The loaded weights hold {what}, but XLA is off here "
+                f"({rt.xla_blocked}): not adopted, this model trains without XLA "
+                "(not an exact resume).",
+                stacklevel=4,
+            )
+            return []
         device = "GPU" if precision_lib.gpu_available() else "CPU"
         if record["device"] != device:
             warnings.warn(
@@ -838,7 +868,6 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 stacklevel=4,
             )
             return []
-        decided = rt.jit_measurement
         if decided is not None:
             kept = "a loaded decision" if decided.restored else "its own decision"
             if "decision" in record and record["decision"]["jit_compile"] == decided.jit_compile:
@@ -853,7 +882,10 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             )
             return []
         if "decision" in record:
-            self._jit_decided(jit_measure.restored_measurement(record["decision"]), None)
+            measurement = jit_measure.restored_measurement(record["decision"])
+            if rt.jit_measurer is not None:  # a measuring function left anywhere runs the choice
+                rt.jit_measurer.result = measurement
+            self._jit_decided(measurement, None)
             return []
         return _resumed(self._jit_measurer(), record, what)
 
@@ -1035,6 +1067,28 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             rt.plan.precision_candidates, rt.precision_measurement, rt.precision_measurer
         )
 
+    def _no_precision_record(self):
+        """A load of weights saved before `precision="auto"` had measured:
+        the schedule starts again, as a new model's would; a decision this
+        model made is kept, with a warning."""
+        rt = self._gradboost
+        if not precision_lib.measures(rt.config.precision):
+            return []
+        decided = rt.precision_measurement
+        if decided is None:
+            if rt.precision_measurer is not None and rt.precision_measurer.started:
+                rt.precision_measurer.restart()
+        elif decided.measured:
+            warnings.warn(
+                'The loaded weights were saved before precision="auto" had '
+                f"measured, but this model has decided ({decided.policy}) and "
+                "keeps it: its next steps are not the ones the saved run would "
+                "have taken (not an exact resume). Load into a newly compiled "
+                "model to measure as saved.",
+                stacklevel=4,
+            )
+        return []
+
     def _restore_precision(self, record):
         """Adopts a saved `precision="auto"` record (see
         `precision_measure.saved_state`): a decision is kept without
@@ -1043,6 +1097,8 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         made since); returns what this model cannot take at all (compiled
         with another precision), for the caller's warning."""
         rt = self._gradboost
+        if record is None:
+            return self._no_precision_record()
         what = precision_measure.describe(record)
         if not precision_lib.measures(rt.config.precision):
             decision = record.get("decision")

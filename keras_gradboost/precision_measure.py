@@ -151,7 +151,7 @@ class Measurer(measure_schedule.Schedule):
         left_out = ""
         if any(self.dropped.values()):
             counts = " and ".join(f"{n} {p}" for p, n in self.dropped.items() if n)
-            left_out = f"; {counts} timing(s) left out: they traced after a restore"
+            left_out = f"; {counts} timing(s) left out: {measure_schedule.TRACED_NOTE}"
         unit = "; " + self.unit_note() if self.calls_per_timing > 1 else ""
         missing = [p for p in self.candidates if not self.times[p]]
         if missing:
@@ -166,7 +166,7 @@ class Measurer(measure_schedule.Schedule):
                 calls_per_timing=self.calls_per_timing,
                 reason=(
                     f"no timing of {' and '.join(missing)} is left (every timed call "
-                    f"of it traced after a restore): float32 kept{left_out}"
+                    f"of it traced: {measure_schedule.TRACED_NOTE}): float32 kept{left_out}"
                 ),
             )
         plain = statistics.median(self.times[float32])

@@ -12,6 +12,7 @@ import tensorflow as tf
 import keras
 from keras_gradboost import hooks
 from keras_gradboost import jit_measure
+from keras_gradboost import measure_schedule
 from keras_gradboost import wrappers
 from keras_gradboost.callbacks import NaNWatcher
 from keras_gradboost.model import GradBoostModel
@@ -262,6 +263,36 @@ def test_save_and_load_keep_measure(regression_data, tmp_path):
     # The 7th unit's second and third calls (its window), the 8th's two.
     loaded.fit(x[:32], y[:32], batch_size=8, verbose=0)
     assert loaded.jit_measurement is not None and not loaded.jit_measurement.restored
+
+
+def test_a_candidate_whose_timings_all_traced_is_not_called_blocked():
+    # Functions made anew (loads, a callback's) trace at their first call,
+    # whose unit is left out. With no timing of XLA left, no XLA is kept:
+    # XLA was not blocked (NaN, not None), and the record saves and loads.
+    measurer = jit_measure.Measurer()
+    for jit, timed in list(measurer.units):
+        measurer.record(1.0, traced=timed and jit)
+    m = measurer.result
+    assert m.jit_compile is False and np.isnan(m.xla_ms) and m.no_xla_ms == pytest.approx(1000.0)
+    assert "no timing of XLA is left" in m.reason and "3 XLA timing(s) left out" in m.reason
+    record = jit_measure.saved_state(m, measurer, "CPU")
+    back = measure_schedule.decode_state(measure_schedule.encode_state(record))
+    restored = jit_measure.restored_measurement(back["decision"])
+    assert restored.jit_compile is False and np.isnan(restored.xla_ms) and restored.restored
+
+
+def test_progress_round_trips_with_bool_candidates():
+    measurer = jit_measure.Measurer(calls_per_timing=2)
+    for seconds in (1.0, 1.0, 2.0, 2.0, 3.0):
+        measurer.record(seconds)
+    back = measure_schedule.decode_state(
+        measure_schedule.encode_state({"progress": measurer.progress()})
+    )
+    again = jit_measure.Measurer(calls_per_timing=2)
+    assert again.resume(back["progress"]) is None
+    assert again.progress() == measurer.progress() and again.next_call() == measurer.next_call()
+    other = jit_measure.Measurer(calls_per_timing=3)
+    assert "another schedule" in other.resume(back["progress"])
 
 
 def _decided_file(regression_data, tmp_path, monkeypatch):

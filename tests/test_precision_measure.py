@@ -505,7 +505,7 @@ def test_a_backup_while_measuring_goes_on_with_the_schedule(
     measurement, expected = resumed.precision_measurement, never.precision_measurement
     assert measurement.policy == expected.policy == BF16 and not measurement.restored
     assert (measurement.float32_ms, measurement.mixed_ms) == pytest.approx((9.0, 2.0))
-    assert "timing(s) left out: they traced after a restore" in measurement.reason
+    assert "timing(s) left out: they traced in a function made anew" in measurement.reason
     measurer = resumed._gradboost.precision_measurer
     assert sum(measurer.dropped.values()) >= 1
     assert int(resumed.optimizer.iterations) == int(never.optimizer.iterations)

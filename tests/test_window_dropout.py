@@ -11,6 +11,7 @@ import keras
 from conftest import SaveAfterBatch
 from conftest import max_weight_diff
 from keras_gradboost import GradBoostModel
+from keras_gradboost import jit_measure
 from keras_gradboost import window_dropout
 from keras_gradboost import wrappers
 from keras_gradboost.accumulate import held_generators
@@ -75,6 +76,10 @@ def _dropout_model(cls, rate=0.3):
     x = keras.layers.Dense(8)(x)
     x = keras.layers.Dropout(rate, noise_shape=(None, 1), seed=8, name="per_sample")(x)
     return cls(inputs, keras.layers.Dense(1)(x))
+
+
+def _generators(model):
+    return [g for layer in model._flatten_layers() for g in held_generators(layer)]
 
 
 def _seed_states(model):
@@ -614,14 +619,20 @@ class SaveOnceAt(keras.callbacks.Callback):
             self.model.save_weights(self.path)
 
 
-@pytest.mark.parametrize("progress_saved", [True, False])
-def test_measure_resumed_goes_on_with_the_saved_schedule(tmp_path, progress_saved):
-    # 12 samples, micro-batches of 2, windows of 3, 2 epochs: 4 windows, one
-    # unit each (XLA, no XLA, XLA, no XLA; undecided). Saved in the third
-    # window (2 of its micro-batches pending), loaded, trained on: the
-    # fourth window runs without XLA, as in the run never stopped. Without
-    # the saved progress (as before) the loaded model measures again from
-    # the start, XLA: other masks, 0.10 away.
+@pytest.mark.parametrize("record_saved", [True, False], ids=["saved", "not-saved"])
+@pytest.mark.parametrize("epochs", [2, 6], ids=["measuring", "decided"])
+def test_measure_resumed_goes_on_with_the_saved_schedule(tmp_path, monkeypatch, epochs,
+                                                         record_saved):
+    # 12 samples, micro-batches of 2, windows of 3: 2 windows an epoch, one
+    # unit each (XLA, no XLA, ...; 8 units decide at the end of epoch 3: a
+    # tie, every call taking 1 s, keeps no XLA). Saved in the second epoch
+    # from the end (2 of its first window's micro-batches pending), loaded,
+    # trained on: as in the run never stopped, its last three windows run
+    # XLA, no XLA, XLA while measuring (2 epochs), all without XLA once
+    # decided (6). Without the saved record (as before) the loaded model
+    # measures again from the start, XLA: other masks, 0.10 away.
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(jit_measure, "perf_counter", lambda: float(next(ticks)))
     rng = np.random.default_rng(3)
     x = rng.normal(size=(12, 5)).astype("float32")
     y = rng.normal(size=(12, 1)).astype("float32")
@@ -636,21 +647,57 @@ def test_measure_resumed_goes_on_with_the_saved_schedule(tmp_path, progress_save
         return model
 
     never_stopped = measuring()
-    if not progress_saved:
+    if not record_saved:
         object.__setattr__(never_stopped, "_jit_state", lambda: None)
-    never_stopped.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0,
-                      callbacks=[SaveOnceAt(1, 1, path)])
+    never_stopped.fit(x, y, batch_size=2, epochs=epochs, shuffle=False, verbose=0,
+                      callbacks=[SaveOnceAt(epochs - 1, 1, path)])
+    assert (never_stopped.jit_measurement is not None) is (epochs == 6)
     loaded = measuring()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loaded.load_weights(path)
         loaded.fit(x[4:], y[4:], batch_size=2, shuffle=False, verbose=0)
     assert not [w for w in caught if "accumulation window" in str(w.message)]
+    if epochs == 6 and record_saved:
+        assert loaded.jit_measurement.restored and loaded.jit_measurement.jit_compile is False
     difference = max_weight_diff(loaded, never_stopped)
-    if progress_saved:
+    if record_saved:
         assert difference < TOL
     else:
         assert difference > 1e-2  # the control: the schedule matters here
+
+
+def test_a_file_saved_before_measuring_starts_the_schedule_again(tmp_path):
+    # A model part way through measuring loads weights saved before any
+    # measuring: it goes on as a new model loading them would (from the
+    # schedule's first unit), not from where it was. Before, it went on
+    # from its own position: other settings, other masks.
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(12, 5)).astype("float32")
+    y = rng.normal(size=(12, 1)).astype("float32")
+    path = str(tmp_path / "start.weights.h5")
+
+    def measuring():
+        model = _dropout_model(GradBoostModel)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=3,
+            jit_compile="measure",
+        )
+        return model
+
+    measuring().save_weights(path)
+    part_way = measuring()
+    part_way.fit(x[:6], y[:6], batch_size=2, shuffle=False, verbose=0)  # one unit, XLA
+    new = measuring()
+    part_way.load_weights(path)
+    new.load_weights(path)
+    # Keras' save_weights leaves the seed generators out: start both alike.
+    for mine, theirs in zip(_generators(part_way), _generators(new)):
+        mine.state.assign(theirs.state)
+    for model in (part_way, new):
+        model.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0)
+    assert max_weight_diff(part_way, new) < TOL
+    assert max_weight_diff(new, _dropout_model(keras.Model)) > 0.2  # trained
 
 
 def test_a_window_saved_while_resuming_keeps_its_setting(tmp_path):
