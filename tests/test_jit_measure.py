@@ -331,6 +331,11 @@ def test_a_saved_decision_is_kept_without_measuring(regression_data, tmp_path, m
     loaded.fit(x[:16], y[:16], batch_size=8, verbose=0)
     assert loaded.jit_compile is True
     assert not isinstance(wrappers.base_train_function(loaded), jit_measure.MeasuringTrainFunction)
+    # Loaded before compile(): put back by it.
+    early = small_model(GradBoostModel)
+    early.load_weights(path)
+    early.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile="measure")
+    assert early.jit_measurement.restored and early.jit_compile is True
 
 
 def test_a_saved_decision_another_device_or_setting_cannot_take_is_named(
