@@ -274,9 +274,9 @@ class MeasuringTrainFunction(measure_schedule.EndsUnits):
             weights runs its rest under the setting saved with it
             (`resume`), untimed, wherever the measuring is; each call says
             what it ran. Defaults to `None`: one of its own.
-        on_mixed_window: callable called when a loaded window that ran under
-            XLA goes on without, XLA failing to compile here. Defaults to
-            `None`.
+        on_mixed_window: callable called when a window begun under XLA (a
+            loaded one) goes on without, XLA failing to compile here.
+            Defaults to `None`.
     """
 
     def __init__(

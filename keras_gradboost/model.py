@@ -943,11 +943,13 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         )
 
     def _warn_xla_failed_on_window(self):
+        """Warns where a window begun under XLA goes on without, XLA failing
+        to compile the step here (a loaded window, or a retrace)."""
         if self._gradboost.window_draws is not None:
             self._warn_mixed_window(
                 "under XLA, and XLA cannot compile the step here: the rest of the "
                 "window runs without",
-                "Train the saved run without XLA to resume its windows exactly.",
+                "A run without XLA (jit_compile=False) keeps its windows exact.",
             )
 
     def _warn_mixed_window(self, how, remedy):
@@ -956,8 +958,8 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         rt = self._gradboost
         pending = checkpoint.pending_micro_batches(self)
         warnings.warn(
-            f"The loaded accumulation window's {pending} micro-batch(es) drew their "
-            f"Dropout masks ({listed(rt.window_draws.layer_names, 4)}) {how}: the "
+            f"The {pending} micro-batch(es) of the pending accumulation window drew "
+            f"their Dropout masks ({listed(rt.window_draws.layer_names, 4)}) {how}: the "
             "window is not one large-batch step where the two differ "
             "(TensorFlow's random numbers under XLA are not its numbers without). "
             + remedy,

@@ -576,7 +576,8 @@ def test_measure_resuming_a_window_it_cannot_tell_is_warned_about(tmp_path, jit_
     loaded, said = _resume(path, x, y, jit_compile)
     assert len(said) == int(warned)
     if warned:
-        assert "window's 2 micro-batch(es)" in said[0] and "('drop', 'per_sample')" in said[0]
+        assert "The 2 micro-batch(es) of the pending accumulation window" in said[0]
+        assert "('drop', 'per_sample')" in said[0]
         assert "which the file does not say" in said[0]
 
 
