@@ -569,6 +569,27 @@ def test_files_without_a_decision_and_models_without_measure(regression_data, mo
     assert other.dtype_policy_applied == F32
 
 
+def test_a_file_saved_before_measuring_starts_the_schedule_again(regression_data, monkeypatch,
+                                                                 tmp_path):
+    # A model part way through measuring (3 calls) loads weights saved
+    # before any measuring (no record): it measures from the schedule's
+    # first unit, as a new model loading them would, and equals the replay
+    # of that schedule. Before, it went on from its fourth unit.
+    x, y = regression_data
+    path = str(tmp_path / "start.weights.h5")
+    start = small_model(GradBoostModel, regularize=False)
+    start.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", precision="measure")
+    start.save_weights(path)
+    part_way = _measured_fit(x[: 3 * BATCH], y[: 3 * BATCH], {F32: 9.0, BF16: 2.0}, monkeypatch)
+    assert wrappers.base_train_function(part_way).measurer.started
+    part_way.load_weights(path)
+    monkeypatch.setattr(precision_measure, "perf_counter", FakeClock(part_way, {F32: 9.0, BF16: 2.0}))
+    part_way.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    steps = len(x) // BATCH
+    assert part_way.precision_measurement.policy == BF16
+    assert _weights_diff(part_way, _replay(_sequence(BF16, steps), x, y)) < REPLAY_TOLERANCE
+
+
 def test_mirrored_strategy_measures_and_equals_the_replay(regression_data, monkeypatch):
     x, y = regression_data
     steps = len(x) // BATCH
