@@ -524,8 +524,9 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         """What `compile(jit_compile="measure")` chose, and why.
 
         A `jit_measure.JitMeasurement` (`jit_compile`, `xla_ms`,
-        `no_xla_ms`, `timed_calls`, `reason`) once decided; None before, and
-        for any other `jit_compile`.
+        `no_xla_ms`, `timed_calls`, `reason`, and `restored`: loaded with
+        the weights, measured by the run that saved them) once decided; None
+        before, and for any other `jit_compile`.
         """
         return self._gradboost.jit_measurement
 
