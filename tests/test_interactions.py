@@ -47,6 +47,7 @@ from conftest import shared_mirrored_strategy
 from test_depthwise_chunked import slices_recorder
 from keras_gradboost import GradBoostModel
 from keras_gradboost import depthwise
+from keras_gradboost import jit_measure
 from keras_gradboost import precision_measure
 from keras_gradboost import wrappers
 from keras_gradboost.callbacks import BackupAndRestore
@@ -411,6 +412,11 @@ SPECIFIC = [
     # (Before, the rest ran under XLA with a warning.)
     _cell(dict(model="dropout", accumulate_steps=K, jit_compile="measure", watcher="skip",
                bad=5), backup=True),
+    # ... without accumulation: units of one call decide after 8 (no XLA,
+    # a tie) in epoch 0; resumed in epoch 1 from a backup holding the
+    # decision, which the resumed fit keeps without measuring. (Before, it
+    # measured again: XLA and no XLA alternating, other masks.)
+    _cell(dict(model="dropout", jit_compile="measure"), backup=True),
 ]
 
 # Cells that must refuse, with what the message must name.
@@ -665,8 +671,9 @@ def reference(cell):
     """The plain-Keras run of what `cell` must do (cached per schedule)."""
     # TensorFlow's random draws under XLA are not its draws without it, so
     # Keras' Dropout masks under jit_compile=True are Keras' XLA step's.
-    # Under jit_compile="measure" each window is a unit, and the units
-    # alternate XLA and no XLA from the first (undecided in the cells).
+    # Under jit_compile="measure" each update is a unit (a window, or one
+    # call), the units alternate XLA and no XLA from the first, and after
+    # 8 of them `JitClock`'s tie keeps no XLA.
     xla_draws = cell.model == "dropout" and cell.jit_compile
     key = (cell.model, cell.optimizer, cell.accumulate_steps, cell.steps_per_execution,
            cell.watcher, cell.bad, xla_draws)
@@ -688,7 +695,7 @@ def reference(cell):
             if op[0] == "update":
                 rows = np.concatenate([np.arange(b * BATCH, (b + 1) * BATCH) for b in op[1]])
                 if xla_draws == "measure":
-                    model.jit_compile = updates % 2 == 0
+                    model.jit_compile = updates < 8 and updates % 2 == 0
                     model.train_function = None  # made again under this setting
                 model.train_on_batch(x[rows], y[rows])
                 updates += 1
@@ -790,6 +797,19 @@ class MeasureClock:
         return self.now
 
 
+class JitClock:
+    """`jit_measure.perf_counter` for `jit_compile="measure"` cells: every
+    call lasts 1 ms, so the measuring, where it decides, keeps no XLA (a
+    tie), as `reference` assumes."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        self.now += 0.0005  # two ticks per timed call
+        return self.now
+
+
 def _plan_facts(model):
     """What `recompute_plan()` says, as comparable values."""
     plan = model.recompute_plan(batch_size=BATCH)
@@ -831,6 +851,8 @@ def run(cell, with_callbacks=True):
     measuring = (
         mock.patch.object(precision_measure, "perf_counter", clock)
         if cell.measure
+        else mock.patch.object(jit_measure, "perf_counter", JitClock())
+        if cell.jit_compile == "measure"
         else contextlib.nullcontext()
     )
     sliced = set()  # the layers whose traces ran slices
