@@ -79,6 +79,12 @@ class JitMeasurement:
     reason: str = ""
     restored: bool = False
 
+    @property
+    def measured(self):
+        """Whether timings made the choice (not XLA off from the start, or
+        failing to compile: no median of either)."""
+        return not (self.xla_ms is None and self.no_xla_ms is None)
+
     def message(self):
         """The one-line report printed when the choice is made."""
         choice = "XLA" if self.jit_compile else "no XLA"
@@ -119,7 +125,7 @@ class Measurer(measure_schedule.Schedule):
         unit = "; " + self.unit_note() if self.calls_per_timing > 1 else ""
         missing = [name for jit, name in ((True, "XLA"), (False, "no XLA")) if not self.times[jit]]
         if missing:
-            # NaN, not None: XLA was not blocked (`_jit_decided` reads None so).
+            # NaN, not None: timings made this choice (`measured`).
             return JitMeasurement(
                 jit_compile=False,
                 xla_ms=statistics.median(self.times[True]) if self.times[True] else math.nan,
@@ -235,11 +241,12 @@ class WindowSetting:
         self.resume = None
         self.mixed = False
 
-    def loaded(self, jit, pending):
+    def loaded(self, jit, pending, held=False):
         """A window loaded with the weights: `pending` micro-batches, run
-        under `jit` (None: not known)."""
+        under `jit` (None: not known). `held`: a loaded schedule's current
+        unit holds the window, so its rest runs measured, not resumed."""
         self.jit = jit if pending else None
-        self.resume = self.jit
+        self.resume = None if held else self.jit
         self.mixed = bool(pending) and jit is None
 
     def ran(self, jit, closed, mixed=False):
@@ -358,12 +365,11 @@ def saved_state(measurement, measurer, device):
     the device kind ("CPU" or "GPU") and either the decision (when
     measured) or the measuring progress (`Schedule.progress`); None when
     there is neither (not started, or XLA off from the start)."""
-    # Not measured: XLA was off, or failed to compile.
-    measured = measurement is not None and not (
-        measurement.xla_ms is None and measurement.no_xla_ms is None
-    )
     return measure_schedule.saved_record(
-        {"format": STATE_FORMAT, "device": device}, measurement, measured, measurer
+        {"format": STATE_FORMAT, "device": device},
+        measurement,
+        measurement is not None and measurement.measured,
+        measurer,
     )
 
 

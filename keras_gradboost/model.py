@@ -54,6 +54,30 @@ def _resumed(measurer, record, what):
     return []
 
 
+def _without_record(measurer, decided, option, chosen):
+    """A load of weights saved before `option` had measured (no record):
+    the schedule starts again, as a new model's would; a decision this
+    model measured (`decided`, `chosen`) is kept, with a warning. Returns
+    no ignored entries."""
+    if decided is None:
+        if measurer is not None and measurer.started:
+            measurer.restart()
+    elif decided.measured:
+        warnings.warn(
+            f"The loaded weights were saved before {option} had measured, but "
+            f"this model has decided ({chosen}) and keeps it: its next steps are "
+            "not the ones the saved run would have taken (not an exact resume). "
+            "Load into a newly compiled model to measure as saved.",
+            stacklevel=5,
+        )
+    return []
+
+
+def _device_kind():
+    """"GPU" or "CPU": what a saved jit_compile="measure" record was made on."""
+    return "GPU" if precision_lib.gpu_available() else "CPU"
+
+
 class _Runtime:
     """Per-model gradboost state: the `TrainPlan` of the last `compile()`,
     and the runtime state the plan does not fix. A plain object, so Keras
@@ -812,8 +836,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         rt = self._gradboost
         if rt.jit_requested != "measure":
             return None
-        device = "GPU" if precision_lib.gpu_available() else "CPU"
-        return jit_measure.saved_state(rt.jit_measurement, rt.jit_measurer, device)
+        return jit_measure.saved_state(rt.jit_measurement, rt.jit_measurer, _device_kind())
 
     def _restore_jit(self, record):
         """Adopts a saved `jit_compile="measure"` record: a decision is kept
@@ -834,21 +857,10 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             what = jit_measure.describe(record)
             return [f"{what} (this model is compiled with jit_compile={rt.jit_requested!r})"]
         decided = rt.jit_measurement
-        blocked = decided is not None and decided.xla_ms is None and decided.no_xla_ms is None
+        blocked = decided is not None and not decided.measured
         if record is None:
-            if decided is None:
-                if rt.jit_measurer is not None and rt.jit_measurer.started:
-                    rt.jit_measurer.restart()
-            elif not blocked:
-                warnings.warn(
-                    "The loaded weights were saved before jit_compile=\"measure\" "
-                    f"had measured, but this model has decided ({decided.message()}) "
-                    "and keeps it: its next steps are not the ones the saved run "
-                    "would have taken (not an exact resume). Load into a newly "
-                    "compiled model to measure as saved.",
-                    stacklevel=4,
-                )
-            return []
+            chosen = decided and ("XLA" if decided.jit_compile else "no XLA")
+            return _without_record(rt.jit_measurer, decided, 'jit_compile="measure"', chosen)
         what = jit_measure.describe(record)
         if blocked:
             if record.get("decision", {}).get("jit_compile") is False:
@@ -860,7 +872,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
                 stacklevel=4,
             )
             return []
-        device = "GPU" if precision_lib.gpu_available() else "CPU"
+        device = _device_kind()
         if record["device"] != device:
             warnings.warn(
                 f"The loaded weights hold {what} made on a {record['device']}; this "
@@ -910,11 +922,10 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         rt = self._gradboost
         measuring = self._measuring_jit()
         if measuring:  # else the rest runs under this model's setting
-            rt.jit_window.loaded(saved, pending)
-            measurer = rt.jit_measurer
-            if measurer is not None and measurer.in_unit(saved):
-                # Loaded progress: the saved unit goes on with its window.
-                rt.jit_window.resume = None
+            measurer = rt.jit_measurer  # with loaded progress, its unit goes on
+            rt.jit_window.loaded(
+                saved, pending, held=measurer is not None and measurer.in_unit(saved)
+            )
         if not pending or rt.window_draws is None:
             return
         if measuring:
@@ -988,7 +999,7 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
     def _jit_decided(self, measurement, function):
         rt = self._gradboost
         rt.jit_measurement = measurement
-        if not measurement.jit_compile and measurement.xla_ms is None:
+        if not measurement.measured:  # XLA off, or failing to compile
             rt.xla_blocked = measurement.reason
         if bool(self.jit_compile) != measurement.jit_compile:
             self.jit_compile = measurement.jit_compile
@@ -1070,28 +1081,6 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
             rt.plan.precision_candidates, rt.precision_measurement, rt.precision_measurer
         )
 
-    def _no_precision_record(self):
-        """A load of weights saved before `precision="auto"` had measured:
-        the schedule starts again, as a new model's would; a decision this
-        model made is kept, with a warning."""
-        rt = self._gradboost
-        if not precision_lib.measures(rt.config.precision):
-            return []
-        decided = rt.precision_measurement
-        if decided is None:
-            if rt.precision_measurer is not None and rt.precision_measurer.started:
-                rt.precision_measurer.restart()
-        elif decided.measured:
-            warnings.warn(
-                'The loaded weights were saved before precision="auto" had '
-                f"measured, but this model has decided ({decided.policy}) and "
-                "keeps it: its next steps are not the ones the saved run would "
-                "have taken (not an exact resume). Load into a newly compiled "
-                "model to measure as saved.",
-                stacklevel=4,
-            )
-        return []
-
     def _restore_precision(self, record):
         """Adopts a saved `precision="auto"` record (see
         `precision_measure.saved_state`): a decision is kept without
@@ -1101,7 +1090,12 @@ class GradBoostModel(hooks.MultiWorkerTrainer, keras.Model):
         with another precision), for the caller's warning."""
         rt = self._gradboost
         if record is None:
-            return self._no_precision_record()
+            if not precision_lib.measures(rt.config.precision):
+                return []
+            decided = rt.precision_measurement
+            return _without_record(
+                rt.precision_measurer, decided, 'precision="auto"', decided and decided.policy
+            )
         what = precision_measure.describe(record)
         if not precision_lib.measures(rt.config.precision):
             decision = record.get("decision")

@@ -338,6 +338,23 @@ def test_a_saved_decision_is_kept_without_measuring(regression_data, tmp_path, m
     assert early.jit_measurement.restored and early.jit_compile is True
 
 
+def test_a_decided_model_loading_a_file_saved_before_measuring_keeps_it_and_says_so(
+    regression_data, tmp_path, monkeypatch
+):
+    start = small_model(GradBoostModel)
+    start.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile="measure")
+    path = str(tmp_path / "start.weights.h5")
+    start.save_weights(path)  # no record: nothing measured yet
+    x, y = regression_data
+    decided = small_model(GradBoostModel)
+    monkeypatch.setattr(jit_measure, "perf_counter", FakeClock(decided, 2.0, 9.0))
+    _fit(decided, x, y, jit_compile="measure")
+    with pytest.warns(UserWarning, match=r'saved before jit_compile="measure" had measured, '
+                                         r"but this model has decided \(XLA\) and keeps it"):
+        decided.load_weights(path)
+    assert decided.jit_measurement.jit_compile is True and not decided.jit_measurement.restored
+
+
 def test_a_saved_decision_another_device_or_setting_cannot_take_is_named(
     regression_data, tmp_path, monkeypatch
 ):

@@ -78,6 +78,22 @@ def _dropout_model(cls, rate=0.3):
     return cls(inputs, keras.layers.Dense(1)(x))
 
 
+def _twelve_samples():
+    rng = np.random.default_rng(3)
+    return (rng.normal(size=(12, 5)).astype("float32"),
+            rng.normal(size=(12, 1)).astype("float32"))
+
+
+def _windows_of_3(jit_compile="auto"):
+    """`_dropout_model` boosted: SGD(0.1), windows of 3 micro-batches."""
+    model = _dropout_model(GradBoostModel)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=3,
+        jit_compile=jit_compile,
+    )
+    return model
+
+
 def _generators(model):
     return [g for layer in model._flatten_layers() for g in held_generators(layer)]
 
@@ -233,20 +249,13 @@ def test_a_train_step_of_ones_own_is_warned_and_one_calling_gradboosts_is_exact(
 
 
 def test_a_window_saved_mid_way_goes_on_with_its_rows_and_seeds(tmp_path):
-    rng = np.random.default_rng(3)
-    x = rng.normal(size=(12, 5)).astype("float32")
-    y = rng.normal(size=(12, 1)).astype("float32")
-
-    def boosted():
-        model = _dropout_model(GradBoostModel)
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=3)
-        return model
+    x, y = _twelve_samples()
 
     path = str(tmp_path / "mid.weights.h5")
-    never_saved = boosted()
+    never_saved = _windows_of_3()
     never_saved.fit(x, y, batch_size=2, shuffle=False, verbose=0,
                     callbacks=[SaveAfterBatch(4, path)])
-    loaded = boosted()
+    loaded = _windows_of_3()
     loaded.load_weights(path)  # 2 of the second window's 3 micro-batches pending
     assert int(loaded._gradboost.accumulator.micro_step.numpy()) == 2
     loaded.fit(x[10:], y[10:], batch_size=2, shuffle=False, verbose=0)
@@ -509,14 +518,8 @@ def _saved_mid_window(path, jit_compile, unsaved_setting=False):
     micro-batches of 2, saved after the 5th (2 of the second window's 3
     micro-batches pending) and trained on to the end; with
     `unsaved_setting`, as a file saved before the setting was saved."""
-    rng = np.random.default_rng(3)
-    x = rng.normal(size=(12, 5)).astype("float32")
-    y = rng.normal(size=(12, 1)).astype("float32")
-    saved = _dropout_model(GradBoostModel)
-    saved.compile(
-        optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=3,
-        jit_compile=jit_compile,
-    )
+    x, y = _twelve_samples()
+    saved = _windows_of_3(jit_compile)
     if unsaved_setting:
         object.__setattr__(saved, "_pending_window_jit", lambda: None)
     saved.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[SaveAfterBatch(4, path)])
@@ -524,11 +527,7 @@ def _saved_mid_window(path, jit_compile, unsaved_setting=False):
 
 
 def _resume(path, x, y, jit_compile):
-    loaded = _dropout_model(GradBoostModel)
-    loaded.compile(
-        optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=3,
-        jit_compile=jit_compile,
-    )
+    loaded = _windows_of_3(jit_compile)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loaded.load_weights(path)  # 2 micro-batches pending
@@ -591,11 +590,7 @@ def test_a_window_loaded_into_a_model_that_measured_goes_on_under_its_setting(tm
     xla_file, plain_file = str(tmp_path / "xla.weights.h5"), str(tmp_path / "plain.weights.h5")
     under_xla, x, y = _saved_mid_window(xla_file, True)
     without, _, _ = _saved_mid_window(plain_file, False)
-    model = _dropout_model(GradBoostModel)
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=3,
-        jit_compile="measure",
-    )
+    model = _windows_of_3("measure")
     model.fit(x[:8], y[:8], batch_size=2, shuffle=False, verbose=0)
     assert wrappers.base_train_function(model).measurer.started
     for path, never_stopped in ((xla_file, under_xla), (plain_file, without)):
@@ -634,26 +629,16 @@ def test_measure_resumed_goes_on_with_the_saved_schedule(tmp_path, monkeypatch, 
     # measures again from the start, XLA: other masks, 0.10 away.
     ticks = iter(range(10**6))
     monkeypatch.setattr(jit_measure, "perf_counter", lambda: float(next(ticks)))
-    rng = np.random.default_rng(3)
-    x = rng.normal(size=(12, 5)).astype("float32")
-    y = rng.normal(size=(12, 1)).astype("float32")
+    x, y = _twelve_samples()
     path = str(tmp_path / "mid.weights.h5")
 
-    def measuring():
-        model = _dropout_model(GradBoostModel)
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=3,
-            jit_compile="measure",
-        )
-        return model
-
-    never_stopped = measuring()
+    never_stopped = _windows_of_3("measure")
     if not record_saved:
         object.__setattr__(never_stopped, "_jit_state", lambda: None)
     never_stopped.fit(x, y, batch_size=2, epochs=epochs, shuffle=False, verbose=0,
                       callbacks=[SaveOnceAt(epochs - 1, 1, path)])
     assert (never_stopped.jit_measurement is not None) is (epochs == 6)
-    loaded = measuring()
+    loaded = _windows_of_3("measure")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loaded.load_weights(path)
@@ -673,23 +658,13 @@ def test_a_file_saved_before_measuring_starts_the_schedule_again(tmp_path):
     # measuring: it goes on as a new model loading them would (from the
     # schedule's first unit), not from where it was. Before, it went on
     # from its own position: other settings, other masks.
-    rng = np.random.default_rng(3)
-    x = rng.normal(size=(12, 5)).astype("float32")
-    y = rng.normal(size=(12, 1)).astype("float32")
+    x, y = _twelve_samples()
     path = str(tmp_path / "start.weights.h5")
 
-    def measuring():
-        model = _dropout_model(GradBoostModel)
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=3,
-            jit_compile="measure",
-        )
-        return model
-
-    measuring().save_weights(path)
-    part_way = measuring()
+    _windows_of_3("measure").save_weights(path)
+    part_way = _windows_of_3("measure")
     part_way.fit(x[:6], y[:6], batch_size=2, shuffle=False, verbose=0)  # one unit, XLA
-    new = measuring()
+    new = _windows_of_3("measure")
     part_way.load_weights(path)
     new.load_weights(path)
     # Keras' save_weights leaves the seed generators out: start both alike.
@@ -707,11 +682,7 @@ def test_a_window_saved_while_resuming_keeps_its_setting(tmp_path):
     # this process's first measured one).
     first, second = str(tmp_path / "first.weights.h5"), str(tmp_path / "second.weights.h5")
     never_stopped, x, y = _saved_mid_window(first, False)
-    loaded = _dropout_model(GradBoostModel)
-    loaded.compile(
-        optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulate_steps=3,
-        jit_compile="measure",
-    )
+    loaded = _windows_of_3("measure")
     loaded.load_weights(first)
     loaded.save_weights(second)  # no call since the load
     again, said = _resume(second, x, y, "measure")
